@@ -1,0 +1,27 @@
+"""Build the `launcher._native._ct` extension (cffi API mode).
+
+Every `NAME.c` in this folder is compiled into the one extension; its
+declarations for Python live beside it in `NAME.cdef` (cffi's parser takes no
+preprocessor lines) and its C prototypes in `NAME.h`. Adding a module means
+adding those three files: this builder never needs editing.
+"""
+import os
+import pathlib
+
+import cffi
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+ffibuilder = cffi.FFI()
+ffibuilder.cdef("\n".join(p.read_text() for p in sorted(HERE.glob("*.cdef"))))
+ffibuilder.set_source(
+    "launcher._native._ct",
+    "\n".join(f'#include "{p.name}"' for p in sorted(HERE.glob("*.h"))),
+    # Relative paths: setuptools builds from the project root.
+    sources=[os.path.relpath(p) for p in sorted(HERE.glob("*.c"))],
+    include_dirs=[os.path.relpath(HERE)],
+    extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+)
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)
