@@ -326,3 +326,10 @@ int ct_spawn_finish(struct ct_spawn_result *r) {
     close_if(&r->err_fd);
     return 0;
 }
+
+/* Orphans of the tree reparent to us instead of init, so the supervisor can
+ * reap them (prctl(2), PR_SET_CHILD_SUBREAPER). Process-wide: only the CLI
+ * supervisor, which owns its process, turns it on. */
+int ct_set_child_subreaper(int on) {
+    return prctl(PR_SET_CHILD_SUBREAPER, on ? 1 : 0, 0, 0, 0) < 0 ? -errno : 0;
+}

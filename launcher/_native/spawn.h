@@ -52,4 +52,5 @@ struct ct_spawn_result {
 
 int ct_spawn(const struct ct_spawn_args *a, struct ct_spawn_result *r);
 int ct_spawn_finish(struct ct_spawn_result *r);
+int ct_set_child_subreaper(int on);
 #endif

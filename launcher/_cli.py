@@ -1,0 +1,164 @@
+"""`contain`: argument parsing, exit codes, human output.
+
+Imports stay lean on the `run` path: the supervisor's own start-up is part of
+every run's cost (benchmarks/bench_cli.py).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from typing import Any, Sequence
+
+EXIT_USAGE = 2
+EXIT_NOT_FOUND = 3
+EXIT_CONTAIN_FAILED = 125
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:   # one clear line, exit 2, no traceback
+        self.exit(EXIT_USAGE, f"contain: {message}\n(see `contain --help`)\n")
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if v != v or v < 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"seconds must be a finite number >= 0: {text!r}")
+    return v
+
+
+def _parser() -> _Parser:
+    p = _Parser(prog="contain", description="Run a process tree inside a kernel container and "
+                "report exactly what was observed when it stopped.")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    r = sub.add_parser("run", help="run CMD in a fresh container; exits with its status",
+                       description="Run CMD in a fresh cgroup v2 leaf entered at clone time. stdin, "
+                       "stdout and stderr are inherited. Exit status: the worker's own, 128+N for "
+                       "signal N, 124 on --timeout, 125 if contain failed, 126/127 if CMD cannot run.")
+    r.add_argument("--id", help="run id (default: generated); a live run's id cannot be reused")
+    r.add_argument("--grace", type=_seconds, default=5.0, help="seconds between SIGTERM and SIGKILL (default 5)")
+    r.add_argument("--timeout", type=_seconds, help="cancel the run after this many seconds (exit 124)")
+    r.add_argument("--kill-timeout", type=_seconds, default=10.0,
+                   help="seconds to wait for the container to empty after SIGKILL (default 10)")
+    r.add_argument("--record", metavar="FILE", help="also write the stop record to FILE")
+    r.add_argument("--backend", choices=("auto", "cgroup2", "none"), default=None,
+                   help="container kind (default auto, or CONTAIN_BACKEND)")
+    r.add_argument("--seal", action="store_true", help="make leaving the container impossible (see docs)")
+    r.add_argument("--user", help="run the worker as USER (name or uid)")
+    r.add_argument("--workspace", metavar="DIR", help="check DIR is quiet after the stop")
+    r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
+
+    ls = sub.add_parser("ls", help="list runs")
+    ls.add_argument("--json", action="store_true")
+
+    st = sub.add_parser("status", help="show one run and every evidence layer")
+    st.add_argument("id")
+    st.add_argument("--json", action="store_true")
+
+    c = sub.add_parser("cancel", help="cancel a run (durably, idempotently by --op-id)")
+    c.add_argument("id")
+    c.add_argument("--op-id", help="operation id; repeating it returns the same record")
+    c.add_argument("--run-uid", help="refuse unless the run's uid is this one")
+    c.add_argument("--grace", type=_seconds, help="seconds between SIGTERM and SIGKILL")
+    c.add_argument("--wait", action="store_true", help="wait for the terminal acknowledgement")
+    c.add_argument("--timeout", type=_seconds, default=None, help="with --wait: give up after this long")
+    c.add_argument("--json", action="store_true")
+
+    w = sub.add_parser("wait", help="wait until a run has ended")
+    w.add_argument("id")
+    w.add_argument("--timeout", type=_seconds, default=None)
+    w.add_argument("--json", action="store_true")
+
+    d = sub.add_parser("doctor", help="what this host can contain, and how strongly")
+    d.add_argument("--json", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.cmd is None:
+        _parser().print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        if args.cmd == "run":
+            return _cmd_run(args)
+        from . import _commands
+
+        return int(getattr(_commands, f"cmd_{args.cmd}")(args))
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 1
+
+
+def _say(msg: str) -> None:
+    try:
+        sys.stderr.write(f"contain: {msg}\n")
+        sys.stderr.flush()
+    except OSError:
+        pass
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from ._errors import ContainmentUnavailable, RunConflict, SpawnFailed
+    from ._run import Options, Run
+
+    cmd = list(args.command)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        _say("run: nothing to run (usage: contain run [OPTIONS] -- CMD [ARG...])")
+        return EXIT_USAGE
+    backend = args.backend or os.environ.get("CONTAIN_BACKEND", "auto")
+    if backend not in ("auto", "cgroup2", "none"):
+        _say(f"run: CONTAIN_BACKEND={backend!r} is not auto, cgroup2 or none")
+        return EXIT_USAGE
+    try:
+        opts = Options(grace=args.grace, timeout=args.timeout or None, kill_timeout=args.kill_timeout or 10.0,
+                       backend=backend, seal=args.seal or None, user=args.user, workspace=args.workspace,
+                       record_file=args.record, subreaper=True)
+        run = Run(cmd, id=args.id, options=opts)
+    except ValueError as e:
+        _say(f"run: {e}")
+        return EXIT_USAGE
+
+    # Signals cancel the run; they are turned into wake-ups of the owner
+    # loop, which records the intent durably before anything is signalled.
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, lambda n, _f: run.deliver_signal(n))
+    signal.signal(signal.SIGCHLD, lambda n, _f: run.wake())
+    from ._native import lib
+
+    lib.ct_set_child_subreaper(1)
+    try:
+        run.start()
+    except RunConflict as e:
+        _say(f"run: {e}")
+        return EXIT_USAGE
+    except ValueError as e:       # e.g. --user names nobody
+        _say(f"run: {e}")
+        return EXIT_USAGE
+    except SpawnFailed as e:
+        _say(str(e))
+        return e.exit_code
+    except ContainmentUnavailable as e:
+        _say(f"no container: {e}")
+        return EXIT_CONTAIN_FAILED
+    except OSError as e:
+        _say(f"run: {e}")
+        return EXIT_CONTAIN_FAILED
+    rec = run.supervise()
+    if rec.state == "UNCONFIRMED":
+        _say(f"run {run.id}: stop not confirmed: the container did not empty; "
+             f"`contain cancel {run.id}` repeats the kill")
+    elif rec.state == "BREACHED":
+        _say(f"run {run.id}: BREACHED: a process left the container and is not proven gone")
+    return run.exit_status()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""One tree of errors under `LauncherError` (see docs/api.md)."""
+from __future__ import annotations
+
+import errno as _errno
+import os
+
+
+class LauncherError(Exception):
+    """Base of every error `launcher` raises on purpose."""
+
+
+class SpawnFailed(LauncherError):
+    """The worker could not be started. `exit_code` is what a shell would say."""
+
+    def __init__(self, message: str, *, errno: int = 0, stage: str = "exec", path: str = "") -> None:
+        super().__init__(message)
+        self.errno = errno
+        self.stage = stage
+        self.path = path
+
+    @property
+    def exit_code(self) -> int:
+        if self.stage != "exec":
+            return 125
+        return 127 if self.errno in (_errno.ENOENT, _errno.ENOTDIR) else 126
+
+
+class ContainmentUnavailable(LauncherError):
+    """The requested container cannot be made on this host."""
+
+    def __init__(self, reason: str, *, doctor: str = "run `contain doctor` for what this host provides") -> None:
+        super().__init__(f"{reason} ({doctor})")
+        self.reason = reason
+        self.doctor = doctor
+
+
+class ProcessGone(LauncherError):
+    """The process named by an identity no longer exists (or is another process now)."""
+
+
+class AccessDenied(LauncherError):
+    """The kernel refused an operation or an observation."""
+
+
+class RunNotFound(LauncherError):
+    """No run with that id exists in the state directory."""
+
+
+class RunConflict(LauncherError):
+    """The run id is held by a live run, or an operation id collides."""
+
+
+class Unsupported(LauncherError):
+    """This host lacks the capability the operation needs."""
+
+
+def from_oserror(err: OSError, what: str) -> LauncherError:
+    """Translate an OSError from `what` (a syscall or file) into our tree."""
+    msg = f"{what}: {os.strerror(err.errno) if err.errno else err}"
+    if err.errno in (_errno.EACCES, _errno.EPERM, _errno.EROFS):
+        return AccessDenied(msg)
+    if err.errno == _errno.ESRCH:
+        return ProcessGone(msg)
+    if err.errno in (_errno.ENOSYS, _errno.EOPNOTSUPP, _errno.EINVAL):
+        return Unsupported(msg)
+    return LauncherError(msg)

@@ -1,0 +1,82 @@
+"""Process identity: pid + /proc start time + boot id + PID namespace.
+
+A pid alone is a number the kernel hands out again (pid_max is 32768 on
+common hosts). Before signalling, the identity is re-read and compared; where
+a pidfd exists its inode (unique for the boot) is recorded too.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+_boot_id: str | None = None
+
+
+def boot_id() -> str:
+    global _boot_id
+    if _boot_id is None:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            _boot_id = f.read().strip()
+    return _boot_id
+
+
+def start_time(pid: int) -> int:
+    """Field 22 of /proc/<pid>/stat (clock ticks after boot). Raises OSError."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        data = f.read()
+    # comm (field 2) may hold spaces and parentheses: split after the last ')'.
+    rest = data[data.rindex(b")") + 2 :].split()
+    return int(rest[19])
+
+
+def pidns_inode(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+class ProcessIdentity:
+    __slots__ = ("pid", "start_time", "boot_id", "pidns", "pidfd_inode")
+
+    def __init__(self, pid: int, start_time: int, boot_id: str, pidns: int | None,
+                 pidfd_inode: int | None = None) -> None:
+        self.pid = pid
+        self.start_time = start_time
+        self.boot_id = boot_id
+        self.pidns = pidns
+        self.pidfd_inode = pidfd_inode
+
+    @classmethod
+    def read(cls, pid: int, pidfd: int | None = None) -> "ProcessIdentity":
+        ino = os.fstat(pidfd).st_ino if pidfd is not None else None
+        return cls(pid, start_time(pid), boot_id(), pidns_inode(pid), ino)
+
+    def is_alive(self) -> bool | None:
+        """True if this very process exists now, False if provably not, None
+        if that could not be told (e.g. another boot, an unreadable /proc)."""
+        try:
+            if boot_id() != self.boot_id:
+                return False
+            return start_time(self.pid) == self.start_time
+        except FileNotFoundError:
+            return False
+        except ProcessLookupError:
+            return False
+        except OSError:
+            return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pid": self.pid, "start_time": self.start_time, "boot_id": self.boot_id,
+                "pidns": self.pidns, "pidfd_inode": self.pidfd_inode}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ProcessIdentity":
+        return cls(d["pid"], d["start_time"], d["boot_id"], d.get("pidns"), d.get("pidfd_inode"))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ProcessIdentity) and (self.pid, self.start_time, self.boot_id) == (
+            other.pid, other.start_time, other.boot_id)
+
+    def __repr__(self) -> str:
+        return f"ProcessIdentity(pid={self.pid}, start_time={self.start_time})"

@@ -1,0 +1,180 @@
+"""Spawning through the C extension, and the errors it reports."""
+from __future__ import annotations
+
+import errno
+import os
+from typing import Any, Sequence
+
+from .._errors import SpawnFailed
+from .._native import ffi, lib
+
+_STAGES = {
+    lib.CT_STAGE_CLONE: "clone",
+    lib.CT_STAGE_BIRTH: "birth",
+    lib.CT_STAGE_HOLD: "hold",
+    lib.CT_STAGE_STDIO: "stdio",
+    lib.CT_STAGE_CHDIR: "chdir",
+    lib.CT_STAGE_PGROUP: "setsid/setpgid",
+    lib.CT_STAGE_SEAL: "seal",
+    lib.CT_STAGE_CAPS: "drop capabilities",
+    lib.CT_STAGE_CREDS: "set credentials",
+    lib.CT_STAGE_EXEC: "exec",
+}
+
+
+class CloneUnsupported(Exception):
+    """clone3 or CLONE_INTO_CGROUP is not available: use the held fallback."""
+
+
+class DiedAtBirth(Exception):
+    """The child was killed before running any of our code."""
+
+
+class SpawnRequest:
+    __slots__ = ("argv", "env", "cwd", "stdio", "new_pgroup", "new_session", "uid", "gid",
+                 "groups", "seal_ro_paths", "drop_caps", "no_new_privs")
+
+    def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
+                 stdio: tuple[int, int, int] = (-1, -1, -1), new_pgroup: bool = False,
+                 new_session: bool = False, uid: int = -1, gid: int = -1, groups: Sequence[int] = (),
+                 seal_ro_paths: Sequence[str] | None = None, drop_caps: Sequence[int] = (),
+                 no_new_privs: bool = False) -> None:
+        if not argv:
+            raise ValueError("argv must not be empty")
+        self.argv = [os.fsdecode(a) for a in argv]
+        self.env = dict(os.environ) if env is None else env
+        self.cwd = cwd
+        self.stdio = stdio
+        self.new_pgroup = new_pgroup
+        self.new_session = new_session
+        self.uid = uid
+        self.gid = gid
+        self.groups = list(groups)
+        self.seal_ro_paths = seal_ro_paths    # None: no seal
+        self.drop_caps = list(drop_caps)
+        self.no_new_privs = no_new_privs
+
+
+class Spawned:
+    __slots__ = ("pid", "pidfd", "via")
+
+    def __init__(self, pid: int, pidfd: int, via: str = "") -> None:
+        self.pid = pid
+        self.pidfd = pidfd
+        self.via = via
+
+
+def candidates(argv0: str, env: dict[str, str]) -> list[str]:
+    """What execvpe would try, in order (the search itself runs in the child)."""
+    if "/" in argv0:
+        return [argv0]
+    return [os.path.join(d or ".", argv0) for d in os.get_exec_path(env)]
+
+
+def _cstrs(items: Sequence[str], keep: list[Any]) -> Any:
+    cs = [ffi.new("char[]", os.fsencode(s)) for s in items]
+    arr = ffi.new("char*[]", cs + [ffi.NULL])
+    keep.extend(cs)
+    keep.append(arr)   # cffi struct fields hold no reference: keep the array alive
+    return arr
+
+
+def _args(req: SpawnRequest, cgroup_fd: int, hold: bool, keep: list[Any]) -> Any:
+    a = ffi.new("struct ct_spawn_args*")
+    paths = candidates(req.argv[0], req.env)
+    a.paths = _cstrs(paths, keep)
+    a.npaths = len(paths)
+    a.argv = _cstrs(req.argv, keep)
+    a.envp = _cstrs([f"{k}={v}" for k, v in req.env.items()], keep)
+    if req.cwd is not None:
+        cwd = ffi.new("char[]", os.fsencode(req.cwd))
+        keep.append(cwd)
+        a.cwd = cwd
+    a.cgroup_fd = cgroup_fd
+    a.hold = 1 if hold else 0
+    a.stdio = list(req.stdio)
+    a.new_pgroup = int(req.new_pgroup)
+    a.new_session = int(req.new_session)
+    a.uid = req.uid
+    a.gid = req.gid
+    if req.groups:
+        g = ffi.new("unsigned int[]", req.groups)
+        keep.append(g)
+        a.groups = g
+    a.ngroups = len(req.groups)
+    if req.seal_ro_paths is not None:
+        a.seal = 1
+        a.ro_paths = _cstrs(req.seal_ro_paths, keep)
+        a.nro = len(req.seal_ro_paths)
+    if req.drop_caps:
+        caps = ffi.new("int[]", req.drop_caps)
+        keep.append(caps)
+        a.drop_caps = caps
+        a.ndrop = len(req.drop_caps)
+    a.no_new_privs = int(req.no_new_privs)
+    keep.append(a)
+    return a
+
+
+def _raise(rc: int, r: Any, req: SpawnRequest, cgroup: bool) -> None:
+    err = -rc
+    stage = _STAGES.get(r.stage, "spawn")
+    if r.stage == lib.CT_STAGE_CLONE and cgroup and err in (errno.ENOSYS, errno.E2BIG, errno.EINVAL):
+        raise CloneUnsupported(os.strerror(err))
+    if r.stage == lib.CT_STAGE_BIRTH:
+        raise DiedAtBirth()
+    what = req.argv[0]
+    if stage == "exec":
+        msg = f"{what}: {'command not found' if err in (errno.ENOENT, errno.ENOTDIR) else os.strerror(err)}"
+    else:
+        msg = f"{what}: {stage} failed: {os.strerror(err)}"
+    raise SpawnFailed(msg, errno=err, stage=stage, path=what)
+
+
+def spawn(req: SpawnRequest, cgroup_fd: int = -1) -> Spawned:
+    keep: list[Any] = []
+    a = _args(req, cgroup_fd, False, keep)
+    r = ffi.new("struct ct_spawn_result*")
+    rc = lib.ct_spawn(a, r)
+    if rc < 0:
+        _raise(rc, r, req, cgroup_fd >= 0)
+    return Spawned(r.pid, r.pidfd)
+
+
+class Held:
+    """A child stopped before exec, for placement by cgroup.procs."""
+
+    def __init__(self, req: SpawnRequest, keep: list[Any], r: Any) -> None:
+        self._req = req
+        self._keep = keep
+        self._r = r
+        self.pid: int = r.pid
+
+    def release(self) -> Spawned:
+        rc = lib.ct_spawn_finish(self._r)
+        if rc < 0:
+            _raise(rc, self._r, self._req, False)
+        return Spawned(self._r.pid, self._r.pidfd)
+
+    def abort(self) -> None:
+        """Kill the held child (it has run none of the worker's code) and reap it."""
+        import signal
+
+        try:
+            signal.pidfd_send_signal(self._r.pidfd, signal.SIGKILL)
+            os.waitid(os.P_PIDFD, self._r.pidfd, os.WEXITED)
+        except OSError:
+            pass
+        for fd in (self._r.pidfd, self._r.err_fd, self._r.hold_fd):
+            if fd >= 0:
+                os.close(fd)
+
+
+def spawn_held(req: SpawnRequest) -> Held:
+    keep: list[Any] = []
+    a = _args(req, -1, True, keep)
+    r = ffi.new("struct ct_spawn_result*")
+    rc = lib.ct_spawn(a, r)
+    if rc < 0:
+        _raise(rc, r, req, False)
+    return Held(req, keep, r)

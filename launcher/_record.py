@@ -1,0 +1,158 @@
+"""The stop record and its evidence: what was observed, never more.
+
+A layer's `observed` is True or False only when the observation was made;
+an observation that could not be made (permission denied, I/O error, a
+deadline) is `None` with the reason in `detail`. Nothing here turns one into
+the other.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Iterator, Mapping
+
+SCHEMA = "contain.stop-record/1"
+
+LAYERS = (
+    "cancel_requested",
+    "signal_sent",
+    "root_exit",
+    "descendants_exit",
+    "container_empty",
+    "escapes",
+    "workspace_quiescent",
+    "sockets_closed",
+)
+
+
+def now_iso(t: float | None = None) -> str:
+    """UTC ISO-8601 with microseconds, from a wall-clock time."""
+    t = time.time() if t is None else t
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
+
+
+class Unknown:
+    """A failed observation: its own value, never a False or a missing key."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __bool__(self) -> bool:
+        raise TypeError(f"an unknown observation has no truth value ({self.reason})")
+
+    def __repr__(self) -> str:
+        return f"Unknown({self.reason!r})"
+
+
+def evidence(observed: bool | None, via: str, detail: Any = None, at: float | None = None) -> dict[str, Any]:
+    """One evidence layer as stored. `observed=None` needs a reason in detail."""
+    if observed is None and detail is None:
+        raise ValueError("an unobserved layer must say why")
+    return {
+        "observed": observed,
+        "at": now_iso(at) if observed is not None or at is not None else None,
+        "via": via,
+        "detail": detail,
+    }
+
+
+def not_measured(reason: str) -> dict[str, Any]:
+    return {"observed": None, "at": None, "via": "none", "detail": reason}
+
+
+class _View:
+    """Read-only attribute access over a stored JSON object."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, d: Mapping[str, Any]) -> None:
+        object.__setattr__(self, "_d", d)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            v = self._d[name]
+        except KeyError:
+            raise AttributeError(name) from None
+        return _View(v) if isinstance(v, dict) else v
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("records are read-only")
+
+    def __getitem__(self, key: str) -> Any:
+        v = self._d[key]
+        return _View(v) if isinstance(v, dict) else v
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._d
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        v = self._d.get(key, default)
+        return _View(v) if isinstance(v, dict) else v
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self._d))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _View) and self._d == other._d
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._d!r})"
+
+
+class StopRecord(_View):
+    """The persisted stop record of one run (CONTRACT.md, "The stop record").
+
+    `state` is the strength of what was proven; `outcome` why the run ended.
+    Fields are attributes; `to_dict()` gives the JSON object."""
+
+    __slots__ = ()
+
+    @property
+    def state(self) -> str:
+        return str(self._d["state"])
+
+    @property
+    def terminal(self) -> bool:
+        return self._d["state"] in ("REAPED", "EXITED", "BREACHED")
+
+
+class CancelRecord(_View):
+    """The acknowledgement of one cancel operation (`cancellations/<op>.json`)."""
+
+    __slots__ = ()
+
+
+def write_json_atomic(path: str, obj: Any, *, fsync: bool = True) -> None:
+    """Write `obj` as JSON to `path` by temp file + rename: readers see the
+    old file or the new one, never a torn one."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    data = (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, data)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    if fsync:
+        fsync_dir(os.path.dirname(path) or ".")
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_json(path: str) -> Any:
+    with open(path, "rb") as f:
+        return json.loads(f.read())

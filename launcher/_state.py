@@ -1,0 +1,161 @@
+"""The run's states and the one table of allowed transitions. Pure: no I/O.
+
+The supervisor and an adopter (a `contain cancel` that takes over a run whose
+supervisor died) both feed events through `step`, so every interleaving of
+natural exit, cancel, kill failure, timeout and supervisor death is decided in
+one place and can be tested without a process (tests/test_state.py).
+
+Rules the table encodes (CONTRACT.md):
+- The first event that decides *why* the run ends fixes `outcome`; later
+  events never change it ("one result").
+- `REAPED` is reachable only through `Event.EMPTY`, which the driver emits
+  only on an observed `populated 0` of a kernel container.
+- `UNCONFIRMED` is not terminal: a new cancel reopens the stop.
+- Terminal states absorb every event.
+"""
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+
+class State(enum.StrEnum):
+    RUNNING = "RUNNING"
+    REAPED = "REAPED"
+    EXITED = "EXITED"
+    UNCONFIRMED = "UNCONFIRMED"
+    BREACHED = "BREACHED"
+
+
+class Outcome(enum.StrEnum):
+    EXITED = "exited"
+    SIGNALED = "signaled"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+    SPAWN_FAILED = "spawn_failed"
+
+
+class Phase(enum.StrEnum):
+    """Finer than State: RUNNING and STOPPING both read as State.RUNNING."""
+
+    RUNNING = "running"          # live, nothing asked it to stop
+    STOPPING = "stopping"        # a stop is under way (after exit, cancel or timeout)
+    UNCONFIRMED = "unconfirmed"  # the stop's deadline passed without emptiness
+    REAPED = "reaped"
+    EXITED = "exited"
+    BREACHED = "breached"
+
+
+class Event(enum.StrEnum):
+    ROOT_EXITED = "root_exited"      # carries how: Outcome.EXITED or Outcome.SIGNALED
+    CANCEL = "cancel"                # a durable cancel request reached the owner
+    TIMEOUT = "timeout"
+    EMPTY = "empty"                  # kernel container observed empty, no escaper alive
+    EMPTY_ESCAPED = "empty_escaped"  # container empty, but an escaper is not proven gone
+    TREE_GONE = "tree_gone"          # degraded mode: every process it saw is gone
+    DEADLINE = "deadline"            # the stop deadline passed without emptiness
+    OBSERVE_FAILED = "observe_failed"
+    SPAWN_FAILED = "spawn_failed"
+
+
+TERMINAL = frozenset({Phase.REAPED, Phase.EXITED, Phase.BREACHED})
+
+_STATE_OF = {
+    Phase.RUNNING: State.RUNNING,
+    Phase.STOPPING: State.RUNNING,
+    Phase.UNCONFIRMED: State.UNCONFIRMED,
+    Phase.REAPED: State.REAPED,
+    Phase.EXITED: State.EXITED,
+    Phase.BREACHED: State.BREACHED,
+}
+
+# (phase, event) -> next phase. A pair that is missing leaves the phase as it is.
+_NEXT: dict[tuple[Phase, Event], Phase] = {
+    (Phase.RUNNING, Event.ROOT_EXITED): Phase.STOPPING,
+    (Phase.RUNNING, Event.CANCEL): Phase.STOPPING,
+    (Phase.RUNNING, Event.TIMEOUT): Phase.STOPPING,
+    # A failed spawn is stopped like any run: the leaf may hold the dying
+    # child, and REAPED still needs an observed populated 0.
+    (Phase.RUNNING, Event.SPAWN_FAILED): Phase.STOPPING,
+    (Phase.STOPPING, Event.EMPTY): Phase.REAPED,
+    (Phase.STOPPING, Event.EMPTY_ESCAPED): Phase.BREACHED,
+    (Phase.STOPPING, Event.TREE_GONE): Phase.EXITED,
+    (Phase.STOPPING, Event.DEADLINE): Phase.UNCONFIRMED,
+    (Phase.STOPPING, Event.OBSERVE_FAILED): Phase.UNCONFIRMED,
+    (Phase.UNCONFIRMED, Event.CANCEL): Phase.STOPPING,   # a retry repeats the kill
+    (Phase.UNCONFIRMED, Event.TIMEOUT): Phase.STOPPING,
+    (Phase.UNCONFIRMED, Event.EMPTY): Phase.REAPED,
+    (Phase.UNCONFIRMED, Event.EMPTY_ESCAPED): Phase.BREACHED,
+    (Phase.UNCONFIRMED, Event.TREE_GONE): Phase.EXITED,
+}
+
+# Which events may fix the outcome, and to what.
+_OUTCOME_OF = {
+    Event.CANCEL: Outcome.CANCELLED,
+    Event.TIMEOUT: Outcome.TIMED_OUT,
+    Event.SPAWN_FAILED: Outcome.SPAWN_FAILED,
+}
+
+
+class Snapshot(NamedTuple):
+    phase: Phase = Phase.RUNNING
+    outcome: Outcome | None = None
+
+    @property
+    def state(self) -> State:
+        return _STATE_OF[self.phase]
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in TERMINAL
+
+    @property
+    def stopping(self) -> bool:
+        """A stop is wanted: the driver must keep the kill going."""
+        return self.phase in (Phase.STOPPING, Phase.UNCONFIRMED)
+
+
+def step(snap: Snapshot, event: Event, how: Outcome | None = None) -> Snapshot:
+    """Apply one event. `how` says how the root exited, for ROOT_EXITED."""
+    if snap.terminal:
+        return snap
+    phase = _NEXT.get((snap.phase, event), snap.phase)
+    outcome = snap.outcome
+    if outcome is None:
+        if event is Event.ROOT_EXITED:
+            outcome = how or Outcome.EXITED
+        else:
+            outcome = _OUTCOME_OF.get(event)
+    return Snapshot(phase, outcome)
+
+
+class Effect(enum.StrEnum):
+    """What one cancel operation did (CONTRACT.md, "Cancel operations")."""
+
+    CANCEL_REQUESTED = "cancel_requested"
+    CANCELLED = "cancelled"
+    NOT_LIVE = "not_live"
+    UNKNOWN = "unknown"
+
+
+def effect_on_arrival(before: Snapshot) -> Effect:
+    """The effect of a cancel that reaches the owner in state `before`.
+
+    A cancel joins a stop that a cancel started; it never takes credit for a
+    run that had already ended or whose outcome something else decided."""
+    if before.terminal:
+        return Effect.NOT_LIVE
+    if before.outcome is None or before.outcome is Outcome.CANCELLED:
+        return Effect.CANCEL_REQUESTED
+    return Effect.NOT_LIVE
+
+
+def effect_at_end(first: Effect, final: Snapshot) -> Effect:
+    """The settled effect of an operation once the run is `final`."""
+    if first is not Effect.CANCEL_REQUESTED:
+        return first
+    if final.phase is Phase.REAPED and final.outcome is Outcome.CANCELLED:
+        return Effect.CANCELLED
+    # Still stopping, or ended without an observed-empty kernel container
+    # (degraded mode, a breach): the stop was issued, not proven.
+    return Effect.CANCEL_REQUESTED
