@@ -1,0 +1,63 @@
+"""contain: every worker in a kernel container from its first instruction.
+
+This module only re-exports; everything lives in private modules. Names are
+resolved on first use, so the `contain run` path imports only what it needs.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "run": "._worker",
+    "spawn": "._worker",
+    "Worker": "._worker",
+    "cancel": "._cancel",
+    "open_worker": "._aio",
+    "Supervisor": "._supervisor",
+    "scan_processes": "._scan",
+    "ProcessInfo": "._scan",
+    "capabilities": "._doctor",
+    "StopRecord": "._record",
+    "CancelRecord": "._record",
+    "Unknown": "._record",
+    "State": "._state",
+    "Outcome": "._state",
+    "Effect": "._state",
+    "LauncherError": "._errors",
+    "SpawnFailed": "._errors",
+    "ContainmentUnavailable": "._errors",
+    "ProcessGone": "._errors",
+    "AccessDenied": "._errors",
+    "RunNotFound": "._errors",
+    "RunConflict": "._errors",
+    "Unsupported": "._errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from ._cancel import cancel as cancel
+    from ._errors import (AccessDenied as AccessDenied, ContainmentUnavailable as ContainmentUnavailable,
+                          LauncherError as LauncherError, ProcessGone as ProcessGone,
+                          RunConflict as RunConflict, RunNotFound as RunNotFound,
+                          SpawnFailed as SpawnFailed, Unsupported as Unsupported)
+    from ._record import CancelRecord as CancelRecord, StopRecord as StopRecord, Unknown as Unknown
+    from ._state import Effect as Effect, Outcome as Outcome, State as State
+    from ._worker import Worker as Worker, run as run, spawn as spawn
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'launcher' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__ + ["__version__"]

@@ -237,6 +237,80 @@ class Run:
                 self.container.wait_change(0.05)
         self._finalise()
 
+    @classmethod
+    def adopt(cls, layout: RunDir) -> "Run":
+        """Become the owner of a run whose owner is gone (the caller holds the
+        owner lock). State, evidence and acknowledgements come from the run
+        directory alone; the container is re-attached by path and the worker,
+        if still alive, by identity (pidfd_open, then the start time re-read)."""
+        info = layout.read_run()
+        if info is None:
+            raise LauncherError(f"run {layout.id}: run.json unreadable")
+        rec = layout.read_record() or {}
+        opts = Options(grace=float(info.get("grace", DEFAULT_GRACE)),
+                       kill_timeout=float(info.get("kill_timeout", DEFAULT_KILL_TIMEOUT)))
+        r = cls(info["argv"], id=info["run_id"], options=opts)
+        r.uid = info["run_uid"]
+        r.layout = layout
+        r.adopted = True
+        state = rec.get("state", "RUNNING")
+        outcome = S.Outcome(rec["outcome"]) if rec.get("outcome") else None
+        phase = {"REAPED": S.Phase.REAPED, "EXITED": S.Phase.EXITED, "BREACHED": S.Phase.BREACHED,
+                 "UNCONFIRMED": S.Phase.UNCONFIRMED}.get(state)
+        if phase is None:
+            phase = S.Phase.STOPPING if outcome is not None else S.Phase.RUNNING
+        r.snap = S.Snapshot(phase, outcome)
+        r.exit_code, r.signal = rec.get("exit_code"), rec.get("signal")
+        r.ev = dict(rec.get("evidence") or {})
+        esc = r.ev.pop("escapes", None) or {}
+        if esc.get("observed") and isinstance(esc.get("detail"), list):
+            r.escapes = list(esc["detail"])   # re-checked at the end, like any escaper
+        r.times.update(rec.get("timings") or {})
+        r.cpu = rec.get("cpu")
+        r.notes = list(rec.get("notes") or [])
+        r.notes.append(f"adopted by pid {os.getpid()} after the owner was gone")
+        c = rec.get("containment") or {}
+        r.sealed = (bool(c.get("sealed")), c.get("sealed_reason"))
+        r.placement = c.get("placement")
+        for ack in layout.acks():
+            if ack.get("run_uid") == r.uid and ack.get("op_id"):
+                r.ops[ack["op_id"]] = ack
+        if rec.get("identity"):
+            r.identity = ProcessIdentity.from_dict(rec["identity"])
+            r.pid = r.identity.pid
+        if info.get("backend") == "cgroup2" and info.get("cgroup_dir"):
+            from ._platform import linux
+
+            if os.path.isdir(info["cgroup_dir"]):
+                r.container = linux.Container.attach(info["cgroup_dir"])
+        else:
+            from ._platform import none
+
+            r.container = none.Container(r.id)
+            r.container.pgid = r.container.root_pid = r.pid
+        if not r.snap.terminal and r.exit_code is None and r.signal is None and r.identity is not None:
+            r._reattach_root()
+        r._open_channels()
+        r._t_spawn = time.monotonic()
+        return r
+
+    def _reattach_root(self) -> None:
+        assert self.identity is not None
+        try:
+            fd = os.pidfd_open(self.identity.pid)
+        except OSError:
+            fd = -1
+        if fd >= 0 and self.identity.is_alive():
+            self.pidfd = fd     # pinned: the pid cannot be reused while we hold it
+            return
+        if fd >= 0:
+            os.close(fd)
+        if "root_exit" not in self.ev or not self.ev["root_exit"].get("observed"):
+            self.ev["root_exit"] = evidence(True, "identity re-read after adoption (pid + start time gone)",
+                                            "exit status unknown: the owner was gone when it exited")
+            self.times["root_exit_at"] = self.times.get("root_exit_at") or now_iso()
+            self._event(S.Event.ROOT_EXITED)
+
     # -- the owner loop ----------------------------------------------------
 
     def wake(self) -> None:
@@ -321,6 +395,16 @@ class Run:
 
     def _check_root(self) -> None:
         if self.pidfd < 0 or self.exit_code is not None or self.signal is not None:
+            return
+        if self.adopted:
+            # Not our child: its pidfd polls readable on exit, but its status
+            # went to whoever reaped it (pidfd_open(2)).
+            p = select.poll()
+            p.register(self.pidfd, select.POLLIN)
+            if p.poll(0):
+                self.ev["root_exit"] = evidence(True, "pidfd readable (adopted: not our child)",
+                                                "exit status unknown: reaped by another process")
+                self._root_gone(None)
             return
         try:
             info = os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG)
@@ -412,7 +496,8 @@ class Run:
             self._enter_stop(time.monotonic(), grace=self._cancel_grace)
         elif before.phase is S.Phase.UNCONFIRMED:
             self._retry_kill(time.monotonic())
-        self._write_record()
+        if not before.terminal:
+            self._write_record()   # one result: a terminal record is never rewritten
 
     def _write_ack(self, op: str, ack: dict[str, Any]) -> None:
         assert self.layout is not None
@@ -543,6 +628,17 @@ class Run:
         self.snap = S.step(self.snap, ev, how)
 
     # -- ending ------------------------------------------------------------
+
+    def close(self) -> None:
+        """Give up ownership without writing anything (used after acknowledging
+        a cancel on a run that had already ended)."""
+        for fd in (self._wake_r, self._wake_w, self._inotify, self.pidfd):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = self._inotify = self.pidfd = -1
+        if self.layout is not None:
+            self.layout.release()
+        self._done.set()
 
     def _finalise(self) -> None:
         if self._final is not None and self._final.terminal:
