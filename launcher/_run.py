@@ -481,7 +481,7 @@ class Run:
             self._write_ack(op, ack)
             return
         effect = S.effect_on_arrival(self.snap)
-        first_cancel = "cancel_requested" not in self.ev
+        first_cancel = not (self.ev.get("cancel_requested") or {}).get("observed")
         if first_cancel and effect is S.Effect.CANCEL_REQUESTED:
             self.ev["cancel_requested"] = evidence(True, f"operation {op}", {"by": req.get("by")})
             self.ev["cancel_requested"]["at"] = req.get("requested_at") or self.ev["cancel_requested"]["at"]
