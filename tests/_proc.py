@@ -1,0 +1,105 @@
+"""Test-side helpers that do NOT use the code under test.
+
+Survival is decided by scanning /proc/*/environ for a token put in each
+workload's environment (tini's test/reaping does the same): a process the
+launcher lost track of still carries it.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+TOKEN_VAR = "CONTAIN_TEST_TOKEN"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def new_token() -> str:
+    return f"t{secrets.token_hex(8)}"
+
+
+def holders(token: str) -> list[int]:
+    """Live (non-zombie) processes whose environment carries the token."""
+    needle = f"{TOKEN_VAR}={token}".encode() + b"\0"
+    me = os.getpid()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read()
+            with open(f"/proc/{name}/stat", "rb") as f:
+                st = f.read()
+        except OSError:
+            continue
+        if needle in env + b"\0" and st[st.rindex(b")") + 2:st.rindex(b")") + 3] not in (b"Z", b"X"):
+            found.append(int(name))
+    return found
+
+
+def wait_holders(token: str, want: int, timeout: float = 10.0) -> list[int]:
+    """Wait until at least `want` token holders exist (the workload is up)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        h = holders(token)
+        if len(h) >= want or time.monotonic() > deadline:
+            return h
+        time.sleep(0.02)
+
+
+def kill_holders(token: str) -> None:
+    """Clean-up: SIGKILL, by pid, only processes carrying our own token."""
+    for _ in range(20):
+        pids = holders(token)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+
+
+def contain_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "launcher", *args]
+
+
+def run_contain(env: dict[str, str], *args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(contain_cmd(*args), env=env, timeout=timeout, capture_output=True, text=True, **kw)
+
+
+def cgroup2_mount() -> str | None:
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            if right.split()[:1] == ["cgroup2"]:
+                return left.split()[4]
+    return None
+
+
+def remove_cgroup_tree(path: str) -> None:
+    """Kill and remove a cgroup subtree that the test itself created."""
+    if not os.path.isdir(path):
+        return
+    try:
+        with open(os.path.join(path, "cgroup.kill"), "w") as f:
+            f.write("1")
+    except OSError:
+        pass
+    deadline = time.monotonic() + 10
+    for d, _subs, _files in sorted(os.walk(path, topdown=False), key=lambda t: -len(t[0])):
+        while True:
+            try:
+                os.rmdir(d)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)

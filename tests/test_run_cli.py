@@ -1,0 +1,289 @@
+"""`contain run` driven as a user would, against the real kernel.
+
+Each escape scenario is named after the escape it tries. Whether anything
+survived is decided by the test's own /proc scan (tests/_proc.py), never by
+the launcher's record alone.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from _proc import contain_cmd, holders, run_contain, wait_holders
+from conftest import needs_cgroup
+
+pytestmark = needs_cgroup
+
+PY = sys.executable
+
+
+def assert_reaped_and_clean(box, run_id: str, rec: dict | None = None) -> dict:
+    rec = rec or box.record(run_id)
+    assert holders(box.token) == [], "a process of the tree survived"
+    assert rec["state"] == "REAPED", rec
+    ce = rec["evidence"]["container_empty"]
+    assert ce["observed"] is True and ce["via"].startswith("cgroup.events"), ce
+    assert rec["containment"]["backend"] == "cgroup2"
+    assert box.leaves() == [], f"leaf left behind: {box.leaves()}"
+    return rec
+
+
+# -- exit status passes through ------------------------------------------------
+
+@pytest.mark.parametrize("script, code", [("exit 0", 0), ("exit 7", 7), ("exit 255", 255)])
+def test_exit_code_passes_through(box, script, code):
+    p = run_contain(box.env, "run", "--id", "x", "--", "sh", "-c", script)
+    assert p.returncode == code, p.stderr
+    rec = assert_reaped_and_clean(box, "x")
+    assert rec["outcome"] == "exited" and rec["exit_code"] == code and rec["signal"] is None
+    assert rec["evidence"]["root_exit"]["observed"] is True
+
+
+def test_death_by_signal_is_128_plus_n(box):
+    p = run_contain(box.env, "run", "--id", "x", "--", "sh", "-c", "kill -USR1 $$")
+    assert p.returncode == 128 + signal.SIGUSR1
+    rec = assert_reaped_and_clean(box, "x")
+    assert rec["outcome"] == "signaled" and rec["signal"] == signal.SIGUSR1
+
+
+def test_identity_is_recorded(box):
+    p = run_contain(box.env, "run", "--id", "x", "--", "true")
+    assert p.returncode == 0
+    ident = box.record("x")["identity"]
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        assert ident["boot_id"] == f.read().strip()
+    assert ident["pid"] > 0 and ident["start_time"] > 0 and ident["pidns"] == os.stat("/proc/self/ns/pid").st_ino
+    assert ident["pidfd_inode"]
+
+
+def test_placement_is_verified_in_the_leaf(box):
+    p = run_contain(box.env, "run", "--id", "x", "--", "sh", "-c", "cat /proc/self/cgroup")
+    assert p.returncode == 0
+    rec = box.record("x")
+    line = [x for x in p.stdout.splitlines() if x.startswith("0::")][0]
+    assert line[3:] == rec["containment"]["placement"]
+    assert rec["containment"]["placement"] == rec["containment"]["path"] + "/main"
+
+
+# -- exec failures ---------------------------------------------------------------
+
+def test_missing_command_is_127_and_leaves_no_leaf(box):
+    p = run_contain(box.env, "run", "--id", "x", "--", "/no/such/command")
+    assert p.returncode == 127
+    assert "not found" in p.stderr and "Traceback" not in p.stderr
+    rec = assert_reaped_and_clean(box, "x")
+    assert rec["outcome"] == "spawn_failed"
+
+
+def test_missing_command_on_path_is_127(box):
+    p = run_contain(box.env, "run", "--", "no-such-command-anywhere")
+    assert p.returncode == 127
+    assert box.leaves() == []
+
+
+@pytest.mark.parametrize("target", ["/etc/hostname", "/tmp"])
+def test_not_executable_is_126_and_leaves_no_leaf(box, target):
+    p = run_contain(box.env, "run", "--id", "x", "--", target)
+    assert p.returncode == 126, p.stderr
+    assert "Traceback" not in p.stderr
+    assert_reaped_and_clean(box, "x")
+
+
+# -- usage -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("args", [
+    ["run"], ["run", "--"], ["run", "--grace", "soon", "--", "true"], ["run", "--grace", "-1", "--", "true"],
+    ["run", "--backend", "docker", "--", "true"], ["frobnicate"], ["run", "--id", "../x", "--", "true"],
+    ["status"], ["cancel"],
+])
+def test_usage_errors_are_2_without_traceback(box, args):
+    p = run_contain(box.env, *args)
+    assert p.returncode == 2, (args, p.stderr)
+    assert "Traceback" not in p.stderr and p.stderr.strip()
+
+
+def test_bad_backend_env_is_usage_error(box):
+    env = dict(box.env, CONTAIN_BACKEND="bogus")
+    p = run_contain(env, "run", "--", "true")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+
+
+def test_help_exits_0(box):
+    p = run_contain(box.env, "run", "--help")
+    assert p.returncode == 0 and "--grace" in p.stdout
+
+
+# -- stdio is inherited, not copied ------------------------------------------------
+
+def test_stdio_is_inherited(box):
+    p = subprocess.run(contain_cmd("run", "--", "sh", "-c", "cat; echo err >&2"), env=box.env,
+                       input="hello\n", capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0
+    assert p.stdout == "hello\n" and p.stderr == "err\n"
+
+
+def test_worker_stdout_is_the_callers_fd(box, tmp_path):
+    # If the supervisor copied output, the worker's fd 1 would be a pipe of ours.
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        p = subprocess.run(contain_cmd("run", "--", "sh", "-c", "readlink /proc/self/fd/1"), env=box.env,
+                           stdout=f, timeout=30)
+    assert p.returncode == 0
+    assert out.read_text().strip() == str(out)
+
+
+# -- escapes: whatever the tree did, nothing survives ------------------------------
+
+def test_orphaned_setsid_daemon(box):
+    p = run_contain(box.env, "run", "--id", "x", "--grace", "1", "--",
+                    "sh", "-c", "setsid sleep 300 & exit 0")
+    assert p.returncode == 0
+    rec = assert_reaped_and_clean(box, "x")
+    assert rec["evidence"]["signal_sent"]["observed"] is True
+
+
+def test_double_fork(box):
+    p = run_contain(box.env, "run", "--id", "x", "--grace", "1", "--",
+                    "sh", "-c", "(sh -c 'sleep 300 &' &); exit 0")
+    assert p.returncode == 0
+    assert_reaped_and_clean(box, "x")
+
+
+def test_term_ignoring_orphan(box):
+    code = textwrap.dedent("""
+        import os, signal, sys, time
+        if os.fork() == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            os.setsid()
+            sys.stdout.write("up\\n"); sys.stdout.flush()
+            while True:
+                time.sleep(1)
+        sys.stdin.readline() if False else time.sleep(0.3)
+    """)
+    t0 = time.monotonic()
+    p = run_contain(box.env, "run", "--id", "x", "--grace", "0.5", "--", PY, "-c", code)
+    assert p.returncode == 0, p.stderr
+    rec = assert_reaped_and_clean(box, "x")
+    steps = rec["evidence"]["signal_sent"]["detail"]["steps"]
+    assert [s["kind"] for s in steps] == ["term", "kill"], steps
+    assert time.monotonic() - t0 < 30
+
+
+def test_sigstopped_orphan(box):
+    p = run_contain(box.env, "run", "--id", "x", "--grace", "2", "--",
+                    "sh", "-c", "sleep 300 & kill -STOP $!; exit 0")
+    assert p.returncode == 0
+    rec = assert_reaped_and_clean(box, "x")
+    # SIGCONT went with SIGTERM, so the stopped sleep could act on it: no kill needed.
+    assert [s["kind"] for s in rec["evidence"]["signal_sent"]["detail"]["steps"]] == ["term"]
+
+
+def test_process_group_change(box):
+    code = "import os, time\nif os.fork() == 0:\n    os.setpgid(0, 0)\n    time.sleep(300)\n"
+    p = run_contain(box.env, "run", "--id", "x", "--grace", "1", "--", PY, "-c", code)
+    assert p.returncode == 0
+    assert_reaped_and_clean(box, "x")
+
+
+def test_fork_storm_1000(box):
+    code = textwrap.dedent("""
+        import os, signal, sys
+        for i in range(1000):
+            if os.fork() == 0:
+                if i % 2: os.setsid()
+                signal.pause()
+                os._exit(0)
+        os._exit(0)
+    """)
+    p = run_contain(box.env, "run", "--id", "x", "--grace", "0", "--", PY, "-c", code, timeout=120)
+    assert p.returncode == 0, p.stderr
+    rec = assert_reaped_and_clean(box, "x")
+    assert rec["evidence"]["signal_sent"]["via"] == "cgroup.kill"
+
+
+def test_chain_300_deep(box):
+    code = textwrap.dedent("""
+        import os, time
+        for depth in range(300):
+            pid = os.fork()
+            if pid:
+                os.waitpid(pid, 0)
+                os._exit(0)
+        time.sleep(300)
+    """)
+    with subprocess.Popen(contain_cmd("run", "--id", "x", "--grace", "0.2", "--", PY, "-c", code),
+                          env=box.env, stderr=subprocess.PIPE, text=True) as proc:
+        assert len(wait_holders(box.token, 301, timeout=60)) >= 301
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+    rec = assert_reaped_and_clean(box, "x")
+    assert rec["outcome"] == "cancelled"
+
+
+# -- stopping from outside ----------------------------------------------------------
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_signal_to_contain_cancels(box, sig):
+    with subprocess.Popen(contain_cmd("run", "--id", "x", "--grace", "1", "--",
+                                      "sh", "-c", "setsid sleep 300 & sleep 300"),
+                          env=box.env, stderr=subprocess.PIPE, text=True) as proc:
+        assert len(wait_holders(box.token, 3)) >= 3
+        proc.send_signal(sig)
+        rc = proc.wait(30)
+    rec = assert_reaped_and_clean(box, "x")
+    # The worker's own fate (CONTRACT: 128+N for the signal it died of).
+    assert rec["signal"] == signal.SIGTERM and rc == 128 + signal.SIGTERM
+    assert rec["outcome"] == "cancelled"
+    assert rec["evidence"]["cancel_requested"]["observed"] is True
+    op = f"signal-{signal.Signals(sig).name}-{proc.pid}"
+    assert op in rec["cancellations"]
+    assert box.ack("x", op)["effect"] == "cancelled"
+
+
+def test_timeout_is_124(box):
+    t0 = time.monotonic()
+    p = run_contain(box.env, "run", "--id", "x", "--timeout", "0.5", "--grace", "0.5", "--",
+                    "sh", "-c", "trap '' TERM; setsid sleep 300 & sleep 300")
+    assert p.returncode == 124
+    assert time.monotonic() - t0 < 20
+    rec = assert_reaped_and_clean(box, "x")
+    assert rec["outcome"] == "timed_out"
+
+
+def test_record_file_is_written(box, tmp_path):
+    out = tmp_path / "rec.json"
+    p = run_contain(box.env, "run", "--id", "x", "--record", str(out), "--", "true")
+    assert p.returncode == 0
+    assert json.loads(out.read_text()) == box.record("x")
+
+
+def test_live_id_cannot_be_taken(box):
+    with subprocess.Popen(contain_cmd("run", "--id", "x", "--", "sleep", "300"), env=box.env) as proc:
+        wait_holders(box.token, 1)
+        p = run_contain(box.env, "run", "--id", "x", "--", "true")
+        assert p.returncode == 2 and "live run" in p.stderr
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert_reaped_and_clean(box, "x")
+
+
+def test_ended_id_is_reused_with_a_new_run_uid(box):
+    assert run_contain(box.env, "run", "--id", "x", "--", "true").returncode == 0
+    first = box.record("x")["run_uid"]
+    assert run_contain(box.env, "run", "--id", "x", "--", "true").returncode == 0
+    assert box.record("x")["run_uid"] != first
+
+
+def test_cpu_of_the_whole_tree_is_accounted(box):
+    code = "import os\nfor _ in range(2):\n    os.fork()\nx = sum(range(3_000_000))\n"
+    p = run_contain(box.env, "run", "--id", "x", "--", PY, "-c", code)
+    assert p.returncode == 0
+    cpu = box.record("x")["cpu"]
+    assert cpu and cpu["usage_usec"] > 0
