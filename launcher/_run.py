@@ -253,13 +253,7 @@ class Run:
         r.uid = info["run_uid"]
         r.layout = layout
         r.adopted = True
-        state = rec.get("state", "RUNNING")
-        outcome = S.Outcome(rec["outcome"]) if rec.get("outcome") else None
-        phase = {"REAPED": S.Phase.REAPED, "EXITED": S.Phase.EXITED, "BREACHED": S.Phase.BREACHED,
-                 "UNCONFIRMED": S.Phase.UNCONFIRMED}.get(state)
-        if phase is None:
-            phase = S.Phase.STOPPING if outcome is not None else S.Phase.RUNNING
-        r.snap = S.Snapshot(phase, outcome)
+        r.snap = S.from_record(rec.get("state", "RUNNING"), rec.get("outcome"))
         r.exit_code, r.signal = rec.get("exit_code"), rec.get("signal")
         r.ev = dict(rec.get("evidence") or {})
         esc = r.ev.pop("escapes", None) or {}

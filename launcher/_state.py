@@ -129,6 +129,21 @@ def step(snap: Snapshot, event: Event, how: Outcome | None = None) -> Snapshot:
     return Snapshot(phase, outcome)
 
 
+def from_record(state: str, outcome: str | None) -> Snapshot:
+    """The snapshot an adopter resumes from, given only the last record.
+    RUNNING with an outcome means a stop was under way (STOPPING)."""
+    out = Outcome(outcome) if outcome else None
+    phase = {
+        State.REAPED: Phase.REAPED,
+        State.EXITED: Phase.EXITED,
+        State.BREACHED: Phase.BREACHED,
+        State.UNCONFIRMED: Phase.UNCONFIRMED,
+    }.get(State(state))
+    if phase is None:
+        phase = Phase.STOPPING if out is not None else Phase.RUNNING
+    return Snapshot(phase, out)
+
+
 class Effect(enum.StrEnum):
     """What one cancel operation did (CONTRACT.md, "Cancel operations")."""
 

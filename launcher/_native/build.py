@@ -12,13 +12,20 @@ import cffi
 
 HERE = pathlib.Path(__file__).resolve().parent
 
+
+def _ours(pattern: str) -> list[pathlib.Path]:
+    # Names starting with "_" are generated (cffi writes _ct.c here when
+    # this file is run as a script): never sources.
+    return sorted(p for p in HERE.glob(pattern) if not p.name.startswith("_"))
+
+
 ffibuilder = cffi.FFI()
-ffibuilder.cdef("\n".join(p.read_text() for p in sorted(HERE.glob("*.cdef"))))
+ffibuilder.cdef("\n".join(p.read_text() for p in _ours("*.cdef")))
 ffibuilder.set_source(
     "launcher._native._ct",
-    "\n".join(f'#include "{p.name}"' for p in sorted(HERE.glob("*.h"))),
+    "\n".join(f'#include "{p.name}"' for p in _ours("*.h")),
     # Relative paths: setuptools builds from the project root.
-    sources=[os.path.relpath(p) for p in sorted(HERE.glob("*.c"))],
+    sources=[os.path.relpath(p) for p in _ours("*.c")],
     include_dirs=[os.path.relpath(HERE)],
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
 )

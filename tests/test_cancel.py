@@ -1,0 +1,218 @@
+"""The cancel protocol through the CLI, against real processes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from _proc import contain_cmd, holders, run_contain, wait_holders
+from conftest import needs_cgroup
+
+pytestmark = needs_cgroup
+
+TREE = "setsid sleep 300 & sleep 300 & wait"
+
+
+def start(box, run_id: str, *extra: str, script: str = TREE, want: int = 3) -> subprocess.Popen:
+    proc = subprocess.Popen(contain_cmd("run", "--id", run_id, *extra, "--", "sh", "-c", script),
+                            env=box.env, stderr=subprocess.PIPE, text=True)
+    assert len(wait_holders(box.token, want)) >= want, "workload did not start"
+    return proc
+
+
+def cancel(box, run_id: str, *args: str) -> tuple[int, dict]:
+    p = run_contain(box.env, "cancel", run_id, "--json", *args)
+    assert "Traceback" not in p.stderr, p.stderr
+    return p.returncode, (json.loads(p.stdout) if p.stdout.strip() else {})
+
+
+def test_cancel_twice_with_one_op_id_returns_identical_records(box):
+    proc = start(box, "r")
+    rc1, a1 = cancel(box, "r", "--op-id", "op-1", "--wait")
+    rc2, a2 = cancel(box, "r", "--op-id", "op-1", "--wait")
+    assert proc.wait(30) == 128 + signal.SIGTERM
+    assert rc1 == rc2 == 0
+    assert a1 == a2 and a1["effect"] == "cancelled" and a1["state"] == "REAPED"
+    rec = box.record("r")
+    assert rec["state"] == "REAPED" and rec["outcome"] == "cancelled"
+    assert holders(box.token) == []
+    reqs = open(os.path.join(box.state_dir, "runs", "r", "cancellations", "requests.ndjson")).read().splitlines()
+    assert len(reqs) == 1, "a repeated operation id must not be applied (or even requested) twice"
+
+
+def test_cancel_without_wait_acknowledges_cancel_requested(box):
+    proc = start(box, "r", "--grace", "0.3", script="trap '' TERM; sleep 300")
+    rc, ack = cancel(box, "r", "--op-id", "a")
+    assert rc == 0 and ack["effect"] == "cancel_requested"
+    assert proc.wait(30) == 128 + signal.SIGKILL
+    assert box.ack("r", "a")["effect"] == "cancelled"
+    assert holders(box.token) == []
+
+
+def test_cancel_after_the_end_is_not_live(box):
+    assert run_contain(box.env, "run", "--id", "r", "--", "sh", "-c", "exit 3").returncode == 3
+    before = box.record("r")
+    rc, ack = cancel(box, "r", "--op-id", "late", "--wait")
+    assert rc == 0 and ack["effect"] == "not_live" and ack["outcome"] == "exited"
+    assert box.record("r") == before, "one result: a late cancel changes nothing"
+
+
+def test_natural_exit_first_stands(box):
+    proc = start(box, "r", script="sleep 0.3; exit 5", want=1)
+    assert proc.wait(30) == 5
+    rc, ack = cancel(box, "r", "--op-id", "x")
+    assert ack["effect"] == "not_live"
+    assert box.record("r")["outcome"] == "exited"
+
+
+def test_unknown_run_is_3(box):
+    p = run_contain(box.env, "cancel", "nope")
+    assert p.returncode == 3 and "Traceback" not in p.stderr
+    assert run_contain(box.env, "status", "nope").returncode == 3
+    assert run_contain(box.env, "wait", "nope").returncode == 3
+
+
+def test_sigkilled_supervisor_is_adopted_by_cancel(box):
+    proc = start(box, "r")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    assert len(holders(box.token)) >= 3, "the tree outlives its supervisor"
+    ls = json.loads(run_contain(box.env, "ls", "--json").stdout)
+    assert [v["orphaned"] for v in ls if v["id"] == "r"] == [True]
+    rc, ack = cancel(box, "r", "--op-id", "adopt", "--wait")
+    assert rc == 0 and ack["effect"] == "cancelled" and ack["state"] == "REAPED"
+    rec = box.record("r")
+    assert rec["state"] == "REAPED" and rec["evidence"]["container_empty"]["observed"] is True
+    assert rec["evidence"]["cancel_requested"]["observed"] is True
+    assert holders(box.token) == []
+    assert box.leaves() == []
+
+
+def test_stale_run_uid_is_refused(box):
+    assert run_contain(box.env, "run", "--id", "r", "--", "true").returncode == 0
+    old_uid = box.record("r")["run_uid"]
+    proc = start(box, "r")
+    rc, ack = cancel(box, "r", "--op-id", "old", "--run-uid", old_uid)
+    assert rc == 1 and ack["effect"] == "unknown" and "refused" in ack["detail"]
+    time.sleep(0.3)
+    assert proc.poll() is None, "an old request must never hit the next run"
+    new_uid = box.record("r")["run_uid"]
+    rc, ack = cancel(box, "r", "--op-id", "new", "--run-uid", new_uid, "--wait")
+    assert rc == 0 and ack["effect"] == "cancelled"
+    proc.wait(30)
+    assert holders(box.token) == []
+
+
+def test_reconnecting_reader_gets_the_result_from_the_layout(box):
+    proc = start(box, "r")
+    cancel(box, "r", "--op-id", "k")
+    proc.wait(30)
+    # A fresh process, knowing only the state directory, the id and the op id.
+    code = textwrap.dedent("""
+        import json, launcher
+        ack = launcher.cancel("r", op_id="k")
+        print(json.dumps(ack.to_dict()))
+    """)
+    p = subprocess.run([sys.executable, "-c", code], env=box.env, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    again = json.loads(p.stdout)
+    assert again == box.ack("r", "k") and again["effect"] == "cancelled"
+    st = json.loads(run_contain(box.env, "status", "r", "--json").stdout)
+    assert st["record"]["state"] == "REAPED"
+    assert [a["op_id"] for a in st["cancellations"]] == ["k"]
+
+
+def test_concurrent_cancels_join_one_stop(box):
+    proc = start(box, "r", "--grace", "0.5", script="trap '' TERM; sleep 300")
+    with ThreadPoolExecutor(6) as ex:
+        results = list(ex.map(lambda i: cancel(box, "r", "--op-id", f"c{i}", "--wait"), range(6)))
+    proc.wait(30)
+    assert all(rc == 0 and a["effect"] == "cancelled" for rc, a in results), results
+    journal = [json.loads(x) for x in open(os.path.join(box.state_dir, "runs", "r", "journal.ndjson"))]
+    assert [e["event"] for e in journal].count("kill") == 1, "one stop, not six"
+    assert holders(box.token) == []
+
+
+def test_24_concurrent_runs_cancelled_at_once(box):
+    procs = [subprocess.Popen(contain_cmd("run", "--id", f"r{i}", "--grace", "0.5", "--", "sh", "-c", TREE),
+                              env=box.env, stderr=subprocess.DEVNULL) for i in range(24)]
+    try:
+        assert len(wait_holders(box.token, 24 * 3, timeout=60)) >= 72
+        with ThreadPoolExecutor(24) as ex:
+            results = list(ex.map(lambda i: cancel(box, f"r{i}", "--op-id", "all", "--wait"), range(24)))
+    finally:
+        for p in procs:
+            p.wait(60)
+    assert all(rc == 0 and a["effect"] == "cancelled" for rc, a in results), results
+    assert all(box.record(f"r{i}")["state"] == "REAPED" for i in range(24))
+    assert holders(box.token) == []
+    assert box.leaves() == []
+
+
+def test_unconfirmed_is_not_terminal_and_a_retry_keeps_the_first_requested_at(box):
+    # 1,000 processes take tens of ms to die after cgroup.kill; a 1 ms
+    # kill deadline makes the first stop miss it for real.
+    storm = ("import os, signal\nfor i in range(1000):\n    if os.fork() == 0:\n"
+             "        signal.pause()\n        os._exit(0)\nsignal.pause()\n")
+    proc = subprocess.Popen(contain_cmd("run", "--id", "r", "--grace", "0", "--kill-timeout", "0.001", "--",
+                                        sys.executable, "-c", storm), env=box.env, stderr=subprocess.PIPE, text=True)
+    assert len(wait_holders(box.token, 1001, timeout=60)) >= 1001
+    rc, first = cancel(box, "r", "--op-id", "first", "--wait", "--timeout", "30")
+    proc.wait(60)
+    rec = box.record("r")
+    if rec["state"] == "REAPED":
+        pytest.skip("the kernel emptied 1,000 processes inside the 3 ms of kill rounds; nothing unconfirmed to retry")
+    assert rec["state"] == "UNCONFIRMED" and proc.returncode == 125
+    assert rc == 1 and first["effect"] == "cancel_requested"
+    requested_at = rec["evidence"]["cancel_requested"]["at"]
+    rc, second = cancel(box, "r", "--op-id", "retry", "--wait")
+    assert rc == 0
+    rec = box.record("r")
+    assert rec["state"] == "REAPED" and rec["outcome"] == "cancelled"
+    assert rec["evidence"]["cancel_requested"]["at"] == requested_at
+    assert box.ack("r", "first")["effect"] == "cancelled"
+    assert holders(box.token) == []
+
+
+def test_distinct_unsafe_op_ids_never_share_a_file(box):
+    proc = start(box, "r")
+    rc1, a = cancel(box, "r", "--op-id", "a/b")
+    rc2, b = cancel(box, "r", "--op-id", "a:b")
+    rc3, c = cancel(box, "r", "--op-id", "a_b", "--wait")
+    proc.wait(30)
+    assert (a["op_id"], b["op_id"], c["op_id"]) == ("a/b", "a:b", "a_b")
+    files = sorted(os.listdir(os.path.join(box.state_dir, "runs", "r", "cancellations")))
+    assert len([f for f in files if f.endswith(".json")]) == 3
+
+
+def test_colliding_ack_file_fails_loudly(box):
+    assert run_contain(box.env, "run", "--id", "r", "--", "true").returncode == 0
+    path = os.path.join(box.state_dir, "runs", "r", "cancellations", "x.json")
+    with open(path, "w") as f:
+        json.dump({"op_id": "something-else", "effect": "cancelled"}, f)
+    p = run_contain(box.env, "cancel", "r", "--op-id", "x")
+    assert p.returncode == 2 and "collides" in p.stderr
+
+
+def test_wait_returns_when_the_run_ends(box):
+    proc = start(box, "r", script="sleep 0.5", want=1)
+    p = run_contain(box.env, "wait", "r", "--json")
+    assert p.returncode == 0 and json.loads(p.stdout)["state"] == "REAPED"
+    proc.wait(10)
+
+
+def test_ls_and_status_for_people(box):
+    proc = start(box, "r")
+    p = run_contain(box.env, "ls")
+    assert p.returncode == 0 and "r " in p.stdout and "RUNNING" in p.stdout
+    s = run_contain(box.env, "status", "r")
+    assert s.returncode == 0 and "container_empty" in s.stdout
+    cancel(box, "r", "--wait")
+    proc.wait(30)
