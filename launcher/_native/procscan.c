@@ -2,12 +2,12 @@
 /* One pass over /proc: identity, tree and cgroup of every process.
  *
  * The scan is a snapshot of a moving system. A pid listed by getdents may be
- * reaped before we open it, and then reused: so each /proc/<pid> directory is
- * opened once and both files are opened relative to that descriptor. A proc
- * pid directory stays bound to the task it was opened for; once that task is
- * reaped, openat() under it fails with ENOENT even if the number is reused
- * (proc(5), "/proc/pid"). Both files therefore describe one process, or the
- * entry is dropped as gone.
+ * reaped before we open it, and then reused: so when two files are read, the
+ * /proc/<pid> directory is opened once and both are opened relative to it.
+ * The directory's inode holds the struct pid it was made for, not the
+ * number; once that task is reaped, lookups under it fail with ENOENT even
+ * if the number is reused (fs/proc/base.c, get_proc_task). Both files
+ * therefore describe one process, or the entry is dropped as gone.
  *
  * Files are read with read() into stack buffers; no stdio and no allocation
  * in the loop, because the loop runs once per process on hosts with
@@ -108,9 +108,9 @@ static int parse_stat(const char *buf, size_t len, struct ct_proc *p) {
     return 0;
 }
 
-static int read_stat(int piddir, struct ct_proc *p) {
+static int read_stat(int dirfd, const char *path, struct ct_proc *p) {
     char buf[STAT_BUF];
-    int fd = openat(piddir, "stat", O_RDONLY | O_CLOEXEC);
+    int fd = openat(dirfd, path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return -errno;
     /* One read is enough: stat is a single seq_file record and the fields
      * we parse fit the buffer even if the tail of the line does not. */
@@ -177,6 +177,13 @@ static int read_cgroup(int piddir, struct ct_proc *p) {
     return 0;
 }
 
+static int fail_stat(struct ct_proc *p, int err) {
+    if (gone(err)) return 0;
+    p->flags |= CT_PROC_STAT_UNREADABLE;
+    p->stat_errno = err;
+    return 1;
+}
+
 /* Returns 1 if the entry is filled, 0 if the process is gone. */
 static int read_one(int procfd, const char *name, int pid, int want_cgroup, struct ct_proc *p) {
     memset(p, 0, offsetof(struct ct_proc, comm));
@@ -184,34 +191,33 @@ static int read_one(int procfd, const char *name, int pid, int want_cgroup, stru
     p->cgroup[0] = 0;
     p->pid = pid;
 
-    int piddir = openat(procfd, name, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (piddir < 0) {
-        if (gone(errno)) return 0;
-        p->flags |= CT_PROC_STAT_UNREADABLE;
-        p->stat_errno = errno;
-        return 1;
+    if (!want_cgroup) {
+        /* A single file has no partner to disagree with, so "<pid>/stat" is
+         * opened directly: the directory open would cost ~15% of the scan. */
+        char path[32];
+        size_t len = strlen(name);
+        if (len > sizeof path - sizeof "/stat") return fail_stat(p, ENAMETOOLONG);
+        memcpy(path, name, len);
+        memcpy(path + len, "/stat", sizeof "/stat");
+        int rc = read_stat(procfd, path, p);
+        return rc < 0 ? fail_stat(p, -rc) : 1;
     }
-    int rc = read_stat(piddir, p);
+
+    int piddir = openat(procfd, name, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (piddir < 0) return fail_stat(p, errno);
+    int rc = read_stat(piddir, "stat", p);
     if (rc < 0) {
         close(piddir);
-        if (gone(-rc)) return 0;
-        p->flags |= CT_PROC_STAT_UNREADABLE;
-        p->stat_errno = -rc;
-        return 1;
+        return fail_stat(p, -rc);
     }
-    if (want_cgroup) {
-        rc = read_cgroup(piddir, p);
-        if (rc < 0) {
-            if (gone(-rc)) {
-                close(piddir);
-                return 0;
-            }
-            p->flags |= (rc == -EACCES || rc == -EPERM) ? CT_PROC_CGROUP_DENIED : CT_PROC_CGROUP_UNREADABLE;
-            p->cgroup_errno = -rc;
-            p->cgroup[0] = 0;
-        }
-    }
+    rc = read_cgroup(piddir, p);
     close(piddir);
+    if (rc < 0) {
+        if (gone(-rc)) return 0;
+        p->flags |= (rc == -EACCES || rc == -EPERM) ? CT_PROC_CGROUP_DENIED : CT_PROC_CGROUP_UNREADABLE;
+        p->cgroup_errno = -rc;
+        p->cgroup[0] = 0;
+    }
     return 1;
 }
 
