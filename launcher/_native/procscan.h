@@ -1,0 +1,36 @@
+#ifndef CT_PROCSCAN_H
+#define CT_PROCSCAN_H
+
+/* What a /proc entry could not tell us. Set in ct_proc.flags; the errno that
+ * caused a *_DENIED or *_UNREADABLE flag is kept beside it. */
+enum {
+    CT_PROC_STAT_UNREADABLE = 1 << 0,   /* /proc/<pid>/stat failed: stat_errno; no other field is valid */
+    CT_PROC_COMM_TRUNCATED = 1 << 1,    /* comm longer than the buffer: a prefix is kept */
+    CT_PROC_CGROUP_DENIED = 1 << 2,     /* /proc/<pid>/cgroup: EACCES or EPERM (cgroup_errno) */
+    CT_PROC_CGROUP_UNREADABLE = 1 << 3, /* /proc/<pid>/cgroup: any other errno (cgroup_errno) */
+    CT_PROC_CGROUP_ABSENT = 1 << 4,     /* no "0::" line: no cgroup v2 hierarchy */
+    CT_PROC_CGROUP_TRUNCATED = 1 << 5,  /* v2 path longer than the buffer: cgroup holds a prefix only */
+};
+
+#define CT_PROC_COMM_MAX 64     /* /proc/<pid>/stat may show up to 64 bytes (kworker names) */
+#define CT_PROC_CGROUP_MAX 512
+
+struct ct_proc {
+    int pid;
+    int ppid;
+    int pgid;
+    int sid;
+    char state;
+    unsigned long long start_time;  /* field 22 of /proc/<pid>/stat, clock ticks since boot */
+    int flags;                      /* CT_PROC_* */
+    int stat_errno;
+    int cgroup_errno;
+    char comm[CT_PROC_COMM_MAX];        /* NUL-terminated; raw bytes, any but NUL */
+    char cgroup[CT_PROC_CGROUP_MAX];    /* NUL-terminated v2 path, "" unless read */
+};
+
+/* Fill out[0..cap) with one entry per process in /proc. Returns 0 with *n
+ * entries, -ENOSPC when cap was too small (*n is then the number of pids
+ * seen, a size hint for the retry), or -errno when /proc itself failed. */
+int ct_procscan_read(struct ct_proc *out, int cap, int *n, int want_cgroup);
+#endif

@@ -1,0 +1,313 @@
+"""A snapshot of every process: identity, tree and cgroup v2 path, from /proc.
+
+The work is one C pass (`_native/procscan.c`) that fills an array of fixed
+structs; this module turns that array into `ProcessInfo` values in one loop.
+`parse_stat` and `parse_cgroup` are the same parsers in Python, for fixture
+tests and for the fallback used when the extension is not built.
+
+The snapshot is not atomic: /proc is read one process at a time. A process
+that exits while it is read is left out; one that starts during the scan may
+or may not appear. A file that exists but cannot be read is reported, never
+skipped: a stat that cannot be read fails the scan, a cgroup file that cannot
+be read gives `cgroup=None` with the reason in `cgroup_error`.
+
+Imported on hot paths: no psutil, nothing heavier than `os`.
+"""
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+try:
+    from ._native import ffi as _ffi, lib as _lib
+except ImportError as err:  # not built: the Python reader below takes over
+    _ffi = _lib = None
+    _native_missing: str | None = str(err)
+else:
+    _native_missing = None
+    # The C side writes every field of the entries it reports and Python
+    # reads no others, so the buffer need not be zeroed first.
+    _new_uncleared = _ffi.new_allocator(should_clear_after_alloc=False)
+
+__all__ = ["ProcessInfo", "scan_processes", "parse_stat", "parse_cgroup", "members_of"]
+
+
+class ProcessInfo(NamedTuple):
+    """One process as /proc showed it during a scan."""
+
+    pid: int
+    ppid: int
+    pgid: int
+    sid: int
+    state: str          # one letter, proc(5) field 3: R S D Z T t X I ...
+    start_time: int     # proc(5) field 22: clock ticks after boot; with pid, the process's identity
+    comm: str           # undecodable bytes kept as surrogates (os.fsdecode's rule)
+    cgroup: str | None  # v2 path from "0::", as the kernel prints it; None if not read
+    cgroup_error: str | None = None  # why cgroup is None
+
+
+NOT_REQUESTED = "not requested"
+NO_V2 = "no cgroup v2 hierarchy"
+
+# Reading many processes without a per-process Python call needs the buffer
+# sized up front; the previous scan's count is the best guess for the next.
+_cap_hint = 512
+_RETRIES = 8
+
+
+def parse_stat(text: str) -> ProcessInfo:
+    """Parse one /proc/<pid>/stat line (proc(5)).
+
+    comm may contain spaces, parentheses and newlines, so it runs from the
+    first '(' to the LAST ')'; every field after it is a number.
+    """
+    lp = text.find("(")
+    rp = text.rfind(")")
+    if lp < 0 or rp < lp:
+        raise ValueError(f"not a /proc/<pid>/stat line: {text[:80]!r}")
+    rest = text[rp + 2 :].split()
+    if len(rest) < 20:  # fields 3..22
+        raise ValueError(f"/proc/<pid>/stat line too short: {text[:80]!r}")
+    try:
+        return ProcessInfo(
+            pid=int(text[:lp]),
+            ppid=int(rest[1]),
+            pgid=int(rest[2]),
+            sid=int(rest[3]),
+            state=rest[0],
+            start_time=int(rest[19]),
+            comm=text[lp + 1 : rp],
+            cgroup=None,
+            cgroup_error=NOT_REQUESTED,
+        )
+    except ValueError as err:
+        raise ValueError(f"bad /proc/<pid>/stat line: {text[:80]!r}") from err
+
+
+def parse_cgroup(text: str) -> str | None:
+    """The cgroup v2 path of a /proc/<pid>/cgroup file, or None if it has none.
+
+    The v2 entry is the line "0::<path>"; hybrid hosts list v1 hierarchies
+    first (cgroups(7)).
+    """
+    for line in text.split("\n"):
+        if line.startswith("0::"):
+            return line[3:]
+    return None
+
+
+def members_of(cgroup_path: str, procs: Iterable[ProcessInfo]) -> list[ProcessInfo]:
+    """The processes in `cgroup_path` or below it.
+
+    A process whose cgroup could not be read is not a member here; callers
+    that must account for every process check `cgroup is None` themselves.
+    The kernel prints a removed cgroup as "<path> (deleted)"; such a process
+    is not a member of `<path>` either.
+    """
+    path = cgroup_path.rstrip("/")
+    prefix = path + "/"
+    return [p for p in procs if p.cgroup is not None and (p.cgroup == path or p.cgroup.startswith(prefix))]
+
+
+def scan_processes(*, cgroups: bool = True) -> list[ProcessInfo]:
+    """Every process in this pid namespace's /proc, in /proc's order.
+
+    With `cgroups=False` the cgroup files are not read, which halves the
+    work; `cgroup` is then None with `cgroup_error` "not requested".
+    Raises OSError if /proc cannot be listed or a process's stat cannot be
+    read for any reason but its exit.
+    """
+    if _lib is None:
+        return _scan_python(cgroups)
+    return _scan_native(cgroups)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc < 0:
+        raise OSError(-rc, f"{what}: {os.strerror(-rc)}")
+
+
+def _read_all(cgroups: bool) -> tuple[Any, int]:
+    global _cap_hint
+    cap = _cap_hint
+    n = _ffi.new("int *")
+    for _ in range(_RETRIES):
+        buf = _new_uncleared("struct ct_proc[]", cap)
+        rc = _lib.ct_procscan_read(buf, cap, n, 1 if cgroups else 0)
+        if rc == -errno.ENOSPC:
+            # Processes may keep appearing: leave headroom beyond the count.
+            cap = n[0] + n[0] // 4 + 64
+            continue
+        _check(rc, "ct_procscan_read /proc")
+        _cap_hint = max(512, n[0] + n[0] // 4 + 64)
+        return buf, n[0]
+    raise OSError(errno.ENOSPC, f"ct_procscan_read /proc: still growing after {_RETRIES} tries")
+
+
+def _scan_native(cgroups: bool) -> list[ProcessInfo]:
+    buf, count = _read_all(cgroups)
+    string = _ffi.string
+    new = tuple.__new__  # skips NamedTuple's Python-level __new__: a third of the loop
+    cls = ProcessInfo
+    bad = (
+        _lib.CT_PROC_STAT_UNREADABLE
+        | _lib.CT_PROC_CGROUP_DENIED
+        | _lib.CT_PROC_CGROUP_UNREADABLE
+        | _lib.CT_PROC_CGROUP_ABSENT
+        | _lib.CT_PROC_CGROUP_TRUNCATED
+    )
+    # Most processes share a handful of cgroups: decode each path once and
+    # hand out one str object per distinct path.
+    paths: dict[bytes, str | None] = {b"": None} if not cgroups else {}
+    error = None if cgroups else NOT_REQUESTED
+    out: list[ProcessInfo] = []
+    append = out.append
+    for i in range(count):
+        p = buf[i]
+        if p.flags & bad:
+            info = _odd_entry(p, cgroups)
+            if info is not None:
+                append(info)
+            continue
+        raw = string(p.cgroup)
+        try:
+            path = paths[raw]
+        except KeyError:
+            path = paths[raw] = raw.decode("utf-8", "surrogateescape")
+        append(
+            new(
+                cls,
+                (
+                    p.pid,
+                    p.ppid,
+                    p.pgid,
+                    p.sid,
+                    chr(p.state[0]),
+                    p.start_time,
+                    string(p.comm).decode("utf-8", "surrogateescape"),
+                    path,
+                    error,
+                ),
+            )
+        )
+    return out
+
+
+def _odd_entry(p: Any, cgroups: bool) -> ProcessInfo | None:
+    """An entry that carries a CT_PROC_* failure flag: rare, so plain code."""
+    lib = _lib
+    if p.flags & lib.CT_PROC_STAT_UNREADABLE:
+        # Not a race (the C side drops exited processes): a scan that cannot
+        # see a live process must not claim to be complete.
+        err = p.stat_errno
+        raise OSError(err, f"read /proc/{p.pid}/stat: {os.strerror(err)}")
+    cgroup: str | None = None
+    error: str | None = None
+    if not cgroups:
+        error = NOT_REQUESTED
+    elif p.flags & (lib.CT_PROC_CGROUP_DENIED | lib.CT_PROC_CGROUP_UNREADABLE):
+        error = os.strerror(p.cgroup_errno).lower()
+    elif p.flags & lib.CT_PROC_CGROUP_ABSENT:
+        error = NO_V2
+    elif p.flags & lib.CT_PROC_CGROUP_TRUNCATED:
+        # Longer than the C buffer: read this one file again, whole.
+        try:
+            cgroup, error = _read_cgroup_py(p.pid, p.start_time)
+        except ProcessLookupError:
+            return None  # exited since: as if the scan had missed it
+    else:
+        cgroup = _ffi.string(p.cgroup).decode("utf-8", "surrogateescape")
+    return ProcessInfo(
+        p.pid,
+        p.ppid,
+        p.pgid,
+        p.sid,
+        chr(p.state[0]),
+        p.start_time,
+        _ffi.string(p.comm).decode("utf-8", "surrogateescape"),
+        cgroup,
+        error,
+    )
+
+
+def _read_cgroup_py(pid: int, start_time: int) -> tuple[str | None, str | None]:
+    """(path, error) for a process known by pid and start time.
+
+    Raises ProcessLookupError if that process is gone, including when its pid
+    now names another process (the start time differs).
+    """
+    try:
+        dfd = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError as err:
+        raise ProcessLookupError(pid) from err
+    try:
+        stat = _read_at(dfd, "stat")
+        if parse_stat(stat).start_time != start_time:
+            raise ProcessLookupError(pid)
+        try:
+            text = _read_at(dfd, "cgroup")
+        except ProcessLookupError:
+            raise
+        except OSError as err:
+            return None, _reason(err)
+        path = parse_cgroup(text)
+        return path, None if path is not None else NO_V2
+    finally:
+        os.close(dfd)
+
+
+def _reason(err: OSError) -> str:
+    return (err.strerror or str(err)).lower()
+
+
+def _read_at(dfd: int, name: str) -> str:
+    """A whole procfs file under a /proc/<pid> descriptor.
+
+    Opening relative to the directory keeps the read on the process the
+    directory was opened for; a reaped one gives ENOENT or ESRCH.
+    """
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dfd)
+    except FileNotFoundError as err:
+        raise ProcessLookupError(err.errno, err.strerror) from err
+    try:
+        chunks = []
+        while True:
+            b = os.read(fd, 65536)  # ESRCH once reaped: ProcessLookupError
+            if not b:
+                break
+            chunks.append(b)
+        return b"".join(chunks).decode("utf-8", "surrogateescape")
+    finally:
+        os.close(fd)
+
+
+def _scan_python(cgroups: bool) -> list[ProcessInfo]:
+    """The same scan without the extension: correct, about ten times slower."""
+    out: list[ProcessInfo] = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            dfd = os.open(f"/proc/{name}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            try:
+                info = parse_stat(_read_at(dfd, "stat"))
+            except ProcessLookupError:
+                continue
+            if cgroups:
+                try:
+                    path = parse_cgroup(_read_at(dfd, "cgroup"))
+                    info = info._replace(cgroup=path, cgroup_error=None if path is not None else NO_V2)
+                except ProcessLookupError:
+                    continue
+                except OSError as err:
+                    info = info._replace(cgroup_error=_reason(err))
+        finally:
+            os.close(dfd)
+        out.append(info)
+    return out
