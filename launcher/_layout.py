@@ -86,7 +86,8 @@ class RunDir:
     def find(cls, run_id: str, sd: str | None = None) -> "RunDir":
         check_id(run_id)
         d = cls(os.path.join(cls.runs_root(sd), run_id))
-        if not os.path.exists(os.path.join(d.path, "run.json")):
+        # A claimed directory is a run being born: findable before run.json.
+        if not os.path.isdir(d.cancellations):
             raise RunNotFound(f"no run {run_id!r} in {cls.runs_root(sd)}")
         return d
 
