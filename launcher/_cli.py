@@ -49,7 +49,10 @@ def _parser() -> _Parser:
                    help="container kind (default auto, or CONTAIN_BACKEND)")
     r.add_argument("--seal", action="store_true", help="make leaving the container impossible (see docs)")
     r.add_argument("--user", help="run the worker as USER (name or uid)")
-    r.add_argument("--workspace", metavar="DIR", help="check DIR is quiet after the stop")
+    r.add_argument("--workspace", metavar="DIR",
+                   help="after the stop, check no process holds DIR and nothing writes under it")
+    r.add_argument("--check-sockets", action="store_true",
+                   help="after the stop, check every socket the tree held at the stop is closed")
     r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
 
     ls = sub.add_parser("ls", help="list runs")
@@ -120,7 +123,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         opts = Options(grace=args.grace, timeout=args.timeout or None, kill_timeout=args.kill_timeout or 10.0,
                        backend=backend, seal=args.seal or None, user=args.user, workspace=args.workspace,
-                       record_file=args.record, subreaper=True)
+                       record_file=args.record, subreaper=True,
+                       check_sockets=args.check_sockets)
         run = Run(cmd, id=args.id, options=opts)
     except ValueError as e:
         _say(f"run: {e}")

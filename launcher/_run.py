@@ -36,7 +36,7 @@ class Options:
 
     __slots__ = ("grace", "timeout", "kill_timeout", "backend", "seal", "user", "workspace",
                  "record_file", "env", "cwd", "stdio", "state_dir", "subreaper", "parent_cgroup",
-                 "new_pgroup")
+                 "new_pgroup", "check_sockets")
 
     def __init__(self, *, grace: float = DEFAULT_GRACE, timeout: float | None = None,
                  kill_timeout: float = DEFAULT_KILL_TIMEOUT, backend: str = "auto",
@@ -44,7 +44,8 @@ class Options:
                  record_file: str | None = None, env: dict[str, str] | None = None,
                  cwd: str | None = None, stdio: tuple[int, int, int] = (-1, -1, -1),
                  state_dir: str | None = None, subreaper: bool = False,
-                 parent_cgroup: str | None = None, new_pgroup: bool = False) -> None:
+                 parent_cgroup: str | None = None, new_pgroup: bool = False,
+                 check_sockets: bool = False) -> None:
         if grace < 0 or (timeout is not None and timeout <= 0) or kill_timeout <= 0:
             raise ValueError("grace must be >= 0, timeout and kill_timeout > 0")
         if backend not in ("auto", "cgroup2", "none"):
@@ -64,6 +65,7 @@ class Options:
         self.subreaper = subreaper
         self.parent_cgroup = parent_cgroup
         self.new_pgroup = new_pgroup
+        self.check_sockets = check_sockets
 
 
 def _make_container(run_id: str, opts: Options) -> Any:
@@ -140,6 +142,7 @@ class Run:
         self._final: StopRecord | None = None
         self.on_change: Callable[[], None] | None = None
         self.adopted = False
+        self._sockets: tuple[set[int], list[str]] | None = None
 
     # -- start -------------------------------------------------------------
 
@@ -520,6 +523,10 @@ class Run:
         self._t_stop = self._t_stop or now
         if self._check_empty():
             return
+        if self.opts.check_sockets and self._sockets is None:
+            from ._postconditions import socket_inodes
+
+            self._sockets = socket_inodes(self.container.members())
         grace = self.opts.grace if grace is None else grace
         if grace > 0:
             self._terminate()
@@ -637,6 +644,8 @@ class Run:
     def _finalise(self) -> None:
         if self._final is not None and self._final.terminal:
             return
+        if self.snap.terminal:
+            self._postconditions()
         if self.container is not None:
             self.cpu = self.container.cpu_stat() or self.cpu
             if self.snap.terminal:
@@ -657,6 +666,22 @@ class Run:
         self._wake_r = self._wake_w = self._inotify = -1
         self._final = rec
         self._done.set()
+
+    def _postconditions(self) -> None:
+        """Measured only where asked for, and only once the tree is gone."""
+        if self.opts.workspace:
+            from ._postconditions import workspace_quiescent
+
+            self.ev["workspace_quiescent"] = workspace_quiescent(self.opts.workspace)
+        if self.opts.check_sockets:
+            from ._postconditions import sockets_closed
+
+            held, problems = self._sockets if self._sockets is not None else (set(), [])
+            self.ev["sockets_closed"] = sockets_closed(held, problems)
+            if self._sockets is None:
+                self.ev["sockets_closed"]["detail"] = {
+                    "held_at_stop": 0, "note": "the container was already empty when the stop began: "
+                    "sockets handed to other processes before that are not known"}
 
     def _settle_acks(self) -> None:
         if self.layout is None:

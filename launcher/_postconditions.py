@@ -1,0 +1,170 @@
+"""Postconditions beyond the container: the workspace and the sockets.
+
+An empty container proves that no member process is left. It says nothing
+about a descriptor handed to a process outside (over a unix socket, or by an
+escaper), about a socket kept alive by such a holder, or about writes still
+in flight. These layers look at exactly that, each on its own.
+"""
+from __future__ import annotations
+
+import os
+import select
+import socket
+import time
+from typing import Any, Iterable
+
+from ._record import evidence
+
+
+def _links(pid: str) -> Iterable[tuple[str, str]]:
+    """(how, target) for the cwd, root and every fd of one process."""
+    for how in ("cwd", "root"):
+        try:
+            yield how, os.readlink(f"/proc/{pid}/{how}")
+        except OSError:
+            continue
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except FileNotFoundError:
+        return
+    for fd in fds:
+        try:
+            yield f"fd {fd}", os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+
+
+def socket_inodes(pids: Iterable[int]) -> tuple[set[int], list[str]]:
+    """Socket inodes held by these processes, and what could not be read."""
+    found: set[int] = set()
+    problems: list[str] = []
+    my_net = _netns("self")
+    for pid in pids:
+        if _netns(str(pid)) not in (my_net, None):
+            problems.append(f"pid {pid} is in another network namespace")
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except FileNotFoundError:
+            continue
+        except PermissionError:
+            problems.append(f"pid {pid}: fd list not readable")
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                found.add(int(target[8:-1]))
+    return found, problems
+
+
+def _netns(pid: str) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return None
+
+
+def live_socket_inodes() -> set[int]:
+    """Every inet (TCP, UDP) and unix socket in this network namespace, by
+    sock_diag (pyroute2). Raises OSError when the kernel will not answer."""
+    from pyroute2.netlink.diag import DiagSocket
+
+    out: set[int] = set()
+    with DiagSocket() as ds:
+        ds.bind()
+        for fam in (socket.AF_INET, socket.AF_INET6):
+            for proto in (socket.IPPROTO_TCP, socket.IPPROTO_UDP):
+                for s in ds.get_sock_stats(family=fam, protocol=proto, states=0xFFF):
+                    out.add(int(s.get("idiag_inode")))
+        for s in ds.get_sock_stats(family=socket.AF_UNIX, states=0xFFF):
+            out.add(int(s.get("udiag_ino")))
+    return out
+
+
+def sockets_closed(before: set[int], problems: list[str]) -> dict[str, Any]:
+    """Whether every socket the tree held at the stop is gone now."""
+    via = "sock_diag (pyroute2) against socket inodes held by members at the stop"
+    try:
+        alive = before & live_socket_inodes()
+    except Exception as e:  # pyroute2 raises its own NetlinkError as well as OSError
+        return evidence(None, via, f"sock_diag failed: {e}")
+    if alive:
+        return evidence(False, via, {"still_open": sorted(alive), "held_at_stop": len(before)})
+    if problems:
+        return evidence(None, via, {"unobservable": problems, "held_at_stop": len(before)})
+    return evidence(True, via, {"held_at_stop": len(before)})
+
+
+def workspace_quiescent(path: str, window: float = 0.2) -> dict[str, Any]:
+    """No process anywhere holds DIR (cwd, root, open fd) and nothing under it
+    changes for `window` seconds."""
+    via = f"/proc/*/(cwd|root|fd) scan + inotify for {window} s"
+    try:
+        real = os.path.realpath(path)
+    except OSError as e:
+        return evidence(None, via, f"workspace not resolvable: {e}")
+    if not os.path.isdir(real):
+        return evidence(None, via, f"workspace {real} is not a directory")
+    watch = _watch_tree(real)
+    holders: list[dict[str, Any]] = []
+    denied = 0
+    me = str(os.getpid())
+    prefix = real.rstrip("/") + "/"
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or pid == me:
+            continue
+        try:
+            for how, target in _links(pid):
+                if target == real or target.startswith(prefix):
+                    holders.append({"pid": int(pid), "how": how, "path": target})
+        except PermissionError:
+            denied += 1
+    changes = _drain(watch, window) if watch is not None else None
+    if holders:
+        return evidence(False, via, {"held_by": holders[:50]})
+    if changes:
+        return evidence(False, via, {"changes_in_window": changes})
+    if watch is None:
+        return evidence(None, via, "inotify unavailable: writes could not be watched")
+    if denied:
+        return evidence(None, via, f"{denied} process(es) could not be inspected")
+    return evidence(True, via, {"window_s": window})
+
+
+def _watch_tree(root: str, limit: int = 2000) -> int | None:
+    from ._native import lib
+
+    fd = lib.ct_inotify_open()
+    if fd < 0:
+        return None
+    mask = 0x2 | 0x4 | 0x8 | 0x40 | 0x80 | 0x100 | 0x200  # modify attrib close_write moved create delete
+    n = 0
+    for d, subdirs, _files in os.walk(root):
+        if lib.ct_inotify_watch(fd, d.encode(), mask) >= 0:
+            n += 1
+        if n >= limit:
+            break
+    return fd
+
+
+def _drain(fd: int, window: float) -> int:
+    events = 0
+    deadline = time.monotonic() + window
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            r, _, _ = select.select([fd], [], [], left)
+            if not r:
+                break
+            try:
+                data = os.read(fd, 65536)
+                events += max(1, len(data) // 16)
+            except BlockingIOError:
+                continue
+    finally:
+        os.close(fd)
+    return events
