@@ -55,6 +55,7 @@ _HDR = _NLMSGHDR.size + _CN_MSG.size      # 36: where the proc_event starts
 _DATA = _HDR + _EVENT.size                # 52: where the event's data starts
 
 VIA = "fork ledger (netlink process connector)"
+_COALESCE_S = 0.002
 
 
 class LedgerUnavailable(Exception):
@@ -240,6 +241,10 @@ class Ledger:
                 continue
             if any(fd == self._stop_r for fd, _ in ready):
                 return
+            # Every fork and exit on the host wakes this thread; a short
+            # pause lets a burst collect so one drain (and one GIL hand-off)
+            # takes it all. Identities are still read within milliseconds.
+            time.sleep(_COALESCE_S)
             with self._lock:
                 self._drain()
                 if self.failed:
