@@ -147,7 +147,7 @@ class Ledger:
     # -- opening -----------------------------------------------------------
 
     @classmethod
-    def open(cls, ack_timeout: float = 0.5) -> "Ledger":
+    def open(cls, ack_timeout: float = 0.2) -> "Ledger":
         """Subscribe to the process connector. Raises LedgerUnavailable."""
         try:
             sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, NETLINK_CONNECTOR)
