@@ -246,7 +246,10 @@ class Ledger:
             # takes it all. Identities are still read within milliseconds.
             time.sleep(_COALESCE_S)
             with self._lock:
-                self._drain()
+                try:
+                    self._drain()
+                except Exception as e:   # a dead ledger must not read as "nothing left"
+                    self.failed = f"ledger thread: {type(e).__name__}: {e}"
                 if self.failed:
                     return
 
@@ -271,17 +274,17 @@ class Ledger:
             off = 0
             while off + _DATA <= n:
                 ln = _NLMSGHDR.unpack_from(buf, off)[0]
-                if ln < _DATA:
+                if ln < _DATA or off + ln > n:
                     break
                 what, _cpu, ts = _EVENT.unpack_from(buf, off + _HDR)
-                if what == PROC_EVENT_FORK:
+                if what == PROC_EVENT_FORK and ln >= _DATA + _FORK.size:
                     _pp, ptgid, cpid, ctgid = _FORK.unpack_from(buf, off + _DATA)
                     if cpid == ctgid:                      # a process, not a thread
                         if self._root is None:
                             self._pending.append((what, ptgid, ctgid, ts))
                         else:
                             self._on_fork(ptgid, ctgid, ts)
-                elif what == PROC_EVENT_EXIT:
+                elif what == PROC_EVENT_EXIT and ln >= _DATA + _EXIT.size:
                     pid, tgid = _EXIT.unpack_from(buf, off + _DATA)
                     if pid == tgid:
                         if self._root is None:
