@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 from . import _state as S
 from ._errors import ContainmentUnavailable, LauncherError, SpawnFailed
 from ._identity import ProcessIdentity, boot_id
+from ._ledger import EscapeWatch
 from ._layout import RunDir, new_id, new_uid, state_dir
 from ._record import LAYERS, StopRecord, evidence, not_measured, now_iso, write_json_atomic
 from ._platform import posix
@@ -122,6 +123,7 @@ class Run:
         self._t_stop = 0.0
         self.cpu: dict[str, int] | None = None
         self.escapes: list[dict[str, Any]] = []
+        self._watch: EscapeWatch | None = None          # seal/ledger hook (issue 4)
         self.notes: list[str] = []
         self.sealed: tuple[bool, str | None] = (False, "not sealed")
         self.placement: str | None = None
@@ -159,6 +161,8 @@ class Run:
             raise
         self._open_channels()
         req = self._spawn_request()
+        # seal/ledger hook (issue 4): the fork ledger listens before the spawn
+        self._watch = EscapeWatch.before_spawn(self.container, req, self.opts.env)
         t0 = time.time()
         try:
             sp = self.container.spawn(req)
@@ -168,6 +172,7 @@ class Run:
             raise err from (None if err is e else e)
         self._t_spawn = time.monotonic()
         self.pid, self.pidfd = sp.pid, sp.pidfd
+        self._watch.after_spawn(sp.pid)                  # seal/ledger hook (issue 4)
         self.times["spawned_at"] = now_iso(t0)
         try:
             self.identity = ProcessIdentity.read(sp.pid, sp.pidfd)
@@ -608,6 +613,8 @@ class Run:
         self.ev["container_empty"] = evidence(True, "cgroup.events populated 0", {"path": self.container.path}, at=t)
         self.ev["descendants_exit"] = evidence(True, "cgroup.events populated 0 (no member left in the subtree)",
                                                None, at=t)
+        if self._watch is not None:                      # seal/ledger hook (issue 4)
+            self.escapes.extend(self._watch.at_empty(self.container, self.opts.kill_timeout))
         alive = self._escapers_alive()
         self._event(S.Event.EMPTY if alive is False else S.Event.EMPTY_ESCAPED)
         return True
@@ -619,6 +626,9 @@ class Run:
         anyone = False
         for e in self.escapes:
             ident = e.get("identity")
+            if e.get("gone") is True:                    # its pidfd was seen readable (issue 4)
+                e["alive_at_end"] = False
+                continue
             alive = ProcessIdentity.from_dict(ident).is_alive() if ident else None
             e["alive_at_end"] = alive
             if alive is not False:
@@ -651,6 +661,8 @@ class Run:
             if self.snap.terminal:
                 problem = self.container.remove()
                 self.cleanup = {"container_removed": problem is None, "detail": problem}
+        if self._watch is not None:                      # seal/ledger hook (issue 4)
+            self._watch.close()
         if self.pidfd >= 0 and self.snap.terminal:
             os.close(self.pidfd)
             self.pidfd = -1
@@ -714,7 +726,9 @@ class Run:
             ev["escapes"] = {"observed": True, "at": self.escapes[0]["at"], "via": self.escapes[0]["via"],
                              "detail": self.escapes}
         else:
-            ev.setdefault("escapes", self.container.escape_evidence() if self.container is not None
+            ev.setdefault("escapes", self._watch.evidence(self.container, self.snap.terminal)
+                          if self._watch is not None and self.container is not None   # issue 4
+                          else self.container.escape_evidence() if self.container is not None
                           else not_measured("no container"))
         c = self.container
         containment = {
@@ -723,6 +737,7 @@ class Run:
             "sealed": self.sealed[0],
             "sealed_reason": self.sealed[1],
             "placement": self.placement,
+            "seal": getattr(c, "seal_detail", None),     # issue 4: how it is sealed, when it is
         }
         if c is not None and getattr(c, "spawn_via", None):
             containment["spawn_via"] = c.spawn_via

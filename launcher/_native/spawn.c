@@ -16,6 +16,7 @@
  * 0 or -errno and fills out-parameters.
  */
 #include "spawn.h"
+#include "seal.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -89,31 +90,11 @@ static int child_stdio(const int stdio[3]) {
     return 0;
 }
 
-static int child_remount_ro(const char *path) {
-    struct statfs st;
-    unsigned long flags = MS_REMOUNT | MS_BIND | MS_RDONLY;
-    if (statfs(path, &st) < 0) return -errno;
-    /* A bind remount must restate the per-mount flags it keeps. */
-    if (st.f_flags & ST_NOSUID) flags |= MS_NOSUID;
-    if (st.f_flags & ST_NODEV) flags |= MS_NODEV;
-    if (st.f_flags & ST_NOEXEC) flags |= MS_NOEXEC;
-    if (st.f_flags & ST_NOATIME) flags |= MS_NOATIME;
-    if (st.f_flags & ST_NODIRATIME) flags |= MS_NODIRATIME;
-    if (st.f_flags & ST_RELATIME) flags |= MS_RELATIME;
-    if (mount(NULL, path, NULL, flags, NULL) < 0) return -errno;
-    return 0;
-}
-
-/* The private mount namespace is a copy: MS_SLAVE keeps host mounts flowing
- * in while nothing flows back, and the read-only flag is per mount, so the
- * host's cgroup mount is untouched. */
+/* The seal's mount steps live in seal.c (see there for why each one). */
 static int child_seal(const struct ct_spawn_args *a) {
-    if (unshare(CLONE_NEWNS | CLONE_NEWCGROUP) < 0) return -errno;
-    if (mount(NULL, "/", NULL, MS_REC | MS_SLAVE, NULL) < 0) return -errno;
-    for (int i = 0; i < a->nro; i++) {
-        int rc = child_remount_ro(a->ro_paths[i]);
-        if (rc < 0) return rc;
-    }
+    int rc = ct_seal_child_mounts((const char *const *)a->cg2_paths, a->ncg2, a->ro_paths, a->nro);
+    if (rc < 0) return rc;
+    if (a->userns) return ct_seal_child_userns();
     return 0;
 }
 

@@ -39,6 +39,9 @@ struct ct_spawn_args {
     const int *drop_caps;       /* dropped from bounding, effective, permitted, inheritable */
     int ndrop;
     int no_new_privs;
+    const char *const *cg2_paths; /* cgroup2 mounts replaced by the run's own view (seal.c) */
+    int ncg2;
+    int userns;                 /* seal: identity-mapped user namespace (seal.c) */
 };
 
 struct ct_spawn_result {

@@ -24,11 +24,15 @@ from . import posix
 
 KIND = "cgroup2"
 
-# Capabilities a root worker could use to undo a read-only cgroup mount or
-# reach the host's: mount/setns/unshare (SYS_ADMIN), /proc/1/root and
-# ptrace of outside processes (SYS_PTRACE), open_by_handle_at
-# (DAC_READ_SEARCH), loading code into the kernel (SYS_MODULE, BPF).
-SEAL_DROP_CAPS = (21, 19, 2, 16, 39)
+# Capabilities dropped from a sealed worker's bounding set (and every other
+# set). Inside the seal's user namespace they would only act on that
+# namespace; dropping them too keeps the worker from building new mount or
+# cgroup namespaces, loading code into the kernel, or reading raw memory:
+# DAC_READ_SEARCH (open_by_handle_at), SYS_MODULE, SYS_RAWIO, SYS_PTRACE,
+# SYS_ADMIN (mount, setns, unshare), SYS_BOOT (kexec), BPF.
+SEAL_DROP_CAPS = (2, 16, 17, 19, 21, 22, 39)
+_CAP_NAMES = {2: "CAP_DAC_READ_SEARCH", 16: "CAP_SYS_MODULE", 17: "CAP_SYS_RAWIO", 19: "CAP_SYS_PTRACE",
+              21: "CAP_SYS_ADMIN", 22: "CAP_SYS_BOOT", 39: "CAP_BPF"}
 
 
 class Hierarchy(NamedTuple):
@@ -76,19 +80,54 @@ def cgroup_of(pid: int | str) -> str | None:
     return None
 
 
-def _uid_can_write_outside(uid: int, run_dir: str) -> bool:
-    """Whether `uid` owns some cgroup.procs above the run (a delegation it
-    could use to move). Ownership is what delegation hands out."""
+def cgroup_mounts() -> tuple[list[str], list[str]]:
+    """(cgroup2 mount points, cgroup v1 mount points) from /proc/self/mountinfo,
+    each without the points that sit below another of its kind (detaching
+    or re-binding the upper one covers them)."""
+    v2: list[str] = []
+    v1: list[str] = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            rf = right.split()
+            if rf and rf[0] in ("cgroup2", "cgroup"):
+                (v2 if rf[0] == "cgroup2" else v1).append(_unescape(left.split()[4]))
+
+    def top(paths: list[str], above: list[str]) -> list[str]:
+        out: list[str] = []
+        for p in sorted(set(paths), key=len):
+            if not any(p == q or p.startswith(q.rstrip("/") + "/") for q in out + above):
+                out.append(p)
+        return out
+
+    v2 = top(v2, [])
+    return v2, top(v1, v2)
+
+
+def writable_procs_above(uid: int, gids: list[int] | tuple[int, ...], run_dir: str) -> str | None:
+    """The first cgroup.procs above the run that `uid` (with `gids`) may
+    write by its mode bits, or None. Moving a process needs write access to
+    the common ancestor's cgroup.procs (cgroup-v2.rst, "Delegation
+    Containment"), and every way out of the run has its common ancestor
+    above the run. Root is not asked: it may write them all."""
     d = os.path.dirname(run_dir)
     while True:
         try:
-            if os.stat(os.path.join(d, "cgroup.procs")).st_uid == uid:
-                return True
+            st = os.stat(os.path.join(d, "cgroup.procs"))
         except OSError:
-            pass
+            st = None
+        if st is not None:
+            if st.st_uid == uid:
+                ok = bool(st.st_mode & 0o200)
+            elif st.st_gid in gids:
+                ok = bool(st.st_mode & 0o020)
+            else:
+                ok = bool(st.st_mode & 0o002)
+            if ok:
+                return os.path.join(d, "cgroup.procs")
         parent = os.path.dirname(d)
         if parent == d:
-            return False
+            return None
         d = parent
 
 
@@ -209,6 +248,11 @@ class Container:
     # -- spawning ----------------------------------------------------------
 
     def spawn(self, req: posix.SpawnRequest) -> posix.Spawned:
+        if getattr(self, "_seal_error", None):
+            raise ContainmentUnavailable(self._seal_error or "")
+        return self._spawn(req)
+
+    def _spawn(self, req: posix.SpawnRequest) -> posix.Spawned:
         """clone3 straight into the leaf. If the kernel lacks CLONE_INTO_CGROUP,
         or the child is killed at birth (the cgroup.kill fork bug), fall back
         to a fresh leaf and a child held before exec until its placement is
@@ -248,20 +292,54 @@ class Container:
     empty_via = "cgroup.events populated"
 
     def prepare(self, req: posix.SpawnRequest, opts: Any) -> None:
-        """Apply the seal (see docs/design.md, "Sealing"): a private mount and
-        cgroup namespace in which every cgroup2 mount is read-only, with the
-        capabilities that could undo it dropped and no_new_privs set."""
-        if opts.seal:
-            req.seal_ro_paths = [h.mount for h in hierarchies()]
-            req.drop_caps = list(SEAL_DROP_CAPS)
-            req.no_new_privs = True
+        """Apply the seal when asked (docs/sealing.md): new mount, cgroup and
+        user namespaces in which every cgroup2 mount is replaced by a
+        read-only view of the run's own leaf, cgroup v1 mounts are read-only,
+        the capabilities in SEAL_DROP_CAPS are gone and no_new_privs is set.
+        `opts.seal` None ("auto") adds nothing to the spawn: the run is then
+        sealed only if the worker's uid cannot write any cgroup.procs above it."""
+        self.seal_detail: dict[str, Any] | None = None
+        self._seal_error: str | None = None
+        if not opts.seal:
+            return
+        if os.geteuid() != 0:
+            uid = req.uid if req.uid >= 0 else os.geteuid()
+            if writable_procs_above(uid, _gids_of(req), self.dir) is not None:
+                self._seal_error = ("--seal: only a root supervisor can build the namespace seal, "
+                                    f"and uid {uid} may write a cgroup.procs above the run")
+            return
+        cg2, v1 = cgroup_mounts()
+        req.seal_cg2_paths = cg2
+        req.seal_ro_paths = v1
+        req.seal_userns = True
+        req.drop_caps = sorted(set(req.drop_caps) | set(SEAL_DROP_CAPS))
+        req.no_new_privs = True
 
     def seal_status(self, req: posix.SpawnRequest) -> tuple[bool, str | None]:
-        if req.seal_ro_paths is not None:
-            return True, None
+        """Whether the worker provably cannot leave, and how (`seal_detail`,
+        recorded as containment.seal)."""
         uid = req.uid if req.uid >= 0 else os.geteuid()
-        if uid != 0 and not _uid_can_write_outside(uid, self.dir):
+        if req.seal_ro_paths is not None:
+            self.seal_detail = {
+                "method": "namespaces",
+                "cgroup2_replaced": list(req.seal_cg2_paths),
+                "cgroup1_read_only": list(req.seal_ro_paths),
+                "user_namespace": "identity map" if req.seal_userns else None,
+                "caps_dropped": [_CAP_NAMES.get(c, str(c)) for c in req.drop_caps],
+                "no_new_privs": req.no_new_privs,
+                "mounts": "private",
+            }
             return True, None
+        if uid != 0:
+            above = writable_procs_above(uid, _gids_of(req), self.dir)
+            if above is None:
+                self.seal_detail = {"method": "unprivileged-uid", "uid": uid,
+                                    "checked": "no cgroup.procs above the run is writable by this uid"}
+                return True, None
+            self.seal_detail = None
+            return False, (f"worker uid {uid} may write {above}: it could move itself out "
+                           "(use --seal)")
+        self.seal_detail = None
         why = "worker runs as root"
         if not self.hierarchy.nsdelegate:
             why += " on a cgroup2 mount without nsdelegate"
@@ -393,6 +471,12 @@ class Container:
     def describe(self) -> dict[str, Any]:
         return {"backend": KIND, "path": self.path, "dir": self.dir,
                 "nsdelegate": self.hierarchy.nsdelegate}
+
+
+def _gids_of(req: posix.SpawnRequest) -> list[int]:
+    if req.uid >= 0:
+        return sorted({req.gid, *req.groups} - {-1})
+    return sorted({os.getegid(), *os.getgroups()})
 
 
 def available() -> str | None:

@@ -1,20 +1,31 @@
 """Degraded mode: no kernel container. Process group + child subreaper +
-a /proc closure over process group, session and ancestry.
+a /proc closure, kept current from the fork ledger where it runs.
+
+Membership, over one /proc snapshot, iterated to a fixed point:
+- every process the fork ledger tracked (forked by a member, wherever it
+  went), identity checked;
+- every process seen as a member before (pid + start time);
+- the worker's process group, while that group is known to be ours;
+- groups and sessions led by a member (a descendant that called setsid or
+  setpgid leads them), for processes started after that leader;
+- children of members.
 
 It stops what it can see and says what it saw. It never reports `REAPED`:
-a process that left the group and whose parent exited between two scans is
-invisible to it (the fourth counterexample in background/004).
+without the ledger, a process that left the group and whose parent exited
+between two scans is invisible; with it, a lost event can hide one too.
 """
 from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
-from .._identity import ProcessIdentity
+from .._errors import ContainmentUnavailable
 from . import posix
 
 KIND = "none"
+_LIST_CAP = 500   # entries kept in the record's lists; the count is always exact
 
 
 def _stat(pid: int) -> tuple[int, int, int, int] | None:
@@ -30,6 +41,16 @@ def _stat(pid: int) -> tuple[int, int, int, int] | None:
     return int(rest[1]), int(rest[2]), int(rest[3]), int(rest[19])
 
 
+def _snapshot() -> dict[int, tuple[int, int, int, int]]:
+    procs: dict[int, tuple[int, int, int, int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _stat(int(name))
+            if st is not None:
+                procs[int(name)] = st
+    return procs
+
+
 class Container:
     backend = KIND
     path = None
@@ -37,18 +58,29 @@ class Container:
     leaf = None
     hierarchy = None
     events_fd = -1
-    empty_via = "/proc scan (process group, session, ancestry)"
+    seal_detail = None
+    empty_via = "/proc scan (process group, sessions and groups led by members, ancestry, fork ledger)"
 
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
         self.root_pid = -1
+        self.root_start = -1
         self.pgid = -1
-        self.sid = -1
-        self.seen: dict[int, int] = {}      # pid -> start_time, every member ever seen
-        self.signalled: set[tuple[int, int]] = set()
+        self._group_ours = False
+        self.seen: dict[int, int] = {}        # pid -> start_time, every member ever seen
+        self.how: dict[tuple[int, int], str] = {}   # (pid, start) -> how it was first found
+        self.ledger: Any = None               # set by the run when the fork ledger runs
+        self._seal_error: str | None = None
+        self._subreaper = False
+        self.last_alive: list[int] = []
 
     def prepare(self, req: posix.SpawnRequest, opts: Any) -> None:
         req.new_pgroup = True
+        # As child subreaper (the CLI), every orphan of the tree reparents to
+        # this process: its children other than the worker are the tree's.
+        self._subreaper = bool(getattr(opts, "subreaper", False))
+        if opts.seal:
+            self._seal_error = "--seal needs a kernel container: degraded mode has nothing to seal"
 
     def seal_status(self, req: posix.SpawnRequest) -> tuple[bool, str]:
         return False, "no kernel container (degraded mode): nothing keeps the tree together"
@@ -58,46 +90,80 @@ class Container:
                 "detail": "degraded mode: a process that leaves the group unseen cannot be detected"}
 
     def spawn(self, req: posix.SpawnRequest) -> posix.Spawned:
+        if self._seal_error:
+            raise ContainmentUnavailable(self._seal_error)
         sp = posix.spawn(req)
         sp.via = "clone3(CLONE_PIDFD) + setpgid (no container)"
         self.root_pid = self.pgid = sp.pid
+        self._group_ours = True
         st = _stat(sp.pid)
-        self.sid = st[2] if st else -1
         if st:
-            self.seen[sp.pid] = st[3]
+            self.root_start = st[3]
+            self._remember(sp.pid, st[3], "worker")
         return sp
 
     def placed(self, pid: int) -> str | None:
         return None
 
+    def _remember(self, pid: int, start: int, how: str) -> None:
+        if self.seen.get(pid) != start:
+            self.seen[pid] = start
+            self.how.setdefault((pid, start), how)
+
     def _closure(self) -> dict[int, int]:
-        """Members alive now: the group, plus anything whose ancestry reaches a
-        member. Iterated to a fixed point over one /proc snapshot."""
-        procs: dict[int, tuple[int, int, int, int]] = {}
-        for name in os.listdir("/proc"):
-            if name.isdigit():
-                st = _stat(int(name))
-                if st is not None:
-                    procs[int(name)] = st
+        """Members alive now (pid -> start time)."""
+        if self.ledger is not None:
+            self.ledger.sync()
+        procs = _snapshot()
         me = os.getpid()
-        members = {p: st[3] for p, st in procs.items()
-                   if p != me and (st[1] == self.pgid or (p in self.seen and self.seen[p] == st[3]))}
+        members: dict[int, int] = {}
+
+        def add(p: int, how: str) -> None:
+            members[p] = procs[p][3]
+            self._remember(p, procs[p][3], how)
+
+        if self.ledger is not None:
+            for t in list(self.ledger.tracked):
+                st = procs.get(t.pid)
+                if st is not None and t.start_time == st[3] and t.pid != me:
+                    add(t.pid, "fork ledger")
+        for p, start in list(self.seen.items()):
+            st = procs.get(p)
+            if st is not None and st[3] == start and p != me:
+                members[p] = start
+        # The worker's group is ours while its leader lives, and after that
+        # only while it never emptied: an empty group frees its number for
+        # reuse (pid_max is small). Started-before-the-worker never qualifies.
+        if self._group_ours:
+            in_group = [p for p, st in procs.items() if st[1] == self.pgid and p != me and st[3] >= self.root_start]
+            if in_group:
+                for p in in_group:
+                    add(p, "process group")
+            elif not (self.root_pid in procs and procs[self.root_pid][3] == self.root_start):
+                self._group_ours = False
         changed = True
         while changed:
             changed = False
             for p, st in procs.items():
-                if p not in members and p != me and st[0] in members:
-                    members[p] = st[3]
+                if p in members or p == me:
+                    continue
+                ppid, pgid, sid, start = st
+                if ppid in members:
+                    add(p, "ancestry")
                     changed = True
-        self.seen.update(members)
+                elif ppid == me and self._subreaper and start >= self.root_start:
+                    add(p, "reparented to the supervisor (child subreaper)")
+                    changed = True
+                elif (pgid in members and start >= members[pgid]) or (sid in members and start >= members[sid]):
+                    add(p, "group or session led by a member")
+                    changed = True
+        self.last_alive = sorted(members)
         return members
 
     def populated(self) -> bool:
         return bool(self._closure())
 
     def wait_change(self, timeout: float) -> None:
-        import time
-
         time.sleep(min(timeout, 0.02))
 
     def _signal_all(self, sig: int) -> tuple[int, int]:
@@ -108,7 +174,9 @@ class Container:
             except OSError:
                 continue
             try:
-                if ProcessIdentity.read(pid).start_time != start:
+                # The pidfd pins the process; it must still be the one seen.
+                st = _stat(pid)
+                if st is None or st[3] != start:
                     continue
                 signal.pidfd_send_signal(fd, sig)
                 if sig == signal.SIGTERM:
@@ -130,14 +198,33 @@ class Container:
             sent, _failed = self._signal_all(signal.SIGKILL)
             if sent == 0:
                 break
-        return "SIGKILL by pidfd to each process seen (group, ancestry)"
+        return "SIGKILL by pidfd to each process seen (group, sessions, ancestry, fork ledger)"
 
     def members(self) -> list[int]:
         return sorted(self._closure())
 
     def seen_summary(self) -> dict[str, Any]:
-        return {"seen": sorted(self.seen), "unprovable": "processes that left the group and lost their "
-                "ancestry between scans are invisible without a kernel container"}
+        """What the run saw and what it cannot prove (the record's
+        descendants_exit detail in degraded mode)."""
+        by: dict[str, int] = {}
+        for how in self.how.values():
+            by[how] = by.get(how, 0) + 1
+        seen = [{"pid": p, "start_time": s, "found_by": self.how.get((p, s))}
+                for (p, s) in sorted(self.how)][:_LIST_CAP]
+        ledger = self.ledger
+        if ledger is None:
+            unprovable = ("no fork ledger: a process that left the group and lost its ancestry between "
+                          "two scans is invisible without a kernel container")
+        elif not ledger.complete():
+            unprovable = (f"the fork ledger lost events ({ledger.summary()}): a process forked then "
+                          "would be invisible")
+        else:
+            unprovable = ("every fork of the tree was seen by the fork ledger, but without a kernel "
+                          "container nothing held the tree: emptiness is not proven")
+        return {"seen_count": len(self.how), "found_by": by, "seen": seen,
+                "alive_at_last_scan": self.last_alive[:_LIST_CAP],
+                "fork_ledger": ledger.summary() if ledger is not None else None,
+                "unprovable": unprovable}
 
     def cpu_stat(self) -> dict[str, int] | None:
         return None

@@ -32,13 +32,15 @@ class DiedAtBirth(Exception):
 
 class SpawnRequest:
     __slots__ = ("argv", "env", "cwd", "stdio", "new_pgroup", "new_session", "uid", "gid",
-                 "groups", "seal_ro_paths", "drop_caps", "no_new_privs")
+                 "groups", "seal_ro_paths", "drop_caps", "no_new_privs", "seal_cg2_paths",
+                 "seal_userns")
 
     def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
                  stdio: tuple[int, int, int] = (-1, -1, -1), new_pgroup: bool = False,
                  new_session: bool = False, uid: int = -1, gid: int = -1, groups: Sequence[int] = (),
                  seal_ro_paths: Sequence[str] | None = None, drop_caps: Sequence[int] = (),
-                 no_new_privs: bool = False) -> None:
+                 no_new_privs: bool = False, seal_cg2_paths: Sequence[str] = (),
+                 seal_userns: bool = False) -> None:
         if not argv:
             raise ValueError("argv must not be empty")
         self.argv = [os.fsdecode(a) for a in argv]
@@ -53,6 +55,8 @@ class SpawnRequest:
         self.seal_ro_paths = seal_ro_paths    # None: no seal
         self.drop_caps = list(drop_caps)
         self.no_new_privs = no_new_privs
+        self.seal_cg2_paths = list(seal_cg2_paths)   # replaced by the run's own view (seal.c)
+        self.seal_userns = seal_userns
 
 
 class Spawned:
@@ -106,6 +110,9 @@ def _args(req: SpawnRequest, cgroup_fd: int, hold: bool, keep: list[Any]) -> Any
         a.seal = 1
         a.ro_paths = _cstrs(req.seal_ro_paths, keep)
         a.nro = len(req.seal_ro_paths)
+        a.cg2_paths = _cstrs(req.seal_cg2_paths, keep)
+        a.ncg2 = len(req.seal_cg2_paths)
+        a.userns = int(req.seal_userns)
     if req.drop_caps:
         caps = ffi.new("int[]", req.drop_caps)
         keep.append(caps)

@@ -1,0 +1,317 @@
+"""`contain doctor`: what this host gives, measured, and what that buys.
+
+Every answer comes from trying the thing, never from a version string: the
+clone3 and cgroup.kill probes spawn /bin/true into scratch leaves created
+under the base for the purpose and removed afterwards (also on failure); the
+namespace probes fork a throwaway child that tries them; the process
+connector is subscribed to and closed.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import time
+from typing import Any, Callable
+
+_TRUE = "/bin/true"
+
+
+def _probe(fn: Callable[[], Any]) -> dict[str, Any]:
+    """Run one probe: {"ok": bool|None, ...}; an exception is its own answer."""
+    try:
+        out = fn()
+    except Exception as e:   # a probe failing is a finding, not a crash
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    return out if isinstance(out, dict) else {"ok": bool(out)}
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+class _Scratch:
+    """A scratch cgroup under the base, created here and always removed."""
+
+    def __init__(self, base: str, what: str) -> None:
+        self.dir = os.path.join(base, f"doctor-{what}-{os.getpid()}-{secrets.token_hex(3)}")
+
+    def __enter__(self) -> "_Scratch":
+        os.mkdir(self.dir)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for attempt in range(100):
+            try:
+                os.rmdir(self.dir)
+                return
+            except FileNotFoundError:
+                return
+            except OSError as e:
+                # populated 0 can precede the last task's exit by a moment.
+                if e.errno == errno.EBUSY and attempt < 99:
+                    time.sleep(0.005)
+                    continue
+                raise
+
+
+def _spawn_true(leaf: str, **req_kw: Any) -> dict[str, Any]:
+    """clone3 /bin/true into `leaf`; reap it. {"ok": True} or why not."""
+    from ._platform import posix
+
+    req = posix.SpawnRequest([_TRUE], env={"PATH": "/usr/bin:/bin"}, stdio=(-1, -1, -1), **req_kw)
+    fd = os.open(leaf, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        sp = posix.spawn(req, cgroup_fd=fd)
+    except posix.CloneUnsupported as e:
+        return {"ok": False, "error": f"clone3(CLONE_INTO_CGROUP) unsupported: {e}"}
+    except posix.DiedAtBirth:
+        return {"ok": False, "died_at_birth": True, "error": "child SIGKILLed before it ran"}
+    finally:
+        os.close(fd)
+    try:
+        info = os.waitid(os.P_PIDFD, sp.pidfd, os.WEXITED)
+    finally:
+        os.close(sp.pidfd)
+    code = info.si_status if info is not None else None
+    return {"ok": code == 0, "exit_status": code}
+
+
+def _cgroup2() -> dict[str, Any]:
+    from ._platform import linux
+
+    out: dict[str, Any] = {"mounts": [], "base": None, "usable": False}
+    try:
+        hs = linux.hierarchies()
+    except OSError as e:
+        out["error"] = f"/proc/self/mountinfo: {e}"
+        return out
+    with open("/proc/self/mountinfo") as f:
+        opts = {}
+        for line in f:
+            left, _, right = line.partition(" - ")
+            rf = right.split()
+            if rf and rf[0] == "cgroup2":
+                opts[linux._unescape(left.split()[4])] = rf[2] if len(rf) > 2 else ""
+    out["mounts"] = [{"mount": h.mount, "root": h.root, "nsdelegate": h.nsdelegate,
+                      "super_options": opts.get(h.mount)} for h in hs]
+    out["nsdelegate"] = any(h.nsdelegate for h in hs) if hs else None
+    v1 = linux.cgroup_mounts()[1]
+    out["cgroup1_mounts"] = v1
+    if not hs:
+        out["error"] = "no cgroup v2 hierarchy is mounted"
+        return out
+    try:
+        h, base = linux.resolve_base()
+    except Exception as e:
+        out["error"] = getattr(e, "reason", str(e))
+        return out
+    out["base"] = base
+    out["base_cgroup"] = h.cg_path(base)
+    out["writable"] = os.access(base, os.W_OK | os.X_OK) and os.access(os.path.join(base, "cgroup.procs"), os.W_OK)
+    try:
+        st = os.stat(os.path.join(base, "cgroup.procs"))
+        out["delegated_to_uid"] = st.st_uid
+    except OSError:
+        out["delegated_to_uid"] = None
+    out["controllers"] = (_read(os.path.join(base, "cgroup.controllers")) or "").split()
+    out["subtree_control"] = (_read(os.path.join(base, "cgroup.subtree_control")) or "").split()
+    out["cgroup_kill_file"] = os.path.exists(os.path.join(base, "cgroup.kill"))
+    out["cgroup_freeze_file"] = os.path.exists(os.path.join(base, "cgroup.freeze"))
+    # Which uids are sealed by their uid alone: nobody is the usual worker.
+    try:
+        import pwd
+
+        nobody = pwd.getpwnam("nobody")
+        above = linux.writable_procs_above(nobody.pw_uid, [nobody.pw_gid], os.path.join(base, "run-x"))
+        out["nobody_sealed_by_uid"] = above is None
+    except (KeyError, OSError):
+        out["nobody_sealed_by_uid"] = None
+    out["usable"] = bool(out["writable"])
+    return out
+
+
+def _clone_into(base: str) -> dict[str, Any]:
+    with _Scratch(base, "clone") as s:
+        return _spawn_true(s.dir)
+
+
+def _kill_bug(base: str) -> dict[str, Any]:
+    """KERNEL-NOTES.md: once cgroup.kill was written, a later clone3 into
+    that cgroup is SIGKILLed at birth on kernels without the upstream fix."""
+    with _Scratch(base, "killbug") as s:
+        with open(os.path.join(s.dir, "cgroup.kill"), "w") as f:
+            f.write("1")
+        r = _spawn_true(s.dir)
+    if r.get("died_at_birth"):
+        return {"ok": True, "present": True,
+                "detail": "a clone3(CLONE_INTO_CGROUP) child of a once-killed empty leaf was SIGKILLed at birth; "
+                          "contain uses one fresh leaf per launch and retries a child killed at birth"}
+    if r.get("ok"):
+        return {"ok": True, "present": False, "detail": "a child of a once-killed leaf ran"}
+    return {"ok": False, "present": None, "detail": r.get("error")}
+
+
+def _sealed_spawn(base: str) -> dict[str, Any]:
+    """The whole seal, as a run gets it, around /bin/true."""
+    from ._platform import linux
+
+    cg2, v1 = linux.cgroup_mounts()
+    with _Scratch(base, "seal") as s:
+        r = _spawn_true(s.dir, seal_ro_paths=v1, seal_cg2_paths=cg2, seal_userns=True,
+                        drop_caps=linux.SEAL_DROP_CAPS, no_new_privs=True)
+    return r
+
+
+def _pidfd() -> dict[str, Any]:
+    fd = os.pidfd_open(os.getpid())
+    os.close(fd)
+    return {"ok": True}
+
+
+def _connector() -> dict[str, Any]:
+    from ._ledger import Ledger, LedgerUnavailable
+
+    t0 = time.perf_counter()
+    try:
+        led = Ledger.open()
+    except LedgerUnavailable as e:
+        return {"ok": False, "error": e.reason}
+    ms = (time.perf_counter() - t0) * 1000
+    led.close()
+    return {"ok": True, "subscribe_ms": round(ms, 3)}
+
+
+def _ns(what: int) -> dict[str, Any]:
+    from ._native import lib
+
+    rc = lib.ct_seal_probe(what)
+    return {"ok": True} if rc == 0 else {"ok": False, "error": os.strerror(-rc)}
+
+
+def capabilities() -> dict[str, Any]:
+    """What `contain doctor` reports (also `launcher.capabilities()`)."""
+    from ._native import lib
+
+    caps: dict[str, Any] = {"schema": "contain.capabilities/1", "kernel": os.uname().release,
+                            "euid": os.geteuid()}
+    cg = _cgroup2()
+    caps["cgroup2"] = cg
+    base = cg.get("base") if cg.get("usable") else None
+    skip = {"ok": None, "error": "no writable cgroup v2 base: " + str(cg.get("error") or "not writable")}
+    caps["clone3_into_cgroup"] = _probe(lambda: _clone_into(base)) if base else skip
+    caps["cgroup_kill_bug"] = _probe(lambda: _kill_bug(base)) if base and cg.get("cgroup_kill_file") else (
+        skip if not base else {"ok": None, "present": None, "error": "no cgroup.kill (before 5.14)"})
+    caps["pidfd"] = _probe(_pidfd)
+    caps["process_connector"] = _probe(_connector)
+    caps["mount_namespace"] = _probe(lambda: _ns(lib.CT_PROBE_MOUNTNS))
+    caps["user_namespace"] = _probe(lambda: _ns(lib.CT_PROBE_USERNS))
+    if base and os.geteuid() == 0:
+        caps["seal"] = _probe(lambda: _sealed_spawn(base))
+    else:
+        caps["seal"] = {"ok": False, "error": "the namespace seal needs a root supervisor" if base else skip["error"]}
+    caps["modes"] = _modes(caps)
+    caps["containment_possible"] = any(m["available"] and m["backend"] == "cgroup2" for m in caps["modes"])
+    return caps
+
+
+def _modes(caps: dict[str, Any]) -> list[dict[str, Any]]:
+    cg = caps["cgroup2"]
+    spawn_ok = bool(caps["clone3_into_cgroup"].get("ok"))
+    cg_ok = bool(cg.get("usable")) and spawn_ok
+    ledger = bool(caps["process_connector"].get("ok"))
+    seal_ok = cg_ok and bool(caps["seal"].get("ok"))
+    nsdel = bool(cg.get("nsdelegate"))
+    modes = [{
+        "mode": "cgroup2 sealed (--seal)", "backend": "cgroup2", "available": seal_ok,
+        "strongest_state": "REAPED" if seal_ok else None,
+        "escapes": "prevented: namespaces (cgroup2 mount replaced by the run's own view, user namespace, "
+                   "capabilities dropped, no_new_privs)" if seal_ok else None,
+        "why_not": None if seal_ok else (caps["seal"].get("error") or "cgroup2 unusable"),
+    }, {
+        "mode": "cgroup2", "backend": "cgroup2", "available": cg_ok,
+        "strongest_state": "REAPED" if cg_ok else None,
+        "escapes": (("prevented for workers whose uid cannot write a cgroup.procs above the base (--user)"
+                     + ("; a cgroup namespace would bind root workers too (nsdelegate)" if nsdel else
+                        "; root workers can leave: the mount has no nsdelegate"))
+                    + ("; the fork ledger detects and stops escapers (REAPED with escapes listed, or BREACHED)"
+                       if ledger else "; no fork ledger: an escaper would not be seen")) if cg_ok else None,
+        "why_not": None if cg_ok else (cg.get("error") or caps["clone3_into_cgroup"].get("error")),
+    }, {
+        "mode": "none (degraded)", "backend": "none", "available": True,
+        "strongest_state": "EXITED",
+        "escapes": "no container: process group, sessions and groups led by members, ancestry, child subreaper"
+                   + (", fork ledger" if ledger else " (no fork ledger)") + "; never REAPED",
+        "why_not": None,
+    }]
+    return modes
+
+
+def render(caps: dict[str, Any]) -> str:
+    """The human-readable report."""
+    cg = caps["cgroup2"]
+    lines = [f"contain doctor (kernel {caps['kernel']}, euid {caps['euid']})", ""]
+
+    def yes(x: Any) -> str:
+        return "yes" if x is True else "no" if x is False else "unknown"
+
+    def row(name: str, val: str) -> None:
+        lines.append(f"  {name:<26} {val}")
+
+    lines.append("cgroup v2")
+    if not cg.get("mounts"):
+        row("mount", "none")
+    for m in cg.get("mounts", []):
+        row("mount", f"{m['mount']} (root {m['root']}, {m['super_options']})")
+    row("nsdelegate", yes(cg.get("nsdelegate")) + ("" if cg.get("nsdelegate") else
+        ": a cgroup namespace does not stop a root worker from leaving"))
+    row("base", f"{cg.get('base')} ({cg.get('base_cgroup')})" if cg.get("base") else f"none: {cg.get('error')}")
+    if cg.get("base"):
+        row("writable", yes(cg.get("writable")) + f" (cgroup.procs owned by uid {cg.get('delegated_to_uid')})")
+        row("controllers", " ".join(cg.get("controllers") or []) or "(none)")
+        row("subtree_control", " ".join(cg.get("subtree_control") or []) or "(none)")
+        row("nobody sealed by its uid", yes(cg.get("nobody_sealed_by_uid")))
+    if cg.get("cgroup1_mounts"):
+        row("cgroup v1 mounts", str(len(cg["cgroup1_mounts"])) + " (hybrid host)")
+    lines.append("")
+    lines.append("probes")
+
+    def probe(name: str, p: dict[str, Any], good: str = "works") -> None:
+        if p.get("ok"):
+            row(name, good)
+        elif p.get("ok") is None:
+            row(name, f"not probed: {p.get('error')}")
+        else:
+            row(name, f"NO: {p.get('error')}")
+
+    probe("clone3 into a cgroup", caps["clone3_into_cgroup"])
+    kb = caps["cgroup_kill_bug"]
+    if kb.get("ok"):
+        row("cgroup.kill fork bug", "PRESENT: " + kb["detail"] if kb.get("present") else "absent")
+    else:
+        probe("cgroup.kill fork bug", kb)
+    probe("pidfd", caps["pidfd"])
+    pc = caps["process_connector"]
+    probe("process connector", pc, f"works (subscribed in {pc.get('subscribe_ms')} ms)")
+    probe("mount+cgroup namespaces", caps["mount_namespace"])
+    probe("user namespace (id map)", caps["user_namespace"])
+    probe("namespace seal", caps["seal"], "works (/bin/true ran sealed in a scratch leaf)")
+    lines.append("")
+    lines.append("modes (strongest state each can prove)")
+    for m in caps["modes"]:
+        state = m["strongest_state"] if m["available"] else "unavailable"
+        lines.append(f"  {m['mode']:<26} {state}")
+        if m["available"]:
+            lines.append(f"  {'':<26} escapes: {m['escapes']}")
+        else:
+            lines.append(f"  {'':<26} why: {m['why_not']}")
+    lines.append("")
+    if caps["containment_possible"]:
+        lines.append("containment: possible")
+    else:
+        lines.append("containment: IMPOSSIBLE here (only degraded mode, which never proves REAPED)")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,154 @@
+"""Unsealed root workers that leave: the fork ledger sees them and the stop
+gets them, or the record says the escape layer was not observed.
+
+The test first checks, from outside, that the escape really happened (a
+process of the workload sits in the parent cgroup), then cancels the run and
+checks the record against its own /proc scan: never REAPED while a process
+of the tree lives.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from _survivors import IS_ROOT, ROOT, Contain, cgroup_of, kill_survivors, new_token, survivors, wait_for
+from test_seal import ATTEMPTS, BASE, MOUNT, _attempt, _finish, _inside
+
+needs_root = pytest.mark.skipif(not IS_ROOT, reason="the escapes tried need a root worker "
+                                "(a non-root uid owns no cgroup.procs to move into)")
+
+
+@pytest.fixture
+def seal_ledger_run(tmp_path):
+    made: list[Contain] = []
+
+    def make() -> Contain:
+        c = Contain(str(tmp_path), new_token())
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.cleanup()
+
+
+def _outside(c: Contain, where: dict[str, str | None]) -> dict[str, str | None]:
+    return {p: w for p, w in where.items() if w is not None and not _inside(c, w)}
+
+
+ESCAPES = {
+    # name: (attempt, how many sleepers to wait for, how many escape)
+    "write_parent_procs": (ATTEMPTS["write_parent_procs"], 1, 1),
+    "nested_sh_write_parent_procs": (ATTEMPTS["nested_sh_write_parent_procs"], 2, 1),
+    "clone3_into_parent": (ATTEMPTS["clone3_into_parent"], 2, 1),
+    # The escaper forks after leaving: its child was forked by a tracked
+    # process, so the ledger has it too.
+    "escaper_forks_after_leaving": (f"sh -c 'echo $$ > {BASE}/cgroup.procs || exit; sleep 300 & exec sleep 300' &", 3, 2),
+    # The escaper leaves the session and group as well.
+    "escaper_setsid_double_fork": (f"sh -c 'echo $$ > {BASE}/cgroup.procs || exit; setsid sh -c \"sleep 300 &\"; "
+                                   "exec sleep 300' &", 3, 2),
+}
+
+
+@needs_root
+@pytest.mark.parametrize("name", sorted(ESCAPES))
+def test_unsealed_escape_is_caught(seal_ledger_run, tmp_path, name):
+    attempt, sleepers, escapers = ESCAPES[name]
+    c = seal_ledger_run()
+    where = _attempt(c, [], attempt, str(tmp_path), expect_sleepers=sleepers)
+    out = _outside(c, where)
+    assert len(out) >= escapers, f"{name} did not escape unsealed (the test is void): {where}"
+    rec = _finish(c)
+    assert rec["containment"]["sealed"] is False
+    esc = rec["evidence"]["escapes"]
+    assert esc["observed"] is True, esc
+    listed = {e["pid"] for e in esc["detail"]}
+    assert set(map(int, out)) <= listed, (out, esc["detail"])
+    assert rec["state"] in ("REAPED", "BREACHED")
+    if rec["state"] == "REAPED":
+        assert all(e["killed"] and e["gone"] and e["alive_at_end"] is False for e in esc["detail"])
+    assert rec["_left"] == [] or rec["state"] == "BREACHED"
+
+
+@needs_root
+def test_unsealed_escape_through_capless_root_process_is_caught(seal_ledger_run, tmp_path):
+    """/proc/<pid>/root of a root process without capabilities leads to the
+    host's cgroup mount. (/proc/1/root is denied here even to root: pid 1
+    holds a capability outside this host's bounding set.)"""
+    import shutil
+
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv not installed")
+    helper_token = new_token()
+    helper = subprocess.Popen(["setpriv", "--bounding-set=-all", "--inh-caps=-all", "sleep", "300"],
+                              env=dict(os.environ, SEALTEST_TOKEN=helper_token))
+    try:
+        assert wait_for(lambda: survivors(helper_token), 5)
+        c = seal_ledger_run()
+        where = _attempt(c, [], f"echo $$ > /proc/{helper.pid}/root{BASE}/cgroup.procs", str(tmp_path))
+        out = _outside(c, where)
+        assert out, f"did not escape unsealed (the test is void): {where}"
+        rec = _finish(c)
+        assert {e["pid"] for e in rec["evidence"]["escapes"]["detail"]} >= set(map(int, out))
+        assert rec["_left"] == [] or rec["state"] == "BREACHED"
+    finally:
+        helper.kill()
+        helper.wait()
+        kill_survivors(helper_token)
+
+
+@needs_root
+def test_ledger_turned_off_says_escapes_not_observed(seal_ledger_run, tmp_path):
+    """Without a ledger (here: turned off), an escape cannot be seen: the
+    layer is null with the reason, never "none seen". The escaper here exits
+    by itself before the stop, so nothing is left to lie about."""
+    c = seal_ledger_run()
+    script = f"sh -c 'echo $$ > {BASE}/cgroup.procs && sleep 0.2'\nexit 0"
+    assert c.run([], ["sh", "-c", script], extra_env={"CONTAIN_LEDGER": "off"}) == 0
+    rec = c.record()
+    esc = rec["evidence"]["escapes"]
+    assert esc["observed"] is None and "would not be seen" in esc["detail"]
+    assert rec["containment"]["sealed"] is False
+    assert survivors(c.token) == [] or rec["state"] != "REAPED"
+
+
+@needs_root
+def test_no_escape_is_observed_false_with_ledger(seal_ledger_run):
+    c = seal_ledger_run()
+    assert c.run([], ["sh", "-c", "sleep 0.1 & sleep 0.1 & wait"]) == 0
+    rec = c.record()
+    esc = rec["evidence"]["escapes"]
+    assert esc["observed"] is False, esc
+    assert esc["detail"]["tracked"] >= 3 and esc["detail"]["lost_events"] == 0
+    assert rec["state"] == "REAPED"
+
+
+def test_ledger_tracks_forks_made_before_the_root_is_registered():
+    """Events that arrive before track_root are replayed: a worker that
+    forks at once is not missed. Drives the Ledger directly."""
+    sys.path.insert(0, ROOT)
+    from launcher._ledger import Ledger, LedgerUnavailable
+
+    try:
+        led = Ledger.open()
+    except LedgerUnavailable as e:
+        pytest.skip(f"process connector unavailable here: {e.reason}")
+    token = new_token()
+    p = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & sh -c 'sleep 30 &' ; wait"],
+                         env=dict(os.environ, SEALTEST_TOKEN=token))
+    try:
+        time.sleep(0.3)          # every fork has happened before the root is known
+        led.track_root(p.pid)
+        live = {t.pid for t in led.live()}
+        mine = set(survivors(token))
+        assert mine <= live, (mine, live)
+        assert all(t.start_time for t in led.tracked if t.pid in mine)
+    finally:
+        led.close()
+        p.kill()
+        p.wait()
+        kill_survivors(token)

@@ -1,0 +1,215 @@
+"""The seal against root workers that try to leave (and an unprivileged one).
+
+Each test runs `contain run` as a subprocess with a workload that tries one
+way out and then sleeps, reads from outside (its own /proc reads) where every
+process of the workload is, cancels the run, and checks the record and that
+nothing with the test's token is left alive. Named after the escape tried.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from _survivors import (IS_ROOT, ROOT, Contain, cgroup2_mount, cgroup_of, contain_base, kill_survivors,
+                        new_token, survivors, wait_for)
+
+pytestmark = pytest.mark.skipif(not IS_ROOT, reason="the seal is built by a root supervisor; "
+                                "the escapes tried need a root worker")
+
+HELPER = os.path.join(ROOT, "tests", "_clone3_into.py")
+MOUNT = cgroup2_mount() or "/sys/fs/cgroup"
+BASE = contain_base() or "/sys/fs/cgroup/contain"
+PROCS = os.path.join(BASE, "cgroup.procs")
+
+# Each attempt moves the shell itself ($$) or makes a process that execs
+# `sleep 300`; the worker then execs `sleep 300` too. stderr of the attempt
+# is kept in the run's output for diagnosis.
+ATTEMPTS = {
+    "write_parent_procs": f"echo $$ > {PROCS}",
+    "nested_sh_write_parent_procs": f"sh -c 'echo $$ > {PROCS} && exec sleep 300' &",
+    "clone3_into_parent": f"{sys.executable} {HELPER} {BASE} sleep 300",
+    "proc1_root_walk": f"echo $$ > /proc/1/root{PROCS}",
+    "remount_rw": f"mount -o remount,rw {MOUNT} && echo $$ > {PROCS}",
+    "fresh_cgroup2_mount": "mkdir -p {tmp}/cg && mount -t cgroup2 none {tmp}/cg && echo $$ > {tmp}/cg/contain/cgroup.procs",
+    "nsenter_pid1": f"nsenter -t 1 -m -C sh -c 'echo $$ > {PROCS} && exec sleep 300' &",
+    "userns_then_mount": "unshare -Urm sh -c 'mkdir -p {tmp}/cg2 && mount -t cgroup2 none {tmp}/cg2 && "
+                         "echo $$ > {tmp}/cg2/contain/cgroup.procs && exec sleep 300' &",
+    "userns_cgroupns_then_mount": "unshare -Urm --cgroup sh -c 'mkdir -p {tmp}/cg3 && mount -t cgroup2 none "
+                                  "{tmp}/cg3 && echo $$ > {tmp}/cg3/cgroup.procs && exec sleep 300' &",
+}
+TOOLS = {"nsenter_pid1": "nsenter", "userns_then_mount": "unshare", "userns_cgroupns_then_mount": "unshare",
+         "remount_rw": "mount", "fresh_cgroup2_mount": "mount"}
+
+
+def _sleepers(token: str) -> list[int]:
+    out = []
+    for pid in survivors(token):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().split(b"\0")[:2] == [b"sleep", b"300"]:
+                    out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def _inside(c: Contain, where: str | None) -> bool:
+    base_cg = "/" + os.path.relpath(BASE, MOUNT) if os.path.relpath(BASE, MOUNT) != "." else ""
+    return where is not None and where.startswith(f"{base_cg}/run-{c.run_id}-")
+
+
+def _attempt(c: Contain, opts: list[str], attempt: str, tmp: str, extra_env: dict[str, str] | None = None,
+             expect_sleepers: int = 1) -> dict[str, str | None]:
+    """Start the workload, wait until it settled, and return where each of
+    its processes is (pid -> v2 cgroup), read from outside."""
+    script = attempt.format(tmp=tmp) + "\nsleep 0.3\nexec sleep 300"
+    c.start(["--grace", "0.5", *opts], ["sh", "-c", script], extra_env)
+    assert wait_for(lambda: len(_sleepers(c.token)) >= expect_sleepers, 15), \
+        f"workload never settled: {survivors(c.token)}"
+    time.sleep(0.3)
+    # The supervisor carries the token too (the worker inherits its
+    # environment); it is not part of the tree.
+    sup = c.proc.pid if c.proc is not None else -1
+    return {str(p): cgroup_of(p) for p in survivors(c.token) if p != sup}
+
+
+@pytest.fixture
+def seal_run(tmp_path):
+    made: list[Contain] = []
+
+    def make() -> Contain:
+        c = Contain(str(tmp_path), new_token())
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.cleanup()
+
+
+def _finish(c: Contain) -> dict:
+    c.cancel()
+    rc = c.wait(60)
+    rec = c.record()
+    left = survivors(c.token)
+    # The invariant of issue 4, by the test's own scan.
+    if rec["state"] == "REAPED":
+        assert left == [], f"REAPED while {left} of the tree live ({rec['evidence']['escapes']})"
+    rec["_rc"] = rc
+    rec["_left"] = left
+    return rec
+
+
+@pytest.mark.parametrize("name", sorted(ATTEMPTS))
+def test_sealed_root_worker_cannot_leave(seal_run, tmp_path, name):
+    tool = TOOLS.get(name)
+    if tool and shutil.which(tool) is None:
+        pytest.skip(f"{tool} not installed")
+    c = seal_run()
+    where = _attempt(c, ["--seal"], ATTEMPTS[name], str(tmp_path))
+    outside = {p: w for p, w in where.items() if not _inside(c, w)}
+    assert not outside, f"{name}: left the run under --seal: {outside}"
+    rec = _finish(c)
+    assert rec["containment"]["sealed"] is True, rec["containment"]
+    seal = rec["containment"]["seal"]
+    assert seal["method"] == "namespaces" and seal["user_namespace"] and seal["no_new_privs"]
+    assert rec["state"] == "REAPED", (rec["state"], c.stderr)
+    assert rec["outcome"] == "cancelled"
+    assert rec["_left"] == []
+    # Sealed runs are not watched by the ledger, and say so instead of "none".
+    esc = rec["evidence"]["escapes"]
+    assert esc["observed"] is None and "sealed" in esc["detail"]
+
+
+def test_sealed_root_worker_cannot_leave_through_capless_root_process(seal_run, tmp_path):
+    """A root process without capabilities outside the run can be walked
+    through /proc/<pid>/root by a root worker whose capabilities are a
+    superset of it; the seal's user namespace closes that."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv not installed")
+    helper_token = new_token()
+    env = dict(os.environ, SEALTEST_TOKEN=helper_token)
+    helper = subprocess.Popen(["setpriv", "--bounding-set=-all", "--inh-caps=-all", "sleep", "300"], env=env)
+    try:
+        assert wait_for(lambda: survivors(helper_token), 5)
+        c = seal_run()
+        attempt = (f"echo $$ > /proc/{helper.pid}/root{PROCS}; "
+                   f"{sys.executable} {HELPER} /proc/{helper.pid}/root{BASE} sleep 300")
+        where = _attempt(c, ["--seal"], attempt, str(tmp_path))
+        outside = {p: w for p, w in where.items() if not _inside(c, w)}
+        assert not outside, f"left through /proc/{helper.pid}/root: {outside}"
+        rec = _finish(c)
+        assert rec["containment"]["sealed"] is True and rec["state"] == "REAPED"
+    finally:
+        helper.kill()
+        helper.wait()
+        kill_survivors(helper_token)
+
+
+def test_unprivileged_worker_cannot_move(seal_run, tmp_path):
+    """--user nobody: nobody owns no cgroup.procs above the run, so the
+    write is refused by the kernel; that is a seal without namespaces."""
+    c = seal_run()
+    where = _attempt(c, ["--user", "nobody"], ATTEMPTS["write_parent_procs"], str(tmp_path))
+    assert all(_inside(c, w) for w in where.values()), where
+    rec = _finish(c)
+    assert rec["containment"]["sealed"] is True
+    assert rec["containment"]["seal"]["method"] == "unprivileged-uid"
+    assert rec["state"] == "REAPED" and rec["_left"] == []
+
+
+def test_unprivileged_worker_cannot_move_by_clone3(seal_run, tmp_path):
+    c = seal_run()
+    where = _attempt(c, ["--user", "nobody"], ATTEMPTS["clone3_into_parent"], str(tmp_path))
+    assert all(_inside(c, w) for w in where.values()), where
+    rec = _finish(c)
+    assert rec["containment"]["sealed"] is True and rec["state"] == "REAPED" and rec["_left"] == []
+
+
+def test_seal_with_user_nobody(seal_run, tmp_path):
+    c = seal_run()
+    where = _attempt(c, ["--seal", "--user", "nobody"], ATTEMPTS["write_parent_procs"], str(tmp_path))
+    assert all(_inside(c, w) for w in where.values()), where
+    rec = _finish(c)
+    assert rec["containment"]["sealed"] is True and rec["containment"]["seal"]["method"] == "namespaces"
+    assert rec["state"] == "REAPED" and rec["_left"] == []
+
+
+def test_unsealed_root_worker_is_not_called_sealed(seal_run, tmp_path):
+    c = seal_run()
+    rc = c.run([], ["true"])
+    assert rc == 0
+    rec = c.record()
+    assert rec["containment"]["sealed"] is False
+    assert "root" in rec["containment"]["sealed_reason"]
+    assert rec["containment"]["seal"] is None
+
+
+def test_sealed_worker_keeps_root_file_access_and_sees_its_own_cgroup(seal_run, tmp_path):
+    """What the seal keeps: uid 0 file access (identity map), a view of its
+    own cgroup; what it takes: writing to it."""
+    c = seal_run()
+    out = tmp_path / "seen"
+    script = (f"id -u > {out}; cat /proc/self/cgroup | tail -1 >> {out}; "
+              f"test -r /etc/shadow && echo shadow-readable >> {out}; "
+              f"echo 1 > /sys/fs/cgroup/unified/cgroup.procs 2>/dev/null || echo cg-ro >> {out}")
+    assert c.run(["--seal"], ["sh", "-c", script]) == 0, c.stderr
+    seen = out.read_text().split()
+    assert seen[0] == "0" and seen[1] == "0::/"
+    assert "shadow-readable" in seen and "cg-ro" in seen
+    assert c.record()["state"] == "REAPED"
+
+
+def test_host_cgroup_mount_is_still_read_write():
+    """The seal only ever changes mounts inside the worker's namespace."""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            if right.split()[:1] == ["cgroup2"]:
+                assert left.split()[5].split(",")[0] == "rw", line
+                assert right.split()[2].split(",")[0] == "rw", line
