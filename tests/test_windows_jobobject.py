@@ -17,6 +17,7 @@ import fcntl
 import os
 import shutil
 import signal
+import sys
 import subprocess
 import time
 from pathlib import Path
@@ -219,3 +220,48 @@ def test_nothing_outlives_the_prefix(harness: HarnessRun) -> None:
     starting it can stay blocked in the loader at the Unix level although
     Windows already counts it gone (docs/windows.md)."""
     assert _prefix_processes(harness.prefix) == []
+
+
+# -- on every platform: the backend's Linux face -----------------------------
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the Linux face of the backend")
+def test_job_object_backend_fails_125_off_windows(tmp_path: Path) -> None:
+    env = dict(os.environ, CONTAIN_STATE_DIR=str(tmp_path))
+    p = subprocess.run([sys.executable, "-m", "launcher", "run", "--backend", "job-object", "--", "true"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 125, p.stderr
+    assert "Job Objects exist only on Windows" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the Linux face of the backend")
+def test_job_object_library_raises_containment_unavailable(tmp_path: Path) -> None:
+    from launcher._errors import ContainmentUnavailable
+    from launcher._run import Options, _make_container
+
+    with pytest.raises(ContainmentUnavailable, match="only on Windows"):
+        _make_container("x", Options(backend="job-object", state_dir=str(tmp_path)))
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the Linux stubs")
+def test_native_job_symbols_exist_and_say_enosys() -> None:
+    """The one extension carries the Job Object symbols on Linux too."""
+    import errno
+
+    from launcher._native import ffi, lib
+
+    h = ffi.new("uintptr_t*")
+    assert lib.ct_job_create(h) == -errno.ENOSYS and h[0] == 0
+    r = ffi.new("struct ct_job_spawn_result*")
+    assert lib.ct_job_spawn(ffi.new("struct ct_job_spawn_args*"), r) == -errno.ENOSYS
+    assert lib.ct_job_terminate(0, 1) == -errno.ENOSYS
+    assert lib.ct_job_close_take(0) == -errno.ENOSYS
+
+
+def test_environment_block_is_sorted_and_refuses_nul() -> None:
+    from launcher._platform.windows import environment_block
+
+    assert environment_block({"b": "2", "A": "1", "=C:": "C:\\x"}) == "=C:=C:\\x\0A=1\0b=2\0\0".encode()
+    assert environment_block({}) == b"\0\0"
+    with pytest.raises(ValueError):
+        environment_block({"A": "x\0y"})
