@@ -57,10 +57,14 @@ CHECKS = [
 
 # What Wine 8 does not implement (dlls/ntdll/unix/sync.c,
 # NtQueryInformationJobObject): the limit classes are zero-filled and the
-# accounting class carries only TotalProcesses and ActiveProcesses.
+# accounting class carries only TotalProcesses and ActiveProcesses. And,
+# rarely, a child whose creation raced TerminateJobObject stays counted in
+# ActiveProcesses with no process alive; the harness accepts that only when
+# the wait said "not empty" and its own toolhelp census finds nothing alive.
 WINE_GAPS = {
     "limits_kill_on_close_no_breakaway": "wine_query_limits_zero_filled",
     "accounting_cpu_time": "wine_accounting_times_zero",
+    "terminate_during_spawn_storm": "wine_active_count_stuck_after_kill_during_creation",
 }
 
 
@@ -173,15 +177,22 @@ def harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     env.pop("DISPLAY", None)
     fresh = not ready.exists()
     try:
+        # A file, not a pipe: a Wine loader left blocked at the Unix level
+        # (see test_nothing_outlives_the_prefix) inherits the harness's
+        # stdout and would hold a pipe open for ever.
+        log = work / "harness.out"
         t0 = time.monotonic()
-        run = subprocess.run([wine, str(exe)], cwd=work, env=env, capture_output=True, text=True, timeout=600)
+        with open(log, "w") as out:
+            run = subprocess.run([wine, str(exe)], cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                 stderr=subprocess.STDOUT, timeout=600)
         t_run = time.monotonic() - t0
-        if "SUMMARY " in run.stdout:
+        text = log.read_text(errors="replace")
+        if "SUMMARY " in text:
             ready.touch()
         leftovers = _prefix_processes(str(prefix))
         harness_left = [p for p in leftovers if exe.name in p[1]]
         killed = _end_prefix(str(prefix), env)
-        result = HarnessRun(run.stdout.splitlines(), str(prefix),
+        result = HarnessRun(text.splitlines(), str(prefix),
                             {"build_s": t_build, "run_s": t_run, "fresh_prefix": float(fresh)},
                             harness_left)
         print(f"\njob-object harness: build {t_build:.1f}s, wine run {t_run:.1f}s "
@@ -189,7 +200,7 @@ def harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
               f"harness processes left at the Unix level before wineserver -k: {len(harness_left)}; "
               f"killed by pid after -k: {len(killed)}")
         if not result.summary:
-            pytest.fail(f"harness did not finish (exit {run.returncode}):\n{run.stdout}\n{run.stderr[-3000:]}")
+            pytest.fail(f"harness did not finish (exit {run.returncode}):\n{text[-5000:]}")
         yield result
     finally:
         _end_prefix(str(prefix), env)

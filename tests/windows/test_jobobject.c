@@ -20,6 +20,7 @@
 #define _WIN32_WINNT 0x0A00
 #endif
 #include <windows.h>
+#include <tlhelp32.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -667,6 +668,36 @@ static void t_supervisor_death(void) {
     close_pi(&pi);
 }
 
+/* The harness's own census, through toolhelp rather than the job: every
+ * other process running our executable, how many are alive, and how many
+ * of those the job holds. */
+static void census(uintptr_t job, int *alive, int *alive_in_job) {
+    wchar_t self[MAX_PATH], *base;
+    PROCESSENTRY32W e;
+    HANDLE snap;
+    *alive = *alive_in_job = 0;
+    GetModuleFileNameW(NULL, self, MAX_PATH);
+    base = wcsrchr(self, L'\\') ? wcsrchr(self, L'\\') + 1 : self;
+    snap = CreateToolhelp32Snapshot(TH32CS_SNAPPROCESS, 0);
+    if (snap == INVALID_HANDLE_VALUE) {
+        *alive = -1;
+        return;
+    }
+    e.dwSize = sizeof e;
+    if (Process32FirstW(snap, &e)) do {
+        HANDLE h;
+        if (e.th32ProcessID == GetCurrentProcessId() || _wcsicmp(e.szExeFile, base) != 0) continue;
+        h = open_pid(e.th32ProcessID);
+        if (h == NULL) continue;   /* gone between the snapshot and the open */
+        if (WaitForSingleObject(h, 0) == WAIT_TIMEOUT) {
+            (*alive)++;
+            if (in_job(h, job) == 1) (*alive_in_job)++;
+        }
+        CloseHandle(h);
+    } while (Process32NextW(snap, &e));
+    CloseHandle(snap);
+}
+
 /* TerminateJobObject while the tree is still forking: whatever was born
  * during the kill must be in the job and die too. */
 static void t_storm(void) {
@@ -674,7 +705,7 @@ static void t_storm(void) {
     struct ct_job_spawn_result r;
     struct ct_job_wait_result w;
     DWORD pids[MAXP];
-    int rc, n_before, n, i, rounds = 0, alive = 0, unknown = 0;
+    int rc, n_before, n, i, rounds = 0, alive = 0, unknown = 0, ok, c_alive, c_in_job;
     long q;
     make_job(&job, &port);
     memset(&w, 0, sizeof w);
@@ -698,10 +729,19 @@ static void t_storm(void) {
         if (WaitForSingleObject(h, 0) != WAIT_OBJECT_0) alive++;
         CloseHandle(h);
     }
-    check("terminate_during_spawn_storm", rc == 0 && w.empty && q == 0 && alive == 0 && unknown == 0,
-          "rc=%d marked_at_kill=%d marked_total=%d rounds=%d active_by_query=%ld alive=%d unknown=%d "
-          "new_process_msgs=%lu",
-          rc, n_before, n, rounds, q, alive, unknown, (unsigned long)w.new_processes);
+    census(job, &c_alive, &c_in_job);
+    ok = rc == 0 && w.empty && q == 0 && alive == 0 && unknown == 0 && c_alive == 0;
+    /* Wine, about one run in thirty: a child whose creation raced the kill
+     * stays counted in ActiveProcesses although no process of ours is alive
+     * by toolhelp. The wait must then say "not empty" (it did, or ok would
+     * hold): the owner loop reports UNCONFIRMED and retries, never REAPED. */
+    if (!ok && wine_version && rc == 0 && !w.empty && q > 0 && alive == 0 && unknown == 0 && c_alive == 0)
+        ok = SKIP;
+    check("terminate_during_spawn_storm", ok,
+          "rc=%d marked_at_kill=%d marked_total=%d rounds=%d empty=%d active_by_query=%ld alive=%d unknown=%d "
+          "census_alive=%d census_in_job=%d new_process_msgs=%lu%s",
+          rc, n_before, n, rounds, w.empty, q, alive, unknown, c_alive, c_in_job, (unsigned long)w.new_processes,
+          ok == SKIP ? " gap=wine_active_count_stuck_after_kill_during_creation" : "");
     if (r.process) ct_job_close_take(r.process);
     drop_job(job, port);
 }
