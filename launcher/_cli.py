@@ -45,7 +45,7 @@ def _parser() -> _Parser:
     r.add_argument("--kill-timeout", type=_seconds, default=10.0,
                    help="seconds to wait for the container to empty after SIGKILL (default 10)")
     r.add_argument("--record", metavar="FILE", help="also write the stop record to FILE")
-    r.add_argument("--backend", choices=("auto", "cgroup2", "none"), default=None,
+    r.add_argument("--backend", choices=("auto", "cgroup2", "job-object", "none"), default=None,
                    help="container kind (default auto, or CONTAIN_BACKEND)")
     r.add_argument("--seal", action="store_true", help="make leaving the container impossible (see docs)")
     r.add_argument("--user", help="run the worker as USER (name or uid)")
@@ -117,8 +117,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         _say("run: nothing to run (usage: contain run [OPTIONS] -- CMD [ARG...])")
         return EXIT_USAGE
     backend = args.backend or os.environ.get("CONTAIN_BACKEND", "auto")
-    if backend not in ("auto", "cgroup2", "none"):
-        _say(f"run: CONTAIN_BACKEND={backend!r} is not auto, cgroup2 or none")
+    if backend not in ("auto", "cgroup2", "job-object", "none"):
+        _say(f"run: CONTAIN_BACKEND={backend!r} is not auto, cgroup2, job-object or none")
         return EXIT_USAGE
     try:
         opts = Options(grace=args.grace, timeout=args.timeout or None, kill_timeout=args.kill_timeout or 10.0,

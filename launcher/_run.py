@@ -13,6 +13,7 @@ import errno
 import os
 import select
 import signal
+import sys
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -49,8 +50,8 @@ class Options:
                  check_sockets: bool = False) -> None:
         if grace < 0 or (timeout is not None and timeout <= 0) or kill_timeout <= 0:
             raise ValueError("grace must be >= 0, timeout and kill_timeout > 0")
-        if backend not in ("auto", "cgroup2", "none"):
-            raise ValueError(f"unknown backend {backend!r} (auto, cgroup2 or none)")
+        if backend not in ("auto", "cgroup2", "job-object", "none"):
+            raise ValueError(f"unknown backend {backend!r} (auto, cgroup2, job-object or none)")
         self.grace = grace
         self.timeout = timeout
         self.kill_timeout = kill_timeout
@@ -73,6 +74,12 @@ def _make_container(run_id: str, opts: Options) -> Any:
     """The strongest container the options and the host allow."""
     env = opts.env if opts.env is not None else os.environ
     backend = opts.backend if opts.backend != "auto" else env.get("CONTAIN_BACKEND", "auto")
+    if backend == "job-object" or (backend == "auto" and sys.platform == "win32"):
+        if sys.platform != "win32":
+            raise ContainmentUnavailable("Job Objects exist only on Windows")
+        from ._platform import windows
+
+        return windows.Container.create(run_id)
     if backend in ("auto", "cgroup2"):
         from ._platform import linux
 

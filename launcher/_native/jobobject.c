@@ -1,0 +1,477 @@
+/* The `job-object` container: a Windows Job Object that holds the worker
+ * from before its first instruction.
+ *
+ * The worker is created suspended, in the job already where Windows allows
+ * it (PROC_THREAD_ATTRIBUTE_JOB_LIST, Windows 10: the process is born in the
+ * job), else by AssignProcessToJobObject while its only thread has not run.
+ * Either way IsProcessInJob is checked before ResumeThread, so the claim
+ * "in the job before its first instruction" is observed, not assumed. A
+ * child that cannot be placed is terminated while still suspended.
+ *
+ * The job never allows breakaway: with JOB_OBJECT_LIMIT_BREAKAWAY_OK or
+ * _SILENT_BREAKAWAY_OK a descendant leaves the job by asking (or silently),
+ * which is how libuv's children escape (libuv#3179). KILL_ON_JOB_CLOSE makes
+ * the supervisor's death (its last handle closing) kill the tree.
+ *
+ * Completion-port messages are "not guaranteed" (Microsoft's page on
+ * JOBOBJECT_ASSOCIATE_COMPLETION_PORT): they only wake us. Emptiness is
+ * decided by QueryInformationJobObject(JobObjectBasicAccountingInformation)
+ * .ActiveProcesses == 0, read again after every wake-up.
+ *
+ * On other platforms every function exists and returns -ENOSYS.
+ */
+#include "jobobject.h"
+
+#ifdef _WIN32
+#ifndef _WIN32_WINNT
+#define _WIN32_WINNT 0x0A00
+#endif
+#include <windows.h>
+#include <string.h>
+
+#ifndef PROC_THREAD_ATTRIBUTE_JOB_LIST
+#define PROC_THREAD_ATTRIBUTE_JOB_LIST ProcThreadAttributeValue(13, FALSE, TRUE, FALSE)
+#endif
+#ifndef ERROR_PROCESS_NOT_IN_JOB
+#define ERROR_PROCESS_NOT_IN_JOB 759L
+#endif
+
+/* Re-query ActiveProcesses at least this often even if no message comes. */
+#define CT_JOB_REQUERY_MS 100
+
+static int last_error(void) {
+    DWORD e = GetLastError();
+    return e ? (int)e : (int)ERROR_GEN_FAILURE;
+}
+
+/* UTF-8 (len bytes, or NUL-terminated when len < 0) to a heap UTF-16 copy. */
+static int widen(const char *s, int len, wchar_t **out) {
+    int n;
+    *out = NULL;
+    if (s == NULL) return 0;
+    n = MultiByteToWideChar(CP_UTF8, MB_ERR_INVALID_CHARS, s, len, NULL, 0);
+    if (n <= 0) return last_error();
+    *out = HeapAlloc(GetProcessHeap(), 0, (SIZE_T)(n + 1) * sizeof(wchar_t));
+    if (*out == NULL) return ERROR_NOT_ENOUGH_MEMORY;
+    if (MultiByteToWideChar(CP_UTF8, MB_ERR_INVALID_CHARS, s, len, *out, n) != n) {
+        int e = last_error();
+        HeapFree(GetProcessHeap(), 0, *out);
+        *out = NULL;
+        return e;
+    }
+    (*out)[n] = L'\0';
+    return 0;
+}
+
+static void wfree(wchar_t *p) {
+    if (p) HeapFree(GetProcessHeap(), 0, p);
+}
+
+int ct_job_create(uintptr_t *job) {
+    JOBOBJECT_EXTENDED_LIMIT_INFORMATION li;
+    HANDLE j;
+    *job = 0;
+    /* No name and no inheritable handle: nothing in the tree can open it
+     * to change its limits. */
+    j = CreateJobObjectW(NULL, NULL);
+    if (j == NULL) return last_error();
+    ZeroMemory(&li, sizeof li);
+    li.BasicLimitInformation.LimitFlags =
+        JOB_OBJECT_LIMIT_KILL_ON_JOB_CLOSE | JOB_OBJECT_LIMIT_DIE_ON_UNHANDLED_EXCEPTION;
+    if (!SetInformationJobObject(j, JobObjectExtendedLimitInformation, &li, sizeof li)) {
+        int e = last_error();
+        CloseHandle(j);
+        return e;
+    }
+    *job = (uintptr_t)j;
+    return 0;
+}
+
+/* Associate before the first process is assigned, or its NEW_PROCESS
+ * message is never sent. The completion key is the job handle. */
+int ct_job_port_create(uintptr_t job, uintptr_t *port) {
+    JOBOBJECT_ASSOCIATE_COMPLETION_PORT acp;
+    HANDLE p;
+    *port = 0;
+    p = CreateIoCompletionPort(INVALID_HANDLE_VALUE, NULL, 0, 1);
+    if (p == NULL) return last_error();
+    acp.CompletionKey = (PVOID)job;
+    acp.CompletionPort = p;
+    if (!SetInformationJobObject((HANDLE)job, JobObjectAssociateCompletionPortInformation, &acp,
+                                 sizeof acp)) {
+        int e = last_error();
+        CloseHandle(p);
+        return e;
+    }
+    *port = (uintptr_t)p;
+    return 0;
+}
+
+int ct_job_limits(uintptr_t job, uint32_t *limit_flags) {
+    JOBOBJECT_EXTENDED_LIMIT_INFORMATION li;
+    *limit_flags = 0;
+    if (!QueryInformationJobObject((HANDLE)job, JobObjectExtendedLimitInformation, &li, sizeof li,
+                                   NULL))
+        return last_error();
+    *limit_flags = li.BasicLimitInformation.LimitFlags;
+    return 0;
+}
+
+/* An attribute list holding the job (if job != NULL) and the handles the
+ * child may inherit (if n > 0). `job` and `handles` must outlive the list. */
+static int make_attrs(const HANDLE *job, HANDLE *handles, int n, LPPROC_THREAD_ATTRIBUTE_LIST *out) {
+    SIZE_T size = 0;
+    DWORD count = (job ? 1 : 0) + (n > 0 ? 1 : 0);
+    LPPROC_THREAD_ATTRIBUTE_LIST l;
+    int e;
+    *out = NULL;
+    if (count == 0) return 0;
+    InitializeProcThreadAttributeList(NULL, count, 0, &size);
+    l = HeapAlloc(GetProcessHeap(), 0, size);
+    if (l == NULL) return ERROR_NOT_ENOUGH_MEMORY;
+    if (!InitializeProcThreadAttributeList(l, count, 0, &size)) {
+        e = last_error();
+        HeapFree(GetProcessHeap(), 0, l);
+        return e;
+    }
+    if ((job && !UpdateProcThreadAttribute(l, 0, PROC_THREAD_ATTRIBUTE_JOB_LIST, (PVOID)job,
+                                           sizeof(HANDLE), NULL, NULL)) ||
+        (n > 0 && !UpdateProcThreadAttribute(l, 0, PROC_THREAD_ATTRIBUTE_HANDLE_LIST, handles,
+                                             (SIZE_T)n * sizeof(HANDLE), NULL, NULL))) {
+        e = last_error();
+        DeleteProcThreadAttributeList(l);
+        HeapFree(GetProcessHeap(), 0, l);
+        return e;
+    }
+    *out = l;
+    return 0;
+}
+
+static void free_attrs(LPPROC_THREAD_ATTRIBUTE_LIST l) {
+    if (l) {
+        DeleteProcThreadAttributeList(l);
+        HeapFree(GetProcessHeap(), 0, l);
+    }
+}
+
+/* The child has run nothing (it is suspended): end it and wait for it. */
+static void discard_suspended(PROCESS_INFORMATION *pi) {
+    TerminateProcess(pi->hProcess, 1);
+    WaitForSingleObject(pi->hProcess, 5000);
+    CloseHandle(pi->hThread);
+    CloseHandle(pi->hProcess);
+}
+
+int ct_job_spawn(const struct ct_job_spawn_args *a, struct ct_job_spawn_result *r) {
+    static const DWORD std_ids[3] = {STD_INPUT_HANDLE, STD_OUTPUT_HANDLE, STD_ERROR_HANDLE};
+    wchar_t *app = NULL, *cmd = NULL, *env = NULL, *cwd = NULL;
+    HANDLE job = (HANDLE)a->job;
+    HANDLE std[3] = {NULL, NULL, NULL};
+    HANDLE inherit[3];
+    int ninherit = 0;
+    LPPROC_THREAD_ATTRIBUTE_LIST attrs = NULL;
+    STARTUPINFOEXW si;
+    PROCESS_INFORMATION pi;
+    DWORD flags;
+    BOOL inside = FALSE;
+    int rc, i;
+
+    memset(r, 0, sizeof *r);
+    r->stage = CT_JOB_STAGE_ARGS;
+    if (a->command_line == NULL) return ERROR_INVALID_PARAMETER;
+    if ((rc = widen(a->application, -1, &app)) || (rc = widen(a->command_line, -1, &cmd)) ||
+        (rc = widen(a->cwd, -1, &cwd)))
+        goto out;
+    if (a->environment && (rc = widen(a->environment, (int)a->env_len, &env))) goto out;
+
+    /* Only our own inheritable duplicates of the three std handles are
+     * inherited (PROC_THREAD_ATTRIBUTE_HANDLE_LIST), as CPython's
+     * subprocess does: no other handle of the supervisor leaks in. */
+    for (i = 0; i < 3; i++) {
+        HANDLE src = a->stdio[i] ? (HANDLE)a->stdio[i] : GetStdHandle(std_ids[i]);
+        if (src == NULL || src == INVALID_HANDLE_VALUE) continue;
+        if (!DuplicateHandle(GetCurrentProcess(), src, GetCurrentProcess(), &std[i], 0, TRUE,
+                             DUPLICATE_SAME_ACCESS)) {
+            rc = last_error();
+            goto out;
+        }
+        inherit[ninherit++] = std[i];
+    }
+    ZeroMemory(&si, sizeof si);
+    si.StartupInfo.cb = sizeof si;
+    if (ninherit > 0) {
+        si.StartupInfo.dwFlags = STARTF_USESTDHANDLES;
+        si.StartupInfo.hStdInput = std[0];
+        si.StartupInfo.hStdOutput = std[1];
+        si.StartupInfo.hStdError = std[2];
+    }
+    /* Suspended on both paths: placement is verified before the first
+     * instruction runs. */
+    flags = EXTENDED_STARTUPINFO_PRESENT | CREATE_UNICODE_ENVIRONMENT | CREATE_SUSPENDED;
+    if (a->new_process_group) flags |= CREATE_NEW_PROCESS_GROUP;
+
+    r->job_list_error = -1;
+    if (a->try_job_list) {
+        r->stage = CT_JOB_STAGE_ATTRS;
+        r->job_list_error = make_attrs(&job, inherit, ninherit, &attrs);
+        if (r->job_list_error == 0) {
+            si.lpAttributeList = attrs;
+            r->stage = CT_JOB_STAGE_CREATE;
+            if (CreateProcessW(app, cmd, NULL, NULL, ninherit > 0, flags, env, cwd,
+                               &si.StartupInfo, &pi)) {
+                r->via = CT_JOB_VIA_JOB_LIST;
+            } else {
+                rc = last_error();
+                /* Only "this attribute is not understood" falls back; any
+                 * other failure is the command's own (not found, denied). */
+                if (rc != ERROR_INVALID_PARAMETER && rc != ERROR_NOT_SUPPORTED) goto out;
+                r->job_list_error = rc;
+                rc = 0;
+            }
+            free_attrs(attrs);
+            attrs = NULL;
+        }
+    }
+    if (r->via == CT_JOB_VIA_NONE) {
+        r->stage = CT_JOB_STAGE_ATTRS;
+        if ((rc = make_attrs(NULL, inherit, ninherit, &attrs))) goto out;
+        si.lpAttributeList = attrs;
+        r->stage = CT_JOB_STAGE_CREATE;
+        if (!CreateProcessW(app, cmd, NULL, NULL, ninherit > 0, flags, env, cwd, &si.StartupInfo,
+                            &pi)) {
+            rc = last_error();
+            goto out;
+        }
+        r->pid = pi.dwProcessId;
+        r->stage = CT_JOB_STAGE_ASSIGN;
+        if (!AssignProcessToJobObject(job, pi.hProcess)) {
+            rc = last_error();
+            discard_suspended(&pi);
+            goto out;
+        }
+        r->via = CT_JOB_VIA_SUSPENDED;
+    }
+    r->pid = pi.dwProcessId;
+    r->stage = CT_JOB_STAGE_VERIFY;
+    if (!IsProcessInJob(pi.hProcess, job, &inside)) {
+        rc = last_error();
+        discard_suspended(&pi);
+        goto out;
+    }
+    if (!inside) {
+        rc = ERROR_PROCESS_NOT_IN_JOB;
+        discard_suspended(&pi);
+        goto out;
+    }
+    r->stage = CT_JOB_STAGE_RESUME;
+    if (ResumeThread(pi.hThread) == (DWORD)-1) {
+        rc = last_error();
+        discard_suspended(&pi);
+        goto out;
+    }
+    CloseHandle(pi.hThread);
+    r->process = (uintptr_t)pi.hProcess;
+    r->stage = CT_JOB_STAGE_NONE;
+    rc = 0;
+out:
+    free_attrs(attrs);
+    for (i = 0; i < 3; i++)
+        if (std[i]) CloseHandle(std[i]);
+    wfree(app);
+    wfree(cmd);
+    wfree(env);
+    wfree(cwd);
+    return rc;
+}
+
+int ct_job_accounting(uintptr_t job, struct ct_job_accounting *out) {
+    JOBOBJECT_BASIC_ACCOUNTING_INFORMATION bi;
+    memset(out, 0, sizeof *out);
+    if (!QueryInformationJobObject((HANDLE)job, JobObjectBasicAccountingInformation, &bi, sizeof bi,
+                                   NULL))
+        return last_error();
+    out->user_100ns = (uint64_t)bi.TotalUserTime.QuadPart;
+    out->kernel_100ns = (uint64_t)bi.TotalKernelTime.QuadPart;
+    out->active = bi.ActiveProcesses;
+    out->total = bi.TotalProcesses;
+    out->terminated = bi.TotalTerminatedProcesses;
+    return 0;
+}
+
+/* Returns ERROR_MORE_DATA when `assigned` > `cap` (retry with a larger
+ * buffer); the list is a snapshot, processes come and go around it. */
+int ct_job_pids(uintptr_t job, uint64_t *pids, uint32_t cap, uint32_t *assigned, uint32_t *listed) {
+    JOBOBJECT_BASIC_PROCESS_ID_LIST *l;
+    DWORD size = (DWORD)(sizeof *l + (SIZE_T)(cap ? cap : 1) * sizeof(ULONG_PTR));
+    int rc = 0;
+    uint32_t i;
+    *assigned = *listed = 0;
+    l = HeapAlloc(GetProcessHeap(), HEAP_ZERO_MEMORY, size);
+    if (l == NULL) return ERROR_NOT_ENOUGH_MEMORY;
+    if (!QueryInformationJobObject((HANDLE)job, JobObjectBasicProcessIdList, l, size, NULL)) {
+        rc = last_error();
+        if (rc != ERROR_MORE_DATA) goto out;
+    }
+    *assigned = l->NumberOfAssignedProcesses;
+    *listed = l->NumberOfProcessIdsInList < cap ? l->NumberOfProcessIdsInList : cap;
+    for (i = 0; i < *listed; i++) pids[i] = (uint64_t)l->ProcessIdList[i];
+    if (*assigned > *listed) rc = ERROR_MORE_DATA;
+out:
+    HeapFree(GetProcessHeap(), 0, l);
+    return rc;
+}
+
+int ct_job_contains(uintptr_t job, uint32_t pid, int *inside) {
+    BOOL in = FALSE;
+    HANDLE p;
+    int rc = 0;
+    *inside = 0;
+    /* Windows accepts the limited right for IsProcessInJob; Wine asks for
+     * PROCESS_QUERY_INFORMATION (server/process.c, process_in_job). */
+    p = OpenProcess(PROCESS_QUERY_INFORMATION, FALSE, pid);
+    if (p == NULL && GetLastError() == ERROR_ACCESS_DENIED)
+        p = OpenProcess(PROCESS_QUERY_LIMITED_INFORMATION, FALSE, pid);
+    if (p == NULL) return last_error();
+    if (!IsProcessInJob(p, (HANDLE)job, &in))
+        rc = last_error();
+    else
+        *inside = in ? 1 : 0;
+    CloseHandle(p);
+    return rc;
+}
+
+static void count_message(struct ct_job_wait_result *r, DWORD msg) {
+    switch (msg) {
+    case JOB_OBJECT_MSG_NEW_PROCESS: r->new_processes++; break;
+    case JOB_OBJECT_MSG_EXIT_PROCESS: r->exits++; break;
+    case JOB_OBJECT_MSG_ABNORMAL_EXIT_PROCESS: r->abnormal_exits++; break;
+    case JOB_OBJECT_MSG_ACTIVE_PROCESS_ZERO: r->port_zero = 1; break;
+    default: break;
+    }
+}
+
+/* One message, or a timeout (returns 0 and sets *got = 0). */
+static int next_message(HANDLE port, uintptr_t job, DWORD ms, struct ct_job_wait_result *r, int *got) {
+    DWORD msg = 0;
+    ULONG_PTR key = 0;
+    LPOVERLAPPED ov = NULL;
+    *got = 0;
+    if (GetQueuedCompletionStatus(port, &msg, &key, &ov, ms)) {
+        *got = 1;
+        if (key == (ULONG_PTR)job) count_message(r, msg);
+        return 0;
+    }
+    if (ov == NULL && GetLastError() == WAIT_TIMEOUT) return 0;
+    return last_error();
+}
+
+int ct_job_wait_empty(uintptr_t job, uintptr_t port, uint32_t timeout_ms, struct ct_job_wait_result *r) {
+    ULONGLONG start = GetTickCount64();
+    int rc, got;
+    for (;;) {
+        struct ct_job_accounting acc;
+        ULONGLONG waited;
+        DWORD slice;
+        /* Drain what is queued, so a long run's messages do not pile up. */
+        if (port) {
+            do {
+                if ((rc = next_message((HANDLE)port, job, 0, r, &got))) return rc;
+            } while (got);
+        }
+        if ((rc = ct_job_accounting(job, &acc))) return rc;
+        r->queries++;
+        r->active = acc.active;
+        if (acc.active == 0) {
+            r->empty = 1;
+            return 0;
+        }
+        waited = GetTickCount64() - start;
+        if (timeout_ms != INFINITE && waited >= timeout_ms) return 0;
+        slice = CT_JOB_REQUERY_MS;
+        if (timeout_ms != INFINITE && timeout_ms - waited < slice) slice = (DWORD)(timeout_ms - waited);
+        if (port) {
+            if ((rc = next_message((HANDLE)port, job, slice, r, &got))) return rc;
+        } else {
+            Sleep(slice);
+        }
+    }
+}
+
+int ct_job_terminate(uintptr_t job, uint32_t exit_code) {
+    return TerminateJobObject((HANDLE)job, exit_code) ? 0 : last_error();
+}
+
+/* Reaches only console processes of the group that share our console;
+ * the caller treats it as a polite request, never as evidence. */
+int ct_job_ctrl_break(uint32_t process_group) {
+    return GenerateConsoleCtrlEvent(CTRL_BREAK_EVENT, process_group) ? 0 : last_error();
+}
+
+int ct_job_process_wait(uintptr_t process, uint32_t timeout_ms, int *exited) {
+    DWORD w = WaitForSingleObject((HANDLE)process, timeout_ms);
+    *exited = 0;
+    if (w == WAIT_OBJECT_0) {
+        *exited = 1;
+        return 0;
+    }
+    if (w == WAIT_TIMEOUT) return 0;
+    return last_error();
+}
+
+/* The handle's signalled state, not STILL_ACTIVE (259), says whether the
+ * process runs: 259 is also a valid exit code. */
+int ct_job_process_status(uintptr_t process, int *running, uint32_t *exit_code) {
+    DWORD code = 0;
+    int rc, exited;
+    *running = 0;
+    *exit_code = 0;
+    if ((rc = ct_job_process_wait(process, 0, &exited))) return rc;
+    if (!exited) {
+        *running = 1;
+        return 0;
+    }
+    if (!GetExitCodeProcess((HANDLE)process, &code)) return last_error();
+    *exit_code = code;
+    return 0;
+}
+
+int ct_job_close_take(uintptr_t handle) {
+    return CloseHandle((HANDLE)handle) ? 0 : last_error();
+}
+
+#else /* !_WIN32: the symbols exist so the one extension links everywhere */
+#include <errno.h>
+#include <string.h>
+
+int ct_job_create(uintptr_t *job) { *job = 0; return -ENOSYS; }
+int ct_job_port_create(uintptr_t job, uintptr_t *port) { *port = 0; return -ENOSYS; }
+int ct_job_limits(uintptr_t job, uint32_t *limit_flags) { *limit_flags = 0; return -ENOSYS; }
+int ct_job_spawn(const struct ct_job_spawn_args *a, struct ct_job_spawn_result *r) {
+    memset(r, 0, sizeof *r);
+    return -ENOSYS;
+}
+int ct_job_accounting(uintptr_t job, struct ct_job_accounting *out) {
+    memset(out, 0, sizeof *out);
+    return -ENOSYS;
+}
+int ct_job_pids(uintptr_t job, uint64_t *pids, uint32_t cap, uint32_t *assigned, uint32_t *listed) {
+    *assigned = *listed = 0;
+    return -ENOSYS;
+}
+int ct_job_contains(uintptr_t job, uint32_t pid, int *inside) { *inside = 0; return -ENOSYS; }
+int ct_job_wait_empty(uintptr_t job, uintptr_t port, uint32_t timeout_ms, struct ct_job_wait_result *r) {
+    return -ENOSYS;
+}
+int ct_job_terminate(uintptr_t job, uint32_t exit_code) { return -ENOSYS; }
+int ct_job_ctrl_break(uint32_t process_group) { return -ENOSYS; }
+int ct_job_process_wait(uintptr_t process, uint32_t timeout_ms, int *exited) {
+    *exited = 0;
+    return -ENOSYS;
+}
+int ct_job_process_status(uintptr_t process, int *running, uint32_t *exit_code) {
+    *running = 0;
+    *exit_code = 0;
+    return -ENOSYS;
+}
+int ct_job_close_take(uintptr_t handle) { return -ENOSYS; }
+#endif
