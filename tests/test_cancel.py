@@ -65,7 +65,8 @@ def test_cancel_after_the_end_is_not_live(box):
 
 
 def test_natural_exit_first_stands(box):
-    proc = start(box, "r", script="sleep 0.3; exit 5", want=2)
+    # No wait for the workload to show up: it may be gone before a scan.
+    proc = subprocess.Popen(contain_cmd("run", "--id", "r", "--", "sh", "-c", "sleep 0.3; exit 5"), env=box.env)
     assert proc.wait(30) == 5
     rc, ack = cancel(box, "r", "--op-id", "x")
     assert ack["effect"] == "not_live"
@@ -238,7 +239,7 @@ def test_colliding_ack_file_fails_loudly(box):
 
 
 def test_wait_returns_when_the_run_ends(box):
-    proc = start(box, "r", script="sleep 0.5", want=2)
+    proc = start(box, "r", script="sleep 3", want=3)
     p = run_contain(box.env, "wait", "r", "--json")
     assert p.returncode == 0 and json.loads(p.stdout)["state"] == "REAPED"
     proc.wait(10)
