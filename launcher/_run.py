@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+from . import _inotify
 from . import _state as S
 from ._errors import ContainmentUnavailable, LauncherError, SpawnFailed
 from ._identity import ProcessIdentity, boot_id
@@ -134,6 +135,7 @@ class Run:
         self._deadline_timeout = 0.0
         self._wake_r, self._wake_w = -1, -1
         self._inotify = -1
+        self._inotify_wd = -1
         self._signals: list[int] = []
         self._lock = threading.RLock()
         self._done = threading.Event()
@@ -205,12 +207,12 @@ class Run:
 
         assert self.layout is not None
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        fd = lib.ct_inotify_open()
+        fd = _inotify.take()
         if fd >= 0:
-            if lib.ct_inotify_watch(fd, self.layout.cancellations.encode(), _IN_MASK) >= 0:
-                self._inotify = fd
-            else:
-                os.close(fd)
+            wd = lib.ct_inotify_watch(fd, self.layout.cancellations.encode(), _IN_MASK)
+            self._inotify, self._inotify_wd = fd, wd
+            if wd < 0:
+                self._unwatch()
         if self._inotify < 0:
             self.notes.append("inotify unavailable: cancel inbox checked on each wake-up only")
 
@@ -632,6 +634,7 @@ class Run:
     def close(self) -> None:
         """Give up ownership without writing anything (used after acknowledging
         a cancel on a run that had already ended)."""
+        self._unwatch()
         for fd in (self._wake_r, self._wake_w, self._inotify, self.pidfd):
             if fd >= 0:
                 os.close(fd)
@@ -639,6 +642,13 @@ class Run:
         if self.layout is not None:
             self.layout.release()
         self._done.set()
+
+    def _unwatch(self) -> None:
+        # The inbox's inotify instance goes back to a pool: closing it costs
+        # 4-16 ms (see _inotify.py), most of a short run.
+        if self._inotify >= 0:
+            _inotify.give(self._inotify, self._inotify_wd)
+        self._inotify, self._inotify_wd = -1, -1
 
     def _finalise(self) -> None:
         if self._final is not None and self._final.terminal:
@@ -657,6 +667,7 @@ class Run:
         if self.layout is not None:
             self.layout.journal("ended" if self.snap.terminal else "unconfirmed", state=self.snap.state.value)
             self.layout.release()
+        self._unwatch()
         for fd in (self._wake_r, self._wake_w, self._inotify):
             if fd >= 0:
                 os.close(fd)
