@@ -285,6 +285,10 @@ class Run:
 
             if os.path.isdir(info["cgroup_dir"]):
                 r.container = linux.Container.attach(info["cgroup_dir"])
+            else:
+                # e.g. a nested run whose lead's stop killed its owner and
+                # removed its cgroup with the lead's subtree.
+                r.container = linux.Container.removed(info["cgroup_dir"])
         else:
             from ._platform import none
 
@@ -606,8 +610,8 @@ class Run:
                                                    self.container.seen_summary(), at=t)
             self._event(S.Event.TREE_GONE)
             return True
-        self.ev["container_empty"] = evidence(True, "cgroup.events populated 0", {"path": self.container.path}, at=t)
-        self.ev["descendants_exit"] = evidence(True, "cgroup.events populated 0 (no member left in the subtree)",
+        self.ev["container_empty"] = evidence(True, self.container.empty_proof, {"path": self.container.path}, at=t)
+        self.ev["descendants_exit"] = evidence(True, f"{self.container.empty_proof} (no member left in the subtree)",
                                                None, at=t)
         alive = self._escapers_alive()
         self._event(S.Event.EMPTY if alive is False else S.Event.EMPTY_ESCAPED)
