@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from . import _inotify
+from . import _inotify, _nested
 from . import _state as S
 from ._errors import ContainmentUnavailable, LauncherError, SpawnFailed
 from ._identity import ProcessIdentity, boot_id
@@ -142,6 +142,8 @@ class Run:
         self._final: StopRecord | None = None
         self.on_change: Callable[[], None] | None = None
         self.adopted = False
+        self.lead: dict[str, Any] | None = None          # set when this run is nested in another
+        self._nested_seen: list[dict[str, Any]] = []     # runs nested in this one, as the kernel showed them
 
     # -- start -------------------------------------------------------------
 
@@ -156,6 +158,7 @@ class Run:
         except ContainmentUnavailable as e:
             self._spawn_failed(e, container_made=False)
             raise
+        self._note_lead()
         self._open_channels()
         req = self._spawn_request()
         t0 = time.time()
@@ -193,6 +196,8 @@ class Run:
         if self.container.backend == "cgroup2":
             env["CONTAIN_RUN_CGROUP"] = self.container.dir
         env["CONTAIN_RUN_ID"] = self.id
+        if self.layout is not None:
+            env[_nested.ENV_DIR] = self.layout.path
         uid = gid = -1
         groups: list[int] = []
         if self.opts.user is not None:
@@ -530,6 +535,7 @@ class Run:
 
     def _enter_stop(self, now: float, grace: float | None = None) -> None:
         self._t_stop = self._t_stop or now
+        self._see_nested()
         if self._check_empty():
             return
         grace = self.opts.grace if grace is None else grace
@@ -659,6 +665,7 @@ class Run:
             return
         if self.container is not None:
             self.cpu = self.container.cpu_stat() or self.cpu
+            self._see_nested()
             if self.snap.terminal:
                 problem = self.container.remove()
                 self.cleanup = {"container_removed": problem is None, "detail": problem}
@@ -746,7 +753,35 @@ class Run:
         }
         if self.adopted:
             rec["adopted_by"] = {"pid": os.getpid()}
+        rec["nested"] = _nested.describe(self._nested_seen, self.layout.path if self.layout else None)
+        if self.lead is not None:
+            rec["lead"] = self.lead
         return rec
+
+    # -- nested runs (issue 6; see _nested.py) -------------------------------
+
+    def _note_lead(self) -> None:
+        """If this run's container was made inside the run named by the
+        environment, it is nested: say so in the record and tell the lead."""
+        env = self.opts.env if self.opts.env is not None else os.environ
+        lead_dir = env.get(_nested.ENV_CGROUP)
+        c = self.container
+        if c is None or c.backend != "cgroup2" or not lead_dir:
+            return
+        if os.path.dirname(c.dir) != os.path.normpath(lead_dir):
+            return
+        self.lead = {"run_id": env.get("CONTAIN_RUN_ID"), "cgroup": c.hierarchy.cg_path(os.path.dirname(c.dir))}
+        assert self.layout is not None
+        problem = _nested.register(env, {"id": self.id, "run_uid": self.uid, "cgroup": c.path,
+                                         "run_dir": self.layout.path})
+        if problem is not None:
+            self.notes.append(problem)
+
+    def _see_nested(self) -> None:
+        """Remember the runs nested in this one while their containers exist:
+        they end with this run (at the start of its stop, and before removal)."""
+        if self.container is not None and self.container.backend == "cgroup2":
+            self._nested_seen = _nested.merge(self._nested_seen, _nested.scan(self.container))
 
     def _write_record(self) -> StopRecord:
         rec = self.record_dict()
