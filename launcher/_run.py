@@ -339,9 +339,7 @@ class Run:
         """Own the run until it ends (or until an unconfirmed stop has been
         retried `UNCONFIRMED_RETRIES` times). Returns the stop record."""
         try:
-            while not self.snap.terminal:
-                if self.snap.phase is S.Phase.UNCONFIRMED and self._kill_rounds > UNCONFIRMED_RETRIES:
-                    break
+            while self.owning():
                 self._wait(extra_fds)
                 self._turn()
         finally:
@@ -350,27 +348,49 @@ class Run:
         assert self._final is not None
         return self._final
 
-    def _wait(self, extra_fds: Sequence[int]) -> None:
-        p = select.poll()
+    # The owner loop is driven here (supervise) or by an event loop (_aio.py):
+    # both wait on poll_set() until _next_deadline(), then drain() and _turn().
+
+    def owning(self) -> bool:
+        """Whether the owner loop goes on: until the run has ended, or an
+        unconfirmed stop has been retried `UNCONFIRMED_RETRIES` times."""
+        if self.snap.terminal:
+            return False
+        return not (self.snap.phase is S.Phase.UNCONFIRMED and self._kill_rounds > UNCONFIRMED_RETRIES)
+
+    def poll_set(self) -> list[tuple[int, int]]:
+        """What the owner waits on, as (fd, poll events)."""
+        fds = []
         if self.pidfd >= 0 and self.exit_code is None and self.signal is None:
-            p.register(self.pidfd, select.POLLIN)
+            fds.append((self.pidfd, select.POLLIN))
         efd = self.container.events_fd if self.container is not None else -1
         if efd >= 0:
-            p.register(efd, select.POLLPRI | select.POLLERR)
+            fds.append((efd, select.POLLPRI | select.POLLERR))
         if self._inotify >= 0:
-            p.register(self._inotify, select.POLLIN)
-        p.register(self._wake_r, select.POLLIN)
-        for fd in extra_fds:
-            p.register(fd, select.POLLIN)
-        timeout = self._next_deadline() - time.monotonic()
-        ready = p.poll(None if timeout == float("inf") else max(0, int(timeout * 1000) + 1))
-        for fd, _ in ready:
-            if fd in (self._wake_r, self._inotify):
+            fds.append((self._inotify, select.POLLIN))
+        if self._wake_r >= 0:
+            fds.append((self._wake_r, select.POLLIN))
+        return fds
+
+    def drain(self, ready: Sequence[int]) -> None:
+        """Consume the wake-ups among `ready` fds (level-triggered inputs)."""
+        for fd in ready:
+            if fd >= 0 and fd in (self._wake_r, self._inotify):
                 try:
                     while os.read(fd, 4096):
                         pass
                 except (BlockingIOError, InterruptedError):
                     pass
+
+    def _wait(self, extra_fds: Sequence[int]) -> None:
+        p = select.poll()
+        for fd, events in self.poll_set():
+            p.register(fd, events)
+        for fd in extra_fds:
+            p.register(fd, select.POLLIN)
+        timeout = self._next_deadline() - time.monotonic()
+        ready = p.poll(None if timeout == float("inf") else max(0, int(timeout * 1000) + 1))
+        self.drain([fd for fd, _ in ready])
 
     def _next_deadline(self) -> float:
         t = float("inf")
