@@ -414,7 +414,8 @@ class Run:
                 self._reap_orphans()
             if self._deadline_timeout and self.snap.phase is S.Phase.RUNNING and now >= self._deadline_timeout:
                 self._event(S.Event.TIMEOUT)
-                self.layout and self.layout.journal("timeout", after=self.opts.timeout)
+                if self.layout:
+                    self.layout.journal("timeout", after=self.opts.timeout)
                 self._enter_stop(now)
             if self.snap.stopping:
                 if not self._check_empty():
@@ -574,7 +575,8 @@ class Run:
             self._kill(now)
         elif self._stop_stage == "kill":
             self._event(S.Event.DEADLINE)
-            self.layout and self.layout.journal("deadline", after=self.opts.kill_timeout)
+            if self.layout:
+                self.layout.journal("deadline", after=self.opts.kill_timeout)
             self._write_record()
             self._retry_kill(now)
 
@@ -593,7 +595,8 @@ class Run:
             self._signal_evidence("kill", True, via, {"round": self._kill_rounds})
         except OSError as e:
             self._signal_evidence("kill", None, "cgroup.kill", f"failed: {e}")
-        self.layout and self.layout.journal("kill", sync=False, round=self._kill_rounds)
+        if self.layout:
+            self.layout.journal("kill", sync=False, round=self._kill_rounds)
         self._stop_stage, self._stage_deadline = "kill", now + self.opts.kill_timeout
 
     def _retry_kill(self, now: float) -> None:
