@@ -61,6 +61,11 @@ class Worker:
         self.stdout: IO[bytes] | None = io.open(parent[1], "rb") if parent[1] is not None else None
         self.stderr: IO[bytes] | None = io.open(parent[2], "rb") if parent[2] is not None else None
         run.on_change = self._changed
+        # Set when the owner thread is done. Not Thread.join/is_alive: in
+        # CPython 3.11 a KeyboardInterrupt inside join() releases the running
+        # thread's tstate lock and is_alive() then says False (the bpo-45274
+        # handling in Thread._wait_for_tstate_lock).
+        self._finished = threading.Event()
         self._thread = threading.Thread(target=self._own, name=f"contain-{run.id}", daemon=True)
         self._error: BaseException | None = None
         try:
@@ -75,6 +80,7 @@ class Worker:
         except BaseException as e:      # surfaced by wait(), never lost
             self._error = e
         finally:
+            self._finished.set()
             self._changed()
 
     def _changed(self) -> None:
@@ -104,13 +110,12 @@ class Worker:
 
     def done(self) -> bool:
         """Whether the owner loop has finished."""
-        return self._run._done.is_set() or not self._thread.is_alive()
+        return self._finished.is_set()
 
     def wait(self, timeout: float | None = None) -> StopRecord:
         """Block until the owner loop has finished; return the stop record.
         Raises TimeoutError if `timeout` passes first."""
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        if not self._finished.wait(timeout):
             raise TimeoutError(f"run {self.id} still running after {timeout} s")
         if self._error is not None:
             raise self._error
@@ -140,6 +145,13 @@ class Worker:
             while op not in self._run.ops and not self.done():
                 self._cond.wait(1.0)
         ack = self._run.ops.get(op) or layout.read_ack(op)
+        if ack is None and self.done():
+            # The run ended before its owner read this request: the request
+            # is in the inbox of an ended run, answered as any late cancel.
+            from ._cancel import cancel
+
+            return cancel(self.id, op_id=op, run_uid=self._run.uid,
+                          state_dir=os.path.dirname(os.path.dirname(layout.path)))
         if ack is None:
             raise RunConflict(f"run {self.id}: operation {op} was not acknowledged")
         return CancelRecord(ack)
