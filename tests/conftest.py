@@ -81,6 +81,17 @@ def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def warm_up(env: dict[str, str], n: int = 6) -> None:
+    """Run `n` workers at once so per-process caches (the bounded pool of
+    inotify instances, see launcher/_inotify.py) are at their size before a
+    test counts descriptors."""
+    ws = [launcher.spawn(["sleep", "60"], env=env) for _ in range(n)]   # all live at once
+    for w in ws:
+        w.cancel(grace=0)
+    for w in ws:
+        w.wait()
+
+
 def kill_token(token: str) -> list[int]:
     """SIGKILL every process carrying `token`, each pinned by pidfd and
     re-checked first. Returns the pids found."""
