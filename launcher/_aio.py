@@ -248,13 +248,15 @@ async def _wait_ready(fds: Sequence[tuple[int, int]], deadline: float) -> list[i
     try:
         for fd, events in fds:
             ep.register(fd, events)      # POLLIN/POLLPRI/POLLERR equal the EPOLL* bits
+        ready = ep.poll(0)                # often already: a short worker exits during the spawn
         left = deadline - time.monotonic()
-        if left > 0:
+        if ready or left <= 0:
+            await anyio.lowlevel.checkpoint()
+        else:
             with anyio.move_on_after(left):
                 await anyio.wait_readable(ep.fileno())
-        else:
-            await anyio.lowlevel.checkpoint()
-        return [fd for fd, _ in ep.poll(0)]
+            ready = ep.poll(0)
+        return [fd for fd, _ in ready]
     finally:
         ep.close()
 
