@@ -103,3 +103,30 @@ def test_keyboard_interrupt_during_the_cleanup_is_held(contained: dict) -> None:
             raise KeyboardInterrupt
     killer.wait()
     _nothing_left(contained, ws)
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_keyboard_interrupt_in_an_async_supervisor_leaves_nothing_alive(contained: dict, backend: str) -> None:
+    import anyio
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    workers: list[launcher.AsyncWorker] = []
+
+    async def main() -> None:
+        async with launcher.AsyncSupervisor(grace=0.3, env=contained["env"]) as sup:
+            for argv in STUBBORN:
+                workers.append(await sup.spawn(argv))
+            async with launcher.open_worker(["sleep", "60"], env=contained["env"]) as w:
+                workers.append(w)
+                while len(pids_with_token(contained["token"])) < 7:
+                    await anyio.sleep(0.01)
+                os.kill(os.getpid(), signal.SIGINT)
+                await anyio.sleep(30)
+
+    with pytest.raises(KeyboardInterrupt):
+        anyio.run(main, backend=backend)
+    assert pids_with_token(contained["token"]) == []
+    assert children_of(os.getpid()) == []
+    assert [d for d in os.listdir(contained["cgroup_base"]) if d.startswith("run-")] == []
+    assert [w.record().state for w in workers] == ["REAPED"] * 4
