@@ -31,7 +31,7 @@ async def test_wait_is_woken_by_the_kernel_not_a_timer(contained: dict) -> None:
         rec = await w.wait()
         took = time.monotonic() - t0
     assert rec.state == "REAPED"
-    assert 0.25 < took < 0.6
+    assert 0.25 < took < 1.0, took
 
 
 async def test_cancel_with_an_operation_id(contained: dict) -> None:
