@@ -121,11 +121,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     ident = rec.get("identity") or {}
     print(f"  worker    pid {ident.get('pid')} start {ident.get('start_time')}  members {view['members']}")
     print("  evidence")
-    for layer, e in (rec.get("evidence") or {}).items():
-        obs = {True: "yes", False: "no", None: "unknown"}[e.get("observed")]
-        detail = e.get("detail")
+    for layer, ev in (rec.get("evidence") or {}).items():
+        obs = {True: "yes", False: "no", None: "unknown"}[ev.get("observed")]
+        detail = ev.get("detail")
         detail_s = "" if detail is None else "  " + (json.dumps(detail) if not isinstance(detail, str) else detail)
-        print(f"    {layer:<20} {obs:<8} {e.get('at') or '':<28} {e.get('via')}{detail_s[:160]}")
+        print(f"    {layer:<20} {obs:<8} {ev.get('at') or '':<28} {ev.get('via')}{detail_s[:160]}")
     for ack in d.acks():
         print(f"  cancel    {ack.get('op_id')}: {ack.get('effect')} (requested {ack.get('requested_at')})")
     return EXIT_OK

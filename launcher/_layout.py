@@ -177,7 +177,7 @@ class RunDir:
 
     def read_run(self) -> dict[str, Any] | None:
         try:
-            return read_json(self.file("run.json"))  # type: ignore[no-any-return]
+            return read_json(self.file("run.json"))
         except (FileNotFoundError, ValueError):
             return None
 
@@ -186,7 +186,7 @@ class RunDir:
 
     def read_record(self) -> dict[str, Any] | None:
         try:
-            return read_json(self.file("record.json"))  # type: ignore[no-any-return]
+            return read_json(self.file("record.json"))
         except (FileNotFoundError, ValueError):
             return None
 
@@ -250,7 +250,7 @@ class RunDir:
             return None
         if ack.get("op_id") != op:
             raise RunConflict(f"operation id {op!r} collides with {ack.get('op_id')!r} in {self.ack_path(op)}")
-        return ack  # type: ignore[no-any-return]
+        return ack
 
     def write_ack(self, op: str, ack: dict[str, Any]) -> None:
         path = self.ack_path(op)
@@ -263,7 +263,7 @@ class RunDir:
         write_json_atomic(path, ack)
 
     def acks(self) -> list[dict[str, Any]]:
-        out = []
+        out: list[dict[str, Any]] = []
         try:
             names = os.listdir(self.cancellations)
         except FileNotFoundError:

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+from . import _inotify, _nested
 from . import _state as S
 from ._errors import ContainmentUnavailable, LauncherError, SpawnFailed
 from ._identity import ProcessIdentity, boot_id
@@ -145,6 +146,7 @@ class Run:
         self._deadline_timeout = 0.0
         self._wake_r, self._wake_w = -1, -1
         self._inotify = -1
+        self._inotify_wd = -1
         self._signals: list[int] = []
         self._lock = threading.RLock()
         self._done = threading.Event()
@@ -152,6 +154,8 @@ class Run:
         self.on_change: Callable[[], None] | None = None
         self.adopted = False
         self._sockets: tuple[set[int], list[str]] | None = None
+        self.lead: dict[str, Any] | None = None          # set when this run is nested in another
+        self._nested_seen: list[dict[str, Any]] = []     # runs nested in this one, as the kernel showed them
 
     # -- start -------------------------------------------------------------
 
@@ -166,6 +170,7 @@ class Run:
         except ContainmentUnavailable as e:
             self._spawn_failed(e, container_made=False)
             raise
+        self._note_lead()
         self._open_channels()
         req = self._spawn_request()
         # seal/ledger hook (issue 4): the fork ledger listens before the spawn
@@ -206,6 +211,8 @@ class Run:
         if self.container.backend == "cgroup2":
             env["CONTAIN_RUN_CGROUP"] = self.container.dir
         env["CONTAIN_RUN_ID"] = self.id
+        if self.layout is not None:
+            env[_nested.ENV_DIR] = self.layout.path
         uid = gid = -1
         groups: list[int] = []
         if self.opts.user is not None:
@@ -220,12 +227,12 @@ class Run:
 
         assert self.layout is not None
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        fd = lib.ct_inotify_open()
+        fd = _inotify.take()
         if fd >= 0:
-            if lib.ct_inotify_watch(fd, self.layout.cancellations.encode(), _IN_MASK) >= 0:
-                self._inotify = fd
-            else:
-                os.close(fd)
+            wd = lib.ct_inotify_watch(fd, self.layout.cancellations.encode(), _IN_MASK)
+            self._inotify, self._inotify_wd = fd, wd
+            if wd < 0:
+                self._unwatch()
         if self._inotify < 0:
             self.notes.append("inotify unavailable: cancel inbox checked on each wake-up only")
 
@@ -292,6 +299,10 @@ class Run:
 
             if os.path.isdir(info["cgroup_dir"]):
                 r.container = linux.Container.attach(info["cgroup_dir"])
+            else:
+                # e.g. a nested run whose lead's stop killed its owner and
+                # removed its cgroup with the lead's subtree.
+                r.container = linux.Container.removed(info["cgroup_dir"])
         else:
             from ._platform import none
 
@@ -337,9 +348,7 @@ class Run:
         """Own the run until it ends (or until an unconfirmed stop has been
         retried `UNCONFIRMED_RETRIES` times). Returns the stop record."""
         try:
-            while not self.snap.terminal:
-                if self.snap.phase is S.Phase.UNCONFIRMED and self._kill_rounds > UNCONFIRMED_RETRIES:
-                    break
+            while self.owning():
                 self._wait(extra_fds)
                 self._turn()
         finally:
@@ -348,27 +357,49 @@ class Run:
         assert self._final is not None
         return self._final
 
-    def _wait(self, extra_fds: Sequence[int]) -> None:
-        p = select.poll()
+    # The owner loop is driven here (supervise) or by an event loop (_aio.py):
+    # both wait on poll_set() until _next_deadline(), then drain() and _turn().
+
+    def owning(self) -> bool:
+        """Whether the owner loop goes on: until the run has ended, or an
+        unconfirmed stop has been retried `UNCONFIRMED_RETRIES` times."""
+        if self.snap.terminal:
+            return False
+        return not (self.snap.phase is S.Phase.UNCONFIRMED and self._kill_rounds > UNCONFIRMED_RETRIES)
+
+    def poll_set(self) -> list[tuple[int, int]]:
+        """What the owner waits on, as (fd, poll events)."""
+        fds = []
         if self.pidfd >= 0 and self.exit_code is None and self.signal is None:
-            p.register(self.pidfd, select.POLLIN)
+            fds.append((self.pidfd, select.POLLIN))
         efd = self.container.events_fd if self.container is not None else -1
         if efd >= 0:
-            p.register(efd, select.POLLPRI | select.POLLERR)
+            fds.append((efd, select.POLLPRI | select.POLLERR))
         if self._inotify >= 0:
-            p.register(self._inotify, select.POLLIN)
-        p.register(self._wake_r, select.POLLIN)
-        for fd in extra_fds:
-            p.register(fd, select.POLLIN)
-        timeout = self._next_deadline() - time.monotonic()
-        ready = p.poll(None if timeout == float("inf") else max(0, int(timeout * 1000) + 1))
-        for fd, _ in ready:
-            if fd in (self._wake_r, self._inotify):
+            fds.append((self._inotify, select.POLLIN))
+        if self._wake_r >= 0:
+            fds.append((self._wake_r, select.POLLIN))
+        return fds
+
+    def drain(self, ready: Sequence[int]) -> None:
+        """Consume the wake-ups among `ready` fds (level-triggered inputs)."""
+        for fd in ready:
+            if fd >= 0 and fd in (self._wake_r, self._inotify):
                 try:
                     while os.read(fd, 4096):
                         pass
                 except (BlockingIOError, InterruptedError):
                     pass
+
+    def _wait(self, extra_fds: Sequence[int]) -> None:
+        p = select.poll()
+        for fd, events in self.poll_set():
+            p.register(fd, events)
+        for fd in extra_fds:
+            p.register(fd, select.POLLIN)
+        timeout = self._next_deadline() - time.monotonic()
+        ready = p.poll(None if timeout == float("inf") else max(0, int(timeout * 1000) + 1))
+        self.drain([fd for fd, _ in ready])
 
     def _next_deadline(self) -> float:
         t = float("inf")
@@ -392,7 +423,8 @@ class Run:
                 self._reap_orphans()
             if self._deadline_timeout and self.snap.phase is S.Phase.RUNNING and now >= self._deadline_timeout:
                 self._event(S.Event.TIMEOUT)
-                self.layout and self.layout.journal("timeout", after=self.opts.timeout)
+                if self.layout:
+                    self.layout.journal("timeout", after=self.opts.timeout)
                 self._enter_stop(now)
             if self.snap.stopping:
                 if not self._check_empty():
@@ -533,6 +565,7 @@ class Run:
 
     def _enter_stop(self, now: float, grace: float | None = None) -> None:
         self._t_stop = self._t_stop or now
+        self._see_nested()
         if self._check_empty():
             return
         if self.opts.check_sockets and self._sockets is None:
@@ -555,7 +588,8 @@ class Run:
             self._kill(now)
         elif self._stop_stage == "kill":
             self._event(S.Event.DEADLINE)
-            self.layout and self.layout.journal("deadline", after=self.opts.kill_timeout)
+            if self.layout:
+                self.layout.journal("deadline", after=self.opts.kill_timeout)
             self._write_record()
             self._retry_kill(now)
 
@@ -574,7 +608,8 @@ class Run:
             self._signal_evidence("kill", True, via, {"round": self._kill_rounds})
         except OSError as e:
             self._signal_evidence("kill", None, "cgroup.kill", f"failed: {e}")
-        self.layout and self.layout.journal("kill", sync=False, round=self._kill_rounds)
+        if self.layout:
+            self.layout.journal("kill", sync=False, round=self._kill_rounds)
         self._stop_stage, self._stage_deadline = "kill", now + self.opts.kill_timeout
 
     def _retry_kill(self, now: float) -> None:
@@ -617,8 +652,8 @@ class Run:
                                                    self.container.seen_summary(), at=t)
             self._event(S.Event.TREE_GONE)
             return True
-        self.ev["container_empty"] = evidence(True, "cgroup.events populated 0", {"path": self.container.path}, at=t)
-        self.ev["descendants_exit"] = evidence(True, "cgroup.events populated 0 (no member left in the subtree)",
+        self.ev["container_empty"] = evidence(True, self.container.empty_proof, {"path": self.container.path}, at=t)
+        self.ev["descendants_exit"] = evidence(True, f"{self.container.empty_proof} (no member left in the subtree)",
                                                None, at=t)
         if self._watch is not None:                      # seal/ledger hook (issue 4)
             self.escapes.extend(self._watch.at_empty(self.container, self.opts.kill_timeout))
@@ -650,6 +685,7 @@ class Run:
     def close(self) -> None:
         """Give up ownership without writing anything (used after acknowledging
         a cancel on a run that had already ended)."""
+        self._unwatch()
         for fd in (self._wake_r, self._wake_w, self._inotify, self.pidfd):
             if fd >= 0:
                 os.close(fd)
@@ -658,6 +694,13 @@ class Run:
             self.layout.release()
         self._done.set()
 
+    def _unwatch(self) -> None:
+        # The inbox's inotify instance goes back to a pool: closing it costs
+        # 4-16 ms (see _inotify.py), most of a short run.
+        if self._inotify >= 0:
+            _inotify.give(self._inotify, self._inotify_wd)
+        self._inotify, self._inotify_wd = -1, -1
+
     def _finalise(self) -> None:
         if self._final is not None and self._final.terminal:
             return
@@ -665,6 +708,7 @@ class Run:
             self._postconditions()
         if self.container is not None:
             self.cpu = self.container.cpu_stat() or self.cpu
+            self._see_nested()
             if self.snap.terminal:
                 problem = self.container.remove()
                 self.cleanup = {"container_removed": problem is None, "detail": problem}
@@ -679,6 +723,7 @@ class Run:
         if self.layout is not None:
             self.layout.journal("ended" if self.snap.terminal else "unconfirmed", state=self.snap.state.value)
             self.layout.release()
+        self._unwatch()
         for fd in (self._wake_r, self._wake_w, self._inotify):
             if fd >= 0:
                 os.close(fd)
@@ -772,7 +817,35 @@ class Run:
         }
         if self.adopted:
             rec["adopted_by"] = {"pid": os.getpid()}
+        rec["nested"] = _nested.describe(self._nested_seen, self.layout.path if self.layout else None)
+        if self.lead is not None:
+            rec["lead"] = self.lead
         return rec
+
+    # -- nested runs (issue 6; see _nested.py) -------------------------------
+
+    def _note_lead(self) -> None:
+        """If this run's container was made inside the run named by the
+        environment, it is nested: say so in the record and tell the lead."""
+        env = self.opts.env if self.opts.env is not None else os.environ
+        lead_dir = env.get(_nested.ENV_CGROUP)
+        c = self.container
+        if c is None or c.backend != "cgroup2" or not lead_dir:
+            return
+        if os.path.dirname(c.dir) != os.path.normpath(lead_dir):
+            return
+        self.lead = {"run_id": env.get("CONTAIN_RUN_ID"), "cgroup": c.hierarchy.cg_path(os.path.dirname(c.dir))}
+        assert self.layout is not None
+        problem = _nested.register(env, {"id": self.id, "run_uid": self.uid, "cgroup": c.path,
+                                         "run_dir": self.layout.path})
+        if problem is not None:
+            self.notes.append(problem)
+
+    def _see_nested(self) -> None:
+        """Remember the runs nested in this one while their containers exist:
+        they end with this run (at the start of its stop, and before removal)."""
+        if self.container is not None and self.container.backend == "cgroup2":
+            self._nested_seen = _nested.merge(self._nested_seen, _nested.scan(self.container))
 
     def _write_record(self) -> StopRecord:
         rec = self.record_dict()

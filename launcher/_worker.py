@@ -7,26 +7,72 @@ and emptiness is still the kernel's `populated 0`.
 """
 from __future__ import annotations
 
+import io
 import os
+import selectors
 import threading
-from typing import Any, Sequence
+import time
+from typing import IO, Any, Callable, Sequence
 
+from . import _stdio
 from ._errors import RunConflict
 from ._layout import new_uid
 from ._record import CancelRecord, StopRecord, now_iso
 from ._run import DEFAULT_GRACE, Options, Run
+from ._stdio import StdioSpec
+
+
+def start_run(argv: Sequence[str], *, id: str | None, grace: float, timeout: float | None, backend: str,
+              stdin: StdioSpec, stdout: StdioSpec, stderr: StdioSpec,
+              options: dict[str, Any], track: Callable[[Run], None] | None = None) -> tuple[Run, _stdio.Stdio]:
+    """Claim, contain and spawn. The caller's copies of the child's stdio
+    ends are closed before this returns, whatever happens. `track` sees the
+    Run before it starts, so an owner interrupted mid-spawn can still stop it."""
+    if "stdio" in options and (stdin, stdout, stderr) != (None, None, None):
+        raise ValueError("give stdin/stdout/stderr or stdio, not both")
+    st = _stdio.resolve(stdin, stdout, stderr)
+    try:
+        if "stdio" not in options:
+            options = dict(options, stdio=st.child)
+        run = Run(argv, id=id, options=Options(grace=grace, timeout=timeout, backend=backend, **options))
+        if track is not None:
+            track(run)
+        run.start()
+    except BaseException:
+        st.abort()
+        raise
+    st.spawned()
+    return run, st
 
 
 class Worker:
-    """A live run owned by this process. Thread-safe."""
+    """A live run owned by this process. Thread-safe.
 
-    def __init__(self, run: Run) -> None:
+    With `subprocess.PIPE`, `stdin`, `stdout` and `stderr` are binary file
+    objects (as `subprocess.Popen` gives), else None. Use the Worker as a
+    context manager, or call `close()`, to close them; leaving the `with`
+    block also cancels the run if it is still going and waits for its end."""
+
+    def __init__(self, run: Run, stdio: _stdio.Stdio | None = None) -> None:
         self._run = run
         self._cond = threading.Condition()
+        parent = stdio.parent if stdio is not None else [None, None, None]
+        self.stdin: IO[bytes] | None = io.open(parent[0], "wb") if parent[0] is not None else None
+        self.stdout: IO[bytes] | None = io.open(parent[1], "rb") if parent[1] is not None else None
+        self.stderr: IO[bytes] | None = io.open(parent[2], "rb") if parent[2] is not None else None
         run.on_change = self._changed
+        # Set when the owner thread is done. Not Thread.join/is_alive: in
+        # CPython 3.11 a KeyboardInterrupt inside join() releases the running
+        # thread's tstate lock and is_alive() then says False (the bpo-45274
+        # handling in Thread._wait_for_tstate_lock).
+        self._finished = threading.Event()
         self._thread = threading.Thread(target=self._own, name=f"contain-{run.id}", daemon=True)
         self._error: BaseException | None = None
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            self.close()
+            raise
 
     def _own(self) -> None:
         try:
@@ -34,6 +80,7 @@ class Worker:
         except BaseException as e:      # surfaced by wait(), never lost
             self._error = e
         finally:
+            self._finished.set()
             self._changed()
 
     def _changed(self) -> None:
@@ -62,14 +109,14 @@ class Worker:
         return self._run.record()
 
     def done(self) -> bool:
-        return self._run._done.is_set()
+        """Whether the owner loop has finished."""
+        return self._finished.is_set()
 
     def wait(self, timeout: float | None = None) -> StopRecord:
         """Block until the owner loop has finished; return the stop record.
         Raises TimeoutError if `timeout` passes first."""
-        if not self._run._done.wait(timeout):
+        if not self._finished.wait(timeout):
             raise TimeoutError(f"run {self.id} still running after {timeout} s")
-        self._thread.join()
         if self._error is not None:
             raise self._error
         return self._run.record()
@@ -98,6 +145,13 @@ class Worker:
             while op not in self._run.ops and not self.done():
                 self._cond.wait(1.0)
         ack = self._run.ops.get(op) or layout.read_ack(op)
+        if ack is None and self.done():
+            # The run ended before its owner read this request: the request
+            # is in the inbox of an ended run, answered as any late cancel.
+            from ._cancel import cancel
+
+            return cancel(self.id, op_id=op, run_uid=self._run.uid,
+                          state_dir=os.path.dirname(os.path.dirname(layout.path)))
         if ack is None:
             raise RunConflict(f"run {self.id}: operation {op} was not acknowledged")
         return CancelRecord(ack)
@@ -107,27 +161,138 @@ class Worker:
         ack = self._run.layout.read_ack(op_id)
         return None if ack is None else CancelRecord(ack)
 
+    def communicate(self, input: bytes | None = None, timeout: float | None = None) -> tuple[bytes | None, bytes | None]:
+        """As `Popen.communicate`: send `input` to stdin (then close it), read
+        stdout and stderr to their ends, wait for the run. Returns the bytes
+        read (None for a stream that is not a pipe). TimeoutError if `timeout`
+        passes first; the run goes on and the call can be repeated."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        chunks: dict[int, list[bytes]] = {}
+        sel = selectors.DefaultSelector()
+        try:
+            if self.stdin is not None and not self.stdin.closed:
+                if input:
+                    self.stdin.flush()
+                    os.set_blocking(self.stdin.fileno(), False)
+                    sel.register(self.stdin.fileno(), selectors.EVENT_WRITE, self.stdin)
+                else:
+                    self._close_stdin()
+            fds = [-1, -1]
+            for i, f in enumerate((self.stdout, self.stderr)):
+                if f is not None and not f.closed:
+                    fds[i] = f.fileno()
+                    chunks[fds[i]] = []
+                    sel.register(fds[i], selectors.EVENT_READ, f)
+            view = memoryview(input or b"")
+            while sel.get_map():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"run {self.id}: communicate timed out after {timeout} s")
+                for key, _ in sel.select(left):
+                    if key.data is self.stdin:
+                        try:
+                            view = view[os.write(key.fd, view[:65536]):]
+                        except BlockingIOError:
+                            continue
+                        except BrokenPipeError:
+                            view = view[len(view):]
+                        if not view:
+                            sel.unregister(key.fd)
+                            os.set_blocking(key.fd, True)
+                            self._close_stdin()
+                    else:
+                        data = os.read(key.fd, 65536)
+                        if data:
+                            chunks[key.fd].append(data)
+                        else:
+                            sel.unregister(key.fd)
+        finally:
+            sel.close()
+        out, err = (b"".join(chunks[fd]) if fd >= 0 else None for fd in fds)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return out, err
+
+    def _close_stdin(self) -> None:
+        if self.stdin is not None:
+            try:
+                self.stdin.close()
+            except BrokenPipeError:     # unflushed input the worker never read
+                pass
+
+    def close(self) -> None:
+        """Close this side's pipe ends (the run itself is not touched)."""
+        for f in (self.stdin, self.stdout, self.stderr):
+            if f is not None and not f.closed:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+
+    def stop(self, *, op_id: str | None = None, grace: float | None = None) -> StopRecord:
+        """Cancel if still running, wait for the end, close the pipes."""
+        try:
+            if not self.done():
+                self.cancel(op_id=op_id or f"stop-{new_uid()}", grace=grace)
+            return self.wait()
+        finally:
+            self.close()
+
+    def __enter__(self) -> "Worker":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def __repr__(self) -> str:
         return f"<Worker id={self.id} pid={self.pid} state={self._run.snap.state.value}>"
 
 
-def _options(grace: float, timeout: float | None, backend: str, kw: dict[str, Any]) -> Options:
-    return Options(grace=grace, timeout=timeout, backend=backend, **kw)
-
-
 def spawn(argv: Sequence[str], *, id: str | None = None, grace: float = DEFAULT_GRACE,
-          timeout: float | None = None, backend: str = "auto", **options: Any) -> Worker:
+          timeout: float | None = None, backend: str = "auto", stdin: StdioSpec = None,
+          stdout: StdioSpec = None, stderr: StdioSpec = None, **options: Any) -> Worker:
     """Start `argv` in a fresh container and return its Worker at once.
     Raises SpawnFailed, ContainmentUnavailable or RunConflict; on the first
     two a stop record with outcome `spawn_failed` is in the run directory."""
-    run = Run(argv, id=id, options=_options(grace, timeout, backend, options))
-    run.start()
-    return Worker(run)
+    run, st = start_run(argv, id=id, grace=grace, timeout=timeout, backend=backend, stdin=stdin,
+                        stdout=stdout, stderr=stderr, options=options)
+    try:
+        return Worker(run, st)
+    except BaseException:
+        abandon(run)
+        raise
+
+
+def abandon(run: Run) -> StopRecord | None:
+    """Stop a run that has no owner loop (its Worker could not be made, or
+    its starter was interrupted): cancel with no grace and own it to the end
+    in this thread. A run interrupted before its worker existed gives up its
+    directory lock and its (killed, removed) container; None then."""
+    if run.layout is None or run._done.is_set() or not run.owning():
+        return None
+    if run.pid <= 0:
+        if run.container is not None:
+            try:
+                run.container.kill()
+            except OSError:
+                pass
+            run.container.remove()
+        run.close()
+        return None
+    run.layout.append_request({"op_id": f"abandon-{run.uid}", "run_uid": run.uid,
+                               "requested_at": now_iso(), "grace": 0.0,
+                               "by": {"pid": os.getpid(), "reason": "no owner loop"}})
+    return run.supervise()
 
 
 def run(argv: Sequence[str], *, id: str | None = None, grace: float = DEFAULT_GRACE,
-        timeout: float | None = None, backend: str = "auto", **options: Any) -> StopRecord:
-    """Run `argv` to the end in a fresh container; return the stop record."""
-    r = Run(argv, id=id, options=_options(grace, timeout, backend, options))
-    r.start()
+        timeout: float | None = None, backend: str = "auto", stdin: StdioSpec = None,
+        stdout: StdioSpec = None, stderr: StdioSpec = None, **options: Any) -> StopRecord:
+    """Run `argv` to the end in a fresh container; return the stop record.
+    PIPE is refused here (nothing would read it): use `spawn(...)` and
+    `Worker.communicate()`."""
+    if any(s is _stdio.PIPE or (type(s) is int and s == _stdio.PIPE) for s in (stdin, stdout, stderr)):
+        raise ValueError("launcher.run returns the stop record and reads no pipe: "
+                         "use spawn(..., stdout=PIPE) and Worker.communicate()")
+    r, _ = start_run(argv, id=id, grace=grace, timeout=timeout, backend=backend, stdin=stdin,
+                     stdout=stdout, stderr=stderr, options=options)
     return r.supervise()

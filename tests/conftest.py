@@ -1,12 +1,212 @@
+"""Shared fixtures: a private state directory, a private cgroup base, and the
+test's own /proc scan.
+
+Every run a test makes goes under a cgroup base this fixture creates
+(`CONTAIN_CGROUP_BASE`), and every workload carries a unique token in its
+environment. Survivors are decided by scanning /proc/*/environ for that
+token, never by asking the code under test; teardown kills whatever the
+scan finds (by pidfd, after re-checking the token) and then the base's
+subtree (`cgroup.kill` of a cgroup this fixture created), and removes it.
+"""
 from __future__ import annotations
 
-import json
+import errno
 import os
+import pathlib
 import secrets
+import select
+import signal
+import sys
+import time
+from typing import Iterator
 
 import pytest
 
-from _proc import ROOT, TOKEN_VAR, cgroup2_mount, kill_holders, new_token, remove_cgroup_tree
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if sys.path[0] != ROOT:
+    sys.path.insert(0, ROOT)
+# Workers that start runs of their own import this tree's launcher too.
+os.environ["PYTHONPATH"] = ROOT + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+
+import launcher  # noqa: E402
+
+assert os.path.dirname(launcher.__file__) == os.path.join(ROOT, "launcher"), launcher.__file__
+
+TOKEN_VAR = "CONTAIN_TEST_TOKEN"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "forked: run the test in a forked process (pytest-forked)")
+
+
+# -- the test's own view of processes -------------------------------------------
+
+def pids_with_token(token: str) -> list[int]:
+    """Live processes whose environment carries `token` (zombies have no
+    environment and are counted by `children_of` instead)."""
+    needle = f"{TOKEN_VAR}={token}".encode()
+    me = os.getpid()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        if needle in env.split(b"\0"):
+            found.append(int(name))
+    return found
+
+
+def children_of(pid: int) -> list[int]:
+    """Every process whose parent is `pid`, zombies included (/proc/*/stat)."""
+    kids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if int(fields[1]) == pid:
+            kids.append(int(name))
+    return kids
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def warm_up(env: dict[str, str], n: int = 6) -> None:
+    """Run `n` workers at once so per-process caches (the bounded pool of
+    inotify instances, see launcher/_inotify.py) are at their size before a
+    test counts descriptors."""
+    ws = [launcher.spawn(["sleep", "60"], env=env) for _ in range(n)]   # all live at once
+    for w in ws:
+        w.cancel(grace=0)
+    for w in ws:
+        w.wait()
+
+
+def kill_token(token: str) -> list[int]:
+    """SIGKILL every process carrying `token`, each pinned by pidfd and
+    re-checked first. Returns the pids found."""
+    found = pids_with_token(token)
+    for pid in found:
+        try:
+            pfd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        try:
+            if pid in pids_with_token(token):
+                signal.pidfd_send_signal(pfd, signal.SIGKILL)
+        except OSError:
+            pass
+        finally:
+            os.close(pfd)
+    return found
+
+
+# -- fixtures -------------------------------------------------------------------
+
+@pytest.fixture
+def token() -> Iterator[str]:
+    t = secrets.token_hex(8)
+    yield t
+    kill_token(t)
+
+
+@pytest.fixture
+def env(token: str) -> dict[str, str]:
+    """The environment for workloads: ours plus the token."""
+    e = dict(os.environ)
+    e[TOKEN_VAR] = token
+    return e
+
+
+@pytest.fixture
+def state_dir(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    d = str(tmp_path / "state")
+    monkeypatch.setenv("CONTAIN_STATE_DIR", d)
+    return d
+
+
+def _cgroup2_mount() -> str:
+    from launcher._platform import linux
+
+    hs = linux.hierarchies()
+    if not hs:
+        pytest.skip("no cgroup v2 hierarchy")
+    return hs[0].mount
+
+
+@pytest.fixture
+def cgroup_base(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A cgroup of the test's own for every run it makes; emptied and
+    removed at the end whatever happened."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create a cgroup base")
+    base = os.path.join(_cgroup2_mount(), f"contain-lib-test-{secrets.token_hex(4)}")
+    os.mkdir(base)
+    monkeypatch.setenv("CONTAIN_CGROUP_BASE", base)
+    # A test runner started inside a run would otherwise nest every run in it.
+    monkeypatch.delenv("CONTAIN_RUN_CGROUP", raising=False)
+    monkeypatch.delenv("CONTAIN_RUN_DIR", raising=False)
+    try:
+        yield base
+    finally:
+        remove_cgroup_tree(base)
+
+
+def remove_cgroup_tree(base: str, timeout: float = 10.0) -> None:
+    """cgroup.kill the subtree we created, wait for populated 0, rmdir it."""
+    if not os.path.isdir(base):
+        return
+    try:
+        with open(os.path.join(base, "cgroup.kill"), "w") as f:
+            f.write("1")
+    except OSError:
+        pass
+    fd = os.open(os.path.join(base, "cgroup.events"), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        deadline = time.monotonic() + timeout
+        while b"populated 1" in os.pread(fd, 4096, 0) and time.monotonic() < deadline:
+            p = select.poll()
+            p.register(fd, select.POLLPRI)
+            p.poll(100)
+    finally:
+        os.close(fd)
+    for d, _subdirs, _files in sorted(os.walk(base, topdown=False), key=lambda t: -len(t[0])):
+        for _ in range(100):
+            try:
+                os.rmdir(d)
+                break
+            except OSError as e:
+                if e.errno != errno.EBUSY:
+                    break
+                time.sleep(0.01)
+
+
+@pytest.fixture
+def contained(state_dir: str, cgroup_base: str, token: str, env: dict[str, str]) -> dict[str, object]:
+    """Everything a test that makes runs needs, in one place."""
+    return {"state_dir": state_dir, "cgroup_base": cgroup_base, "token": token, "env": env}
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+# -- black-box fixtures (tests/test_run_cli.py, test_cancel.py, ...) ------------
+
+import json  # noqa: E402
+
+from _proc import cgroup2_mount, kill_holders, new_token  # noqa: E402
 
 
 def _cgroup_reason() -> str | None:

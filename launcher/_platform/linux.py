@@ -207,6 +207,8 @@ class Container:
         self.leaf = os.path.join(self.dir, "main")
         self._events_fd = -1
         self._leaves: list[str] = []
+        self._gone = False
+        self.empty_proof = "cgroup.events populated 0"
 
     @classmethod
     def create(cls, run_id: str, env: dict[str, str] | os._Environ[str] = os.environ,
@@ -243,6 +245,20 @@ class Container:
             raise ContainmentUnavailable(f"{fs_dir} is not on a cgroup2 mount")
         c = cls(h, os.path.dirname(fs_dir), os.path.basename(fs_dir))
         c._events_fd = os.open(os.path.join(c.dir, "cgroup.events"), os.O_RDONLY | os.O_CLOEXEC)
+        return c
+
+    @classmethod
+    def removed(cls, fs_dir: str) -> "Container":
+        """A run directory that no longer exists. The kernel removes a cgroup
+        only when it has no live member and no child (rmdir fails with EBUSY
+        otherwise, cgroup-v2.rst), and nothing can enter a removed cgroup: its
+        absence is an observation of emptiness."""
+        h = next((x for x in hierarchies() if fs_dir.startswith(x.mount.rstrip("/") + "/")), None)
+        if h is None:
+            raise ContainmentUnavailable(f"{fs_dir} is not on a cgroup2 mount")
+        c = cls(h, os.path.dirname(fs_dir), os.path.basename(fs_dir))
+        c._gone = True
+        c.empty_proof = "cgroup directory removed (rmdir succeeds only on an empty cgroup)"
         return c
 
     # -- spawning ----------------------------------------------------------
@@ -366,6 +382,10 @@ class Container:
         """`populated` of the run's cgroup.events. Only this (or rmdir) is
         authoritative: cgroup.procs can list exiting tasks (cgroup-v2.rst).
         Raises OSError when it cannot be read."""
+        if self._gone:
+            if os.path.exists(self.dir):
+                raise OSError(errno.EEXIST, f"{self.dir} exists again: not the run's cgroup")
+            return False
         data = os.pread(self._events_fd, 4096, 0)
         for line in data.split(b"\n"):
             if line.startswith(b"populated "):

@@ -1,0 +1,395 @@
+"""The async face of a run, on anyio (asyncio and trio alike).
+
+    async with launcher.open_worker(argv) as w:
+        rec = await w.wait()
+
+The run's owner loop is a task in the caller's event loop, not a thread: it
+waits for the same kernel readiness as the threaded owner (`Run.poll_set()`:
+the worker's pidfd, `cgroup.events`, the cancel inbox's inotify and the
+wake-up pipe), gathered in one epoll instance. An epoll fd is readable when
+any registered event is ready, `cgroup.events`' POLLPRI included, so one
+`anyio.wait_readable()` covers them all; event loops only wait for
+readability, and POLLIN on `cgroup.events` is always ready (KERNEL-NOTES.md).
+Timed steps (grace, kill deadline, `timeout`) are the loop's own deadline.
+
+The owner's turns (reading the inbox, signalling, writing the record) are
+short synchronous file operations done in the event loop, as are the spawn
+(clone3 and the exec handshake) and the final cgroup removal.
+
+Leaving the `async with` block in any way cancels the run if it is still
+going and waits, shielded from cancellation, until its container is
+observed empty (at most its grace plus the kill deadline).
+"""
+from __future__ import annotations
+
+import os
+import select
+import time
+from types import TracebackType
+from typing import Any, Sequence
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+
+from ._cancel import cancel as _cancel_by_id
+from ._errors import RunConflict
+from ._layout import new_uid
+from ._record import CancelRecord, StopRecord, now_iso
+from ._run import DEFAULT_GRACE, Run
+from ._state import Phase
+from ._stdio import Stdio, StdioSpec
+from ._worker import start_run
+
+__all__ = ["AsyncWorker", "AsyncSupervisor", "open_worker"]
+
+
+# -- byte streams over pipe ends ---------------------------------------------
+
+class FdReceiveStream(anyio.abc.ByteReceiveStream):
+    """The reading end of a pipe, as an anyio byte stream (owns the fd)."""
+
+    def __init__(self, fd: int) -> None:
+        os.set_blocking(fd, False)
+        self._fd = fd
+
+    def fileno(self) -> int:
+        return self._fd
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        if max_bytes < 1:
+            raise ValueError("max_bytes must be at least 1")
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            if self._fd < 0:
+                raise anyio.ClosedResourceError
+            try:
+                data = os.read(self._fd, max_bytes)
+            except BlockingIOError:
+                await anyio.wait_readable(self._fd)
+                continue
+            if not data:
+                raise anyio.EndOfStream
+            return data
+
+    async def aclose(self) -> None:
+        _close_fd(self)
+        await anyio.lowlevel.checkpoint()
+
+
+class FdSendStream(anyio.abc.ByteSendStream):
+    """The writing end of a pipe, as an anyio byte stream (owns the fd).
+    Closing it is the worker's end of input."""
+
+    def __init__(self, fd: int) -> None:
+        os.set_blocking(fd, False)
+        self._fd = fd
+
+    def fileno(self) -> int:
+        return self._fd
+
+    async def send(self, item: bytes) -> None:
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        view = memoryview(item)
+        while view:
+            if self._fd < 0:
+                raise anyio.ClosedResourceError
+            try:
+                n = os.write(self._fd, view)
+            except BlockingIOError:
+                await anyio.wait_writable(self._fd)
+                continue
+            except BrokenPipeError as e:
+                raise anyio.BrokenResourceError from e
+            view = view[n:]
+
+    async def aclose(self) -> None:
+        _close_fd(self)
+        await anyio.lowlevel.checkpoint()
+
+
+def _close_fd(s: FdReceiveStream | FdSendStream) -> None:
+    # Mark closed, wake any waiter, then close, with no checkpoint between
+    # (anyio.notify_closing).
+    fd, s._fd = s._fd, -1
+    if fd >= 0:
+        anyio.notify_closing(fd)
+        os.close(fd)
+
+
+# -- the worker ----------------------------------------------------------------
+
+class AsyncWorker:
+    """A run owned by a task of this event loop. Get one from `open_worker`
+    or `AsyncSupervisor.spawn`. With `subprocess.PIPE`, `stdin` is an anyio
+    `ByteSendStream` and `stdout`/`stderr` are `ByteReceiveStream`s."""
+
+    def __init__(self, run: Run, stdio: Stdio | None = None) -> None:
+        self._run = run
+        self._ended = anyio.Event()
+        self._error: BaseException | None = None
+        parent = stdio.parent if stdio is not None else [None, None, None]
+        self.stdin: FdSendStream | None = FdSendStream(parent[0]) if parent[0] is not None else None
+        self.stdout: FdReceiveStream | None = FdReceiveStream(parent[1]) if parent[1] is not None else None
+        self.stderr: FdReceiveStream | None = FdReceiveStream(parent[2]) if parent[2] is not None else None
+
+    @property
+    def id(self) -> str:
+        return self._run.id
+
+    @property
+    def run_uid(self) -> str:
+        return self._run.uid
+
+    @property
+    def pid(self) -> int:
+        return self._run.pid
+
+    @property
+    def run_dir(self) -> str:
+        assert self._run.layout is not None
+        return self._run.layout.path
+
+    def record(self) -> StopRecord:
+        """The current stop record (final once the run has ended)."""
+        return self._run.record()
+
+    def done(self) -> bool:
+        return self._ended.is_set()
+
+    async def wait(self) -> StopRecord:
+        """Until the owner loop has finished; the stop record."""
+        await self._ended.wait()
+        if self._error is not None:
+            raise self._error
+        return self._run.record()
+
+    async def cancel(self, *, op_id: str | None = None, grace: float | None = None) -> CancelRecord:
+        """Request a stop; this operation's acknowledgement (effect
+        `cancel_requested`, or `not_live` if the run had ended). `wait()` for
+        the end; the settled acknowledgement is `cancel_record(op_id)`."""
+        await anyio.lowlevel.checkpoint()
+        return self._cancel_now(op_id or f"op-{new_uid()}", grace)
+
+    def _cancel_now(self, op: str, grace: float | None) -> CancelRecord:
+        run = self._run
+        layout = run.layout
+        assert layout is not None
+        ack = layout.read_ack(op)
+        if ack is not None:
+            return CancelRecord(ack)
+        if not run.owning() or run._done.is_set():
+            return _cancel_by_id(self.id, op_id=op, run_uid=run.uid,
+                                 state_dir=os.path.dirname(os.path.dirname(layout.path)))
+        req: dict[str, Any] = {"op_id": op, "run_uid": run.uid, "requested_at": now_iso(),
+                               "by": {"pid": os.getpid(), "task": "anyio"}}
+        if grace is not None:
+            req["grace"] = grace
+        layout.append_request(req)     # durable before anything is signalled
+        run._turn()                    # we are the owner's thread: acknowledge and act now
+        run.wake()                     # the owner task re-reads its deadlines
+        ack = run.ops.get(op) or layout.read_ack(op)
+        if ack is None:
+            raise RunConflict(f"run {self.id}: operation {op} was not acknowledged")
+        return CancelRecord(ack)
+
+    def cancel_record(self, op_id: str) -> CancelRecord | None:
+        assert self._run.layout is not None
+        ack = self._run.layout.read_ack(op_id)
+        return None if ack is None else CancelRecord(ack)
+
+    async def _own(self) -> None:
+        """The owner loop as a task. Shielded: it ends when the run ends, and
+        whoever leaves the worker's scope makes sure that happens."""
+        run = self._run
+        with anyio.CancelScope(shield=True):
+            try:
+                while run.owning():
+                    ready = await _wait_ready(run.poll_set(), run._next_deadline())
+                    run.drain(ready)
+                    run._turn()
+            except Exception as e:           # surfaced by wait(), never lost
+                self._error = e
+            finally:
+                try:
+                    if run.snap.terminal or run.snap.phase is Phase.UNCONFIRMED:
+                        run._finalise()      # as Run.supervise() does
+                finally:
+                    self._ended.set()
+
+    async def _stop(self, grace: float | None = None) -> None:
+        """Cancel if still running, wait for the end, close the streams.
+        Call shielded. A KeyboardInterrupt meanwhile is held until the
+        container is empty."""
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                if not self._ended.is_set() and self._run.owning():
+                    self._cancel_now(f"scope-exit-{self._run.uid}", grace)
+                await self._ended.wait()
+                break
+            except KeyboardInterrupt as e:
+                interrupted = e
+        for s in (self.stdin, self.stdout, self.stderr):
+            if s is not None:
+                _close_fd(s)
+        if interrupted is not None:
+            raise interrupted
+
+    def __repr__(self) -> str:
+        return f"<AsyncWorker id={self.id} pid={self.pid} state={self._run.snap.state.value}>"
+
+
+async def _wait_ready(fds: Sequence[tuple[int, int]], deadline: float) -> list[int]:
+    """Wait until one of `fds` is ready or `deadline` (monotonic) passes;
+    the ready fds. A fresh epoll each time: the set changes as the run goes
+    (the pidfd closes at root exit), and fd numbers are reused."""
+    ep = select.epoll(max(1, len(fds)))
+    try:
+        for fd, events in fds:
+            ep.register(fd, events)      # POLLIN/POLLPRI/POLLERR equal the EPOLL* bits
+        ready = ep.poll(0)                # often already: a short worker exits during the spawn
+        left = deadline - time.monotonic()
+        if ready or left <= 0:
+            await anyio.lowlevel.checkpoint()
+        else:
+            with anyio.move_on_after(left):
+                await anyio.wait_readable(ep.fileno())
+            ready = ep.poll(0)
+        return [fd for fd, _ in ready]
+    finally:
+        ep.close()
+
+
+async def _exit_group(tg: anyio.abc.TaskGroup, et: type[BaseException] | None, e: BaseException | None,
+                      tb: TracebackType | None) -> bool | None:
+    """Leave a task group that holds only owner tasks (which never raise):
+    the block's own exception comes out as itself, not wrapped in an
+    ExceptionGroup (anyio's task groups on trio are strict)."""
+    try:
+        return await tg.__aexit__(et, e, tb)
+    except BaseExceptionGroup as eg:
+        if e is None or len(eg.exceptions) != 1 or eg.exceptions[0] is not e:
+            raise
+    raise e
+
+
+class _OpenWorker:
+    """`async with open_worker(...) as w:` (see `open_worker`)."""
+
+    def __init__(self, argv: Sequence[str], kw: dict[str, Any]) -> None:
+        self._argv = argv
+        self._kw = kw
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._worker: AsyncWorker | None = None
+
+    async def __aenter__(self) -> AsyncWorker:
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        kw = dict(self._kw)
+        run, st = start_run(self._argv, id=kw.pop("id"), grace=kw.pop("grace"), timeout=kw.pop("timeout"),
+                            backend=kw.pop("backend"), stdin=kw.pop("stdin"), stdout=kw.pop("stdout"),
+                            stderr=kw.pop("stderr"), options=kw)
+        w = AsyncWorker(run, st)
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        tg.start_soon(w._own, name=f"contain-{run.id}")
+        self._tg, self._worker = tg, w
+        return w
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> bool | None:
+        assert self._tg is not None and self._worker is not None
+        try:
+            with anyio.CancelScope(shield=True):
+                await self._worker._stop()
+        finally:
+            suppress = await _exit_group(self._tg, et, e, tb)
+        return suppress
+
+
+def open_worker(argv: Sequence[str], *, id: str | None = None, grace: float = DEFAULT_GRACE,
+                timeout: float | None = None, backend: str = "auto", stdin: StdioSpec = None,
+                stdout: StdioSpec = None, stderr: StdioSpec = None, **options: Any) -> _OpenWorker:
+    """Start `argv` in a fresh container, owned by a task of the current
+    event loop (asyncio or trio, through anyio):
+
+        async with launcher.open_worker(["make", "test"]) as w:
+            rec = await w.wait()
+
+    Options are those of `launcher.spawn`. Leaving the block cancels the run
+    if it is still going and waits until it is reaped."""
+    return _OpenWorker(argv, dict(id=id, grace=grace, timeout=timeout, backend=backend, stdin=stdin,
+                                  stdout=stdout, stderr=stderr, **options))
+
+
+class AsyncSupervisor:
+    """Many async workers, one scope: leaving it (normally, on an exception,
+    on cancellation) cancels every run still going and waits until all are
+    reaped.
+
+        async with launcher.AsyncSupervisor() as sup:
+            a = await sup.spawn(["worker", "1"])
+            b = await sup.spawn(["worker", "2"])
+            await a.wait()
+
+    `defaults` are spawn options applied to every worker (per-spawn options
+    win). `grace` overrides the workers' grace when the scope stops them."""
+
+    def __init__(self, *, grace: float | None = None, **defaults: Any) -> None:
+        self.grace = grace
+        self._defaults = defaults
+        self._workers: list[AsyncWorker] = []
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._closed = False
+
+    @property
+    def workers(self) -> list[AsyncWorker]:
+        return list(self._workers)
+
+    async def spawn(self, argv: Sequence[str], **kw: Any) -> AsyncWorker:
+        if self._tg is None or self._closed:
+            raise RuntimeError("AsyncSupervisor.spawn outside its `async with` block")
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        o = {"id": None, "grace": DEFAULT_GRACE, "timeout": None, "backend": "auto",
+             "stdin": None, "stdout": None, "stderr": None, **self._defaults, **kw}
+        run, st = start_run(argv, id=o.pop("id"), grace=o.pop("grace"), timeout=o.pop("timeout"),
+                            backend=o.pop("backend"), stdin=o.pop("stdin"), stdout=o.pop("stdout"),
+                            stderr=o.pop("stderr"), options=o)
+        w = AsyncWorker(run, st)
+        self._workers.append(w)
+        self._tg.start_soon(w._own, name=f"contain-{run.id}")
+        return w
+
+    async def wait(self) -> list[StopRecord]:
+        """Until every worker spawned so far has ended; their records."""
+        return [await w.wait() for w in list(self._workers)]
+
+    async def __aenter__(self) -> "AsyncSupervisor":
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> bool | None:
+        assert self._tg is not None
+        self._closed = True
+        try:
+            with anyio.CancelScope(shield=True):
+                interrupted: BaseException | None = None
+                for w in self._workers:          # every stop requested first: graces run together
+                    try:
+                        if not w.done() and w._run.owning():
+                            w._cancel_now(f"supervisor-exit-{w._run.uid}", self.grace)
+                    except KeyboardInterrupt as ki:
+                        interrupted = ki
+                for w in self._workers:
+                    try:
+                        await w._stop(self.grace)
+                    except KeyboardInterrupt as ki:
+                        interrupted = ki
+                if interrupted is not None:
+                    raise interrupted
+        finally:
+            suppress = await _exit_group(self._tg, et, e, tb)
+        return suppress

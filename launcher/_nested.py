@@ -1,0 +1,144 @@
+"""Nested runs: runs started from inside another run (the lead).
+
+A lead's worker gets two variables in its environment:
+
+    CONTAIN_RUN_CGROUP   the lead's run cgroup directory
+    CONTAIN_RUN_DIR      the lead's run directory in the state directory
+
+A run started with them (through the library or `contain run`) makes its
+container as `sub-<id>-<hex>` inside the lead's run cgroup, beside the lead
+worker's `main` leaf, so processes only ever live in leaves (cgroup-v2.rst,
+"No Internal Process Constraint") and one `cgroup.kill` of the lead stops the
+whole subtree. It also appends one line about itself to the lead's
+`nested.ndjson`, so the lead can name it (run uid, run directory) when it ends.
+
+The kernel's view decides which nested runs ended with the lead: the `sub-*`
+directories present when the lead's stop began, or when it ended. The
+registry only adds what a cgroup name cannot carry. A nested run whose owner
+lived in the lead's tree is killed with it: its own record may stay RUNNING
+(shown orphaned by `contain ls`); the lead's record says it ended with the lead.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+from ._record import now_iso
+
+ENV_CGROUP = "CONTAIN_RUN_CGROUP"
+ENV_DIR = "CONTAIN_RUN_DIR"
+REGISTRY = "nested.ndjson"
+
+_SUB = re.compile(r"^sub-(?P<id>.+)-[0-9a-f]{8}$")
+
+
+def run_id_of(dirname: str) -> str | None:
+    """The run id in a nested container's name (`sub-<id>-<8 hex>`)."""
+    m = _SUB.match(dirname)
+    return m.group("id") if m else None
+
+
+def scan(container: Any) -> list[dict[str, Any]]:
+    """Every nested container now under `container` (a cgroup2 Container),
+    depth first: nested runs of nested runs are included."""
+    if getattr(container, "backend", None) != "cgroup2":
+        return []
+    found: list[dict[str, Any]] = []
+    stack = [container.dir]
+    while stack:
+        d = stack.pop()
+        try:
+            entries = [e.name for e in os.scandir(d) if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            continue
+        for name in sorted(entries, reverse=True):
+            rid = run_id_of(name)
+            if rid is None:
+                continue
+            path = os.path.join(d, name)
+            found.append({"id": rid, "cgroup": container.hierarchy.cg_path(path), "cgroup_dir": path})
+            stack.append(path)
+    return found
+
+
+def merge(seen: list[dict[str, Any]], more: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    have = {s["cgroup"] for s in seen}
+    return seen + [m for m in more if m["cgroup"] not in have]
+
+
+def register(env: Any, info: dict[str, Any]) -> str | None:
+    """Tell the lead (from `env`) about this nested run. None, or why not."""
+    lead_dir = env.get(ENV_DIR)
+    if not lead_dir:
+        return "no CONTAIN_RUN_DIR in the environment: the lead names this run by its cgroup only"
+    line = (json.dumps(dict(info, at=now_iso()), separators=(",", ":")) + "\n").encode()
+    try:
+        fd = os.open(os.path.join(lead_dir, REGISTRY), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        return f"lead's run directory {lead_dir}: {os.strerror(e.errno or 0)}"
+    try:
+        os.write(fd, line)     # one O_APPEND write: lines of concurrent runs never interleave
+    finally:
+        os.close(fd)
+    return None
+
+
+def describe(seen: list[dict[str, Any]], lead_run_dir: str | None) -> list[dict[str, Any]]:
+    """The `nested` list of the lead's record: each nested run that ended
+    with it, with what its own record said at the lead's end."""
+    registry = _registry(lead_run_dir, len(seen))
+    out = []
+    for s in seen:
+        reg = registry.get(s["cgroup"], {})
+        item: dict[str, Any] = {"id": reg.get("id", s["id"]), "cgroup": s["cgroup"],
+                                "run_uid": reg.get("run_uid"), "run_dir": reg.get("run_dir")}
+        rec = _read_record(reg.get("run_dir"))
+        if rec is not None and rec.get("run_uid") == reg.get("run_uid"):
+            item["state_at_lead_end"] = rec.get("state")
+            item["outcome_at_lead_end"] = rec.get("outcome")
+        else:
+            item["state_at_lead_end"] = None
+            item["outcome_at_lead_end"] = None
+        out.append(item)
+    return out
+
+
+def _registry(lead_run_dir: str | None, limit: int) -> dict[str, dict[str, Any]]:
+    """cgroup path -> registration, from the lead's registry and those of the
+    nested runs it names (a run nested two deep registers with its own lead)."""
+    found: dict[str, dict[str, Any]] = {}
+    todo = [lead_run_dir] if lead_run_dir else []
+    visited: set[str] = set()
+    while todo and len(visited) <= limit:
+        d = todo.pop()
+        if d in visited:
+            continue
+        visited.add(d)
+        try:
+            with open(os.path.join(d, REGISTRY), "rb") as f:
+                lines = f.readlines()
+        except OSError:
+            continue
+        for raw in lines:
+            try:
+                r = json.loads(raw)
+            except ValueError:
+                continue      # a torn line names nobody
+            if isinstance(r, dict) and r.get("cgroup"):
+                found[r["cgroup"]] = r
+                if r.get("run_dir"):
+                    todo.append(str(r["run_dir"]))
+    return found
+
+
+def _read_record(run_dir: str | None) -> dict[str, Any] | None:
+    if not run_dir:
+        return None
+    try:
+        with open(os.path.join(run_dir, "record.json"), "rb") as f:
+            rec = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None

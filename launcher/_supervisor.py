@@ -1,0 +1,118 @@
+"""`Supervisor`: one scope that owns many workers.
+
+    with launcher.Supervisor() as sup:
+        a = sup.spawn(["worker", "1"])
+        b = sup.spawn(["worker", "2"])
+        a.wait()
+    # here every run is over and reaped
+
+Leaving the block, normally, on an exception or on KeyboardInterrupt,
+cancels every run still going (all stops are requested first, so their
+graces run together), waits until each container is observed empty and
+closes every pipe. A KeyboardInterrupt that arrives during that wait is
+held until the end (which takes at most the grace plus the kill deadline)
+and then raised: Ctrl-C never leaves a worker behind.
+
+The async counterpart is `AsyncSupervisor` (launcher/_aio.py).
+"""
+from __future__ import annotations
+
+import threading
+from types import TracebackType
+from typing import Any, Sequence
+
+from ._layout import new_uid
+from ._record import StopRecord
+from ._run import DEFAULT_GRACE, Run
+from ._worker import Worker, abandon, start_run
+
+
+class Supervisor:
+    """Owns the workers it spawns. `defaults` are spawn options applied to
+    every worker (per-spawn options win); `grace` overrides the workers'
+    grace when the supervisor stops them on exit."""
+
+    def __init__(self, *, grace: float | None = None, **defaults: Any) -> None:
+        self.grace = grace
+        self._defaults = defaults
+        self._lock = threading.Lock()
+        self._runs: list[Run] = []                 # every run, from before it starts
+        self._workers: dict[int, Worker] = {}      # id(run) -> its Worker
+        self._closed = False
+        self._uid = new_uid()
+
+    @property
+    def workers(self) -> list[Worker]:
+        with self._lock:
+            return [self._workers[id(r)] for r in self._runs if id(r) in self._workers]
+
+    def spawn(self, argv: Sequence[str], **kw: Any) -> Worker:
+        """As `launcher.spawn`, owned by this supervisor."""
+        if self._closed:
+            raise RuntimeError("Supervisor is closed")
+        o = {"id": None, "grace": DEFAULT_GRACE, "timeout": None, "backend": "auto",
+             "stdin": None, "stdout": None, "stderr": None, **self._defaults, **kw}
+        run, st = start_run(argv, id=o.pop("id"), grace=o.pop("grace"), timeout=o.pop("timeout"),
+                            backend=o.pop("backend"), stdin=o.pop("stdin"), stdout=o.pop("stdout"),
+                            stderr=o.pop("stderr"), options=o, track=self._track)
+        w = Worker(run, st)
+        with self._lock:
+            self._workers[id(run)] = w
+        return w
+
+    def _track(self, run: Run) -> None:
+        with self._lock:
+            self._runs.append(run)
+
+    def wait(self, timeout: float | None = None) -> list[StopRecord]:
+        """Until every worker spawned so far has ended; their records."""
+        return [w.wait(timeout) for w in self.workers]
+
+    def close(self) -> list[StopRecord]:
+        """Cancel every run still going, wait until all are reaped, close
+        their pipes. Idempotent. Returns every run's final record."""
+        self._closed = True
+        interrupted: KeyboardInterrupt | None = None
+        errors: list[Exception] = []
+        op = f"supervisor-exit-{self._uid}"
+        while True:
+            try:
+                with self._lock:
+                    runs = list(self._runs)
+                    workers = dict(self._workers)
+                for r in runs:                       # every stop requested first
+                    w = workers.get(id(r))
+                    if w is not None and not w.done():
+                        try:
+                            w.cancel(op_id=op, grace=self.grace)
+                        except Exception as e:       # stop() below tries again
+                            errors.append(e)
+                for r in runs:
+                    w = workers.get(id(r))
+                    try:
+                        if w is None:
+                            abandon(r)               # started, but interrupted before its Worker existed
+                        else:
+                            w.stop(op_id=op, grace=self.grace)
+                    except Exception as e:           # one failure never leaves the others running
+                        errors.append(e)
+                break
+            except KeyboardInterrupt as e:           # held: the stop is bounded; retried from the top
+                interrupted = e
+                errors.clear()
+        records = [r.record() for r in runs]
+        if interrupted is not None:
+            raise interrupted
+        if errors:
+            raise errors[0]
+        return records
+
+    def __enter__(self) -> "Supervisor":
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Supervisor workers={len(self._runs)} closed={self._closed}>"
