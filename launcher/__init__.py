@@ -40,15 +40,15 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    # ._scan and ._doctor are not on this branch yet; their names resolve
-    # once they land (tests/test_exports.py says which are pending).
     from ._aio import AsyncSupervisor as AsyncSupervisor, AsyncWorker as AsyncWorker, open_worker as open_worker
     from ._cancel import cancel as cancel
     from ._errors import (AccessDenied as AccessDenied, ContainmentUnavailable as ContainmentUnavailable,
                           LauncherError as LauncherError, ProcessGone as ProcessGone,
                           RunConflict as RunConflict, RunNotFound as RunNotFound,
                           SpawnFailed as SpawnFailed, Unsupported as Unsupported)
+    from ._doctor import capabilities as capabilities
     from ._record import CancelRecord as CancelRecord, StopRecord as StopRecord, Unknown as Unknown
+    from ._scan import ProcessInfo as ProcessInfo, scan_processes as scan_processes
     from ._state import Effect as Effect, Outcome as Outcome, State as State
     from ._supervisor import Supervisor as Supervisor
     from ._worker import Worker as Worker, run as run, spawn as spawn

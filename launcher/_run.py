@@ -175,6 +175,10 @@ class Run:
         req = self._spawn_request()
         # seal/ledger hook (issue 4): the fork ledger listens before the spawn
         self._watch = EscapeWatch.before_spawn(self.container, req, self.opts.env)
+        # The run is described before anything runs in it: an owner killed
+        # right after the spawn still leaves a run that `ls` shows and that
+        # `cancel` can adopt by its container.
+        self.layout.write_run(self._run_info(None))
         t0 = time.time()
         try:
             sp = self.container.spawn(req)
@@ -766,8 +770,12 @@ class Run:
                       not_measured("no run directory"))
         ev.setdefault("signal_sent", {"observed": False, "at": None, "via": "none",
                                       "detail": "nothing was signalled"})
-        ev.setdefault("root_exit", evidence(False, "pidfd", "worker running") if self.pid > 0 else
-                      not_measured("no worker"))
+        if self.pid > 0:
+            ev.setdefault("root_exit", evidence(False, "pidfd", "worker running"))
+        elif self.adopted:
+            ev.setdefault("root_exit", not_measured("the owner died before recording the worker's identity"))
+        else:
+            ev.setdefault("root_exit", not_measured("no worker"))
         if self.container is None or self.container.backend == "none":
             ev.setdefault("container_empty", not_measured("no kernel container (degraded mode)"))
         else:
@@ -862,12 +870,12 @@ class Run:
         with self._lock:
             return self._final if self._final is not None else StopRecord(self.record_dict())
 
-    def _run_info(self, via: str) -> dict[str, Any]:
+    def _run_info(self, via: str | None) -> dict[str, Any]:
         c = self.container
         return {
             "run_id": self.id, "run_uid": self.uid, "argv": self.argv,
             "started_at": self.times["spawned_at"],
-            "worker": self.identity.to_dict() if self.identity else {"pid": self.pid},
+            "worker": self.identity.to_dict() if self.identity else ({"pid": self.pid} if self.pid > 0 else None),
             "supervisor": ProcessIdentity.read(os.getpid()).to_dict(),
             "backend": c.backend, "cgroup": c.path, "cgroup_dir": getattr(c, "dir", None),
             "spawn_via": via, "state_dir": self.layout.path if self.layout else None,
