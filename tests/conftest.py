@@ -197,6 +197,21 @@ def contained(state_dir: str, cgroup_base: str, token: str, env: dict[str, str])
     return {"state_dir": state_dir, "cgroup_base": cgroup_base, "token": token, "env": env}
 
 
+def assert_graces_overlap(records: list) -> None:
+    """Stops requested together overlap: every worker that needed a SIGTERM
+    got it before any worker's grace ran out (read from the records' own
+    signal steps, not from a wall clock)."""
+    terms, kills = [], []
+    for rec in records:
+        detail = rec.to_dict()["evidence"]["signal_sent"]["detail"]
+        steps = detail.get("steps", []) if isinstance(detail, dict) else []
+        terms += [s["at"] for s in steps if s["kind"] == "term"]
+        kills += [s["at"] for s in steps if s["kind"] == "kill"]
+    assert terms, "no worker was sent SIGTERM"
+    if kills:
+        assert max(terms) < min(kills), (terms, kills)
+
+
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)

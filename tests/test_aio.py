@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 import launcher
-from conftest import children_of, fd_count, pids_with_token
+from conftest import assert_graces_overlap, children_of, fd_count, pids_with_token
 
 pytestmark = pytest.mark.anyio
 
@@ -24,14 +24,15 @@ async def test_wait_returns_the_record(contained: dict) -> None:
     assert w.record() == rec
 
 
-async def test_wait_is_woken_by_the_kernel_not_a_timer(contained: dict) -> None:
-    """A worker that exits after 0.3 s is seen within a few ms of its exit."""
+async def test_wait_ends_with_the_worker_not_before(contained: dict) -> None:
+    """wait() returns once the worker has exited and the container is empty
+    (a hang guard, not a speed check: benchmarks/bench_api.py measures that)."""
     async with launcher.open_worker(["sleep", "0.3"], env=contained["env"]) as w:
         t0 = time.monotonic()
         rec = await w.wait()
         took = time.monotonic() - t0
-    assert rec.state == "REAPED"
-    assert 0.25 < took < 1.0, took
+    assert rec.state == "REAPED" and rec.evidence.root_exit.observed is True
+    assert 0.25 < took < 30, took
 
 
 async def test_cancel_with_an_operation_id(contained: dict) -> None:
@@ -92,7 +93,7 @@ async def test_timeout_is_enforced_while_the_caller_is_busy(contained: dict) -> 
         t0 = time.monotonic()
         rec = await w.wait()
     assert (rec.state, rec.outcome) == ("REAPED", "timed_out")
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 30   # hang guard: the 60 s sleep did not run out
 
 
 async def test_pipes_are_anyio_byte_streams(contained: dict) -> None:
@@ -119,15 +120,13 @@ async def test_pipes_are_anyio_byte_streams(contained: dict) -> None:
 
 
 async def test_supervisor_stops_everything_on_exit(contained: dict) -> None:
-    t0 = time.monotonic()
     async with launcher.AsyncSupervisor(grace=0.2, env=contained["env"]) as sup:
         quick = await sup.spawn(["true"])
         slow = [await sup.spawn(["sh", "-c", "trap '' TERM; sleep 60"]) for _ in range(3)]
         assert (await quick.wait()).outcome == "exited"
-    took = time.monotonic() - t0
     assert [w.record().outcome for w in slow] == ["cancelled"] * 3
     assert all(w.record().state == "REAPED" for w in slow)
-    assert took < 3, "stops are requested together, so graces overlap"
+    assert_graces_overlap([w.record() for w in slow])
     assert pids_with_token(contained["token"]) == []
 
 

@@ -173,7 +173,7 @@ def test_term_ignoring_orphan(box):
     rec = assert_reaped_and_clean(box, "x")
     steps = rec["evidence"]["signal_sent"]["detail"]["steps"]
     assert [s["kind"] for s in steps] == ["term", "kill"], steps
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 60   # hang guard
 
 
 def test_sigstopped_orphan(box):
@@ -252,7 +252,7 @@ def test_timeout_is_124(box):
     p = run_contain(box.env, "run", "--id", "x", "--timeout", "0.5", "--grace", "0.5", "--",
                     "sh", "-c", "trap '' TERM; setsid sleep 300 & sleep 300")
     assert p.returncode == 124
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < 60   # hang guard
     rec = assert_reaped_and_clean(box, "x")
     assert rec["outcome"] == "timed_out"
 
