@@ -32,10 +32,10 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from ._cancel import cancel as _cancel_by_id
 from ._errors import RunConflict
+from ._handle import RunHandle
 from ._layout import new_uid
-from ._record import CancelRecord, StopRecord, now_iso
+from ._record import CancelRecord, StopRecord
 from ._run import DEFAULT_GRACE, Run
 from ._state import Phase
 from ._stdio import Stdio, StdioSpec
@@ -119,7 +119,7 @@ def _close_fd(s: FdReceiveStream | FdSendStream) -> None:
 
 # -- the worker ----------------------------------------------------------------
 
-class AsyncWorker:
+class AsyncWorker(RunHandle):
     """A run owned by a task of this event loop. Get one from `open_worker`
     or `AsyncSupervisor.spawn`. With `subprocess.PIPE`, `stdin` is an anyio
     `ByteSendStream` and `stdout`/`stderr` are `ByteReceiveStream`s."""
@@ -132,27 +132,6 @@ class AsyncWorker:
         self.stdin: FdSendStream | None = FdSendStream(parent[0]) if parent[0] is not None else None
         self.stdout: FdReceiveStream | None = FdReceiveStream(parent[1]) if parent[1] is not None else None
         self.stderr: FdReceiveStream | None = FdReceiveStream(parent[2]) if parent[2] is not None else None
-
-    @property
-    def id(self) -> str:
-        return self._run.id
-
-    @property
-    def run_uid(self) -> str:
-        return self._run.uid
-
-    @property
-    def pid(self) -> int:
-        return self._run.pid
-
-    @property
-    def run_dir(self) -> str:
-        assert self._run.layout is not None
-        return self._run.layout.path
-
-    def record(self) -> StopRecord:
-        """The current stop record (final once the run has ended)."""
-        return self._run.record()
 
     def done(self) -> bool:
         return self._ended.is_set()
@@ -173,30 +152,18 @@ class AsyncWorker:
 
     def _cancel_now(self, op: str, grace: float | None) -> CancelRecord:
         run = self._run
-        layout = run.layout
-        assert layout is not None
-        ack = layout.read_ack(op)
-        if ack is not None:
-            return CancelRecord(ack)
+        known = self._known_ack(op)
+        if known is not None:
+            return known
         if not run.owning() or run._done.is_set():
-            return _cancel_by_id(self.id, op_id=op, run_uid=run.uid,
-                                 state_dir=os.path.dirname(os.path.dirname(layout.path)))
-        req: dict[str, Any] = {"op_id": op, "run_uid": run.uid, "requested_at": now_iso(),
-                               "by": {"pid": os.getpid(), "task": "anyio"}}
-        if grace is not None:
-            req["grace"] = grace
-        layout.append_request(req)     # durable before anything is signalled
+            return self._answer_as_ended(op)
+        self._request(op, grace, {"task": "anyio"})
         run._turn()                    # we are the owner's thread: acknowledge and act now
         run.wake()                     # the owner task re-reads its deadlines
-        ack = run.ops.get(op) or layout.read_ack(op)
+        ack = run.ops.get(op)
         if ack is None:
             raise RunConflict(f"run {self.id}: operation {op} was not acknowledged")
         return CancelRecord(ack)
-
-    def cancel_record(self, op_id: str) -> CancelRecord | None:
-        assert self._run.layout is not None
-        ack = self._run.layout.read_ack(op_id)
-        return None if ack is None else CancelRecord(ack)
 
     async def _own(self) -> None:
         """The owner loop as a task. Shielded: it ends when the run ends, and
@@ -236,8 +203,6 @@ class AsyncWorker:
         if interrupted is not None:
             raise interrupted
 
-    def __repr__(self) -> str:
-        return f"<AsyncWorker id={self.id} pid={self.pid} state={self._run.snap.state.value}>"
 
 
 async def _wait_ready(fds: Sequence[tuple[int, int]], deadline: float) -> list[int]:

@@ -15,9 +15,9 @@ import time
 from typing import IO, Any, Callable, Sequence
 
 from . import _stdio
-from ._errors import RunConflict
 from ._layout import new_uid
 from ._record import CancelRecord, StopRecord, now_iso
+from ._handle import RunHandle
 from ._run import DEFAULT_GRACE, Options, Run
 from ._stdio import StdioSpec
 
@@ -45,7 +45,7 @@ def start_run(argv: Sequence[str], *, id: str | None, grace: float, timeout: flo
     return run, st
 
 
-class Worker:
+class Worker(RunHandle):
     """A live run owned by this process. Thread-safe.
 
     With `subprocess.PIPE`, `stdin`, `stdout` and `stderr` are binary file
@@ -87,27 +87,6 @@ class Worker:
         with self._cond:
             self._cond.notify_all()
 
-    @property
-    def id(self) -> str:
-        return self._run.id
-
-    @property
-    def run_uid(self) -> str:
-        return self._run.uid
-
-    @property
-    def pid(self) -> int:
-        return self._run.pid
-
-    @property
-    def run_dir(self) -> str:
-        assert self._run.layout is not None
-        return self._run.layout.path
-
-    def record(self) -> StopRecord:
-        """The current stop record (final once the run has ended)."""
-        return self._run.record()
-
     def done(self) -> bool:
         """Whether the owner loop has finished."""
         return self._finished.is_set()
@@ -125,41 +104,23 @@ class Worker:
         """Request a stop; returns this operation's acknowledgement at once
         (effect `cancel_requested` or `not_live`). `wait()` for the end; the
         settled acknowledgement is `cancel_record(op_id)`."""
-        layout = self._run.layout
-        assert layout is not None
         op = op_id or f"op-{new_uid()}"
-        ack = layout.read_ack(op)
-        if ack is not None:
-            return CancelRecord(ack)
+        known = self._known_ack(op)
+        if known is not None:
+            return known
         if self.done():
-            from ._cancel import cancel
-
-            return cancel(self.id, op_id=op, state_dir=os.path.dirname(os.path.dirname(layout.path)))
-        req: dict[str, Any] = {"op_id": op, "run_uid": self._run.uid, "requested_at": now_iso(),
-                               "by": {"pid": os.getpid(), "thread": threading.get_ident()}}
-        if grace is not None:
-            req["grace"] = grace
-        layout.append_request(req)        # durable before anything is signalled
+            return self._answer_as_ended(op)
+        self._request(op, grace, {"thread": threading.get_ident()})
         self._run.wake()
         with self._cond:
             while op not in self._run.ops and not self.done():
                 self._cond.wait(1.0)
-        ack = self._run.ops.get(op) or layout.read_ack(op)
-        if ack is None and self.done():
-            # The run ended before its owner read this request: the request
-            # is in the inbox of an ended run, answered as any late cancel.
-            from ._cancel import cancel
-
-            return cancel(self.id, op_id=op, run_uid=self._run.uid,
-                          state_dir=os.path.dirname(os.path.dirname(layout.path)))
-        if ack is None:
-            raise RunConflict(f"run {self.id}: operation {op} was not acknowledged")
-        return CancelRecord(ack)
-
-    def cancel_record(self, op_id: str) -> CancelRecord | None:
-        assert self._run.layout is not None
-        ack = self._run.layout.read_ack(op_id)
-        return None if ack is None else CancelRecord(ack)
+        ack = self._run.ops.get(op)
+        if ack is not None:
+            return CancelRecord(ack)
+        # The run ended before its owner read this request: the request is in
+        # the inbox of an ended run, answered as any late cancel.
+        return self._answer_as_ended(op)
 
     def communicate(self, input: bytes | None = None, timeout: float | None = None) -> tuple[bytes | None, bytes | None]:
         """As `Popen.communicate`: send `input` to stdin (then close it), read
@@ -243,8 +204,6 @@ class Worker:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def __repr__(self) -> str:
-        return f"<Worker id={self.id} pid={self.pid} state={self._run.snap.state.value}>"
 
 
 def spawn(argv: Sequence[str], *, id: str | None = None, grace: float = DEFAULT_GRACE,

@@ -1,0 +1,67 @@
+"""What a sync Worker and an AsyncWorker share: a view of one owned run and
+the requesting half of a cancel."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ._record import CancelRecord, StopRecord, now_iso
+from ._run import Run
+
+
+class RunHandle:
+    _run: Run
+
+    @property
+    def id(self) -> str:
+        return self._run.id
+
+    @property
+    def run_uid(self) -> str:
+        return self._run.uid
+
+    @property
+    def pid(self) -> int:
+        return self._run.pid
+
+    @property
+    def run_dir(self) -> str:
+        assert self._run.layout is not None
+        return self._run.layout.path
+
+    def record(self) -> StopRecord:
+        """The current stop record (final once the run has ended)."""
+        return self._run.record()
+
+    def cancel_record(self, op_id: str) -> CancelRecord | None:
+        """The acknowledgement of operation `op_id`, as stored."""
+        assert self._run.layout is not None
+        ack = self._run.layout.read_ack(op_id)
+        return None if ack is None else CancelRecord(ack)
+
+    def _known_ack(self, op: str) -> CancelRecord | None:
+        assert self._run.layout is not None
+        ack = self._run.layout.read_ack(op)
+        return None if ack is None else CancelRecord(ack)
+
+    def _request(self, op: str, grace: float | None, by: dict[str, Any]) -> None:
+        """Append the cancel intent to the inbox, durably, before anything is
+        signalled (docs/protocol.md)."""
+        assert self._run.layout is not None
+        req: dict[str, Any] = {"op_id": op, "run_uid": self._run.uid, "requested_at": now_iso(),
+                               "by": {"pid": os.getpid(), **by}}
+        if grace is not None:
+            req["grace"] = grace
+        self._run.layout.append_request(req)
+
+    def _answer_as_ended(self, op: str) -> CancelRecord:
+        """A cancel for a run whose owner loop has finished: answered from the
+        layout, as any other process would be."""
+        from ._cancel import cancel
+
+        assert self._run.layout is not None
+        return cancel(self.id, op_id=op, run_uid=self._run.uid,
+                      state_dir=os.path.dirname(os.path.dirname(self._run.layout.path)))
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} id={self.id} pid={self.pid} state={self._run.snap.state.value}>"
