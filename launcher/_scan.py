@@ -129,13 +129,14 @@ def _check(rc: int, what: str) -> None:
         raise OSError(-rc, f"{what}: {os.strerror(-rc)}")
 
 
-def _read_all(cgroups: bool) -> tuple[Any, int]:
+def _read_all(cgroups: bool, threads: int = 0, walk: bool = True, stats: Any = None) -> tuple[Any, int]:
     global _cap_hint
     cap = _cap_hint
     n = _ffi.new("int *")
+    flags = (_lib.CT_PROCSCAN_CGROUP if cgroups else 0) | (0 if walk else _lib.CT_PROCSCAN_NO_WALK)
     for _ in range(_RETRIES):
         buf = _new_uncleared("struct ct_proc[]", cap)
-        rc = _lib.ct_procscan_read(buf, cap, n, 1 if cgroups else 0)
+        rc = _lib.ct_procscan_read(buf, cap, n, flags, threads, stats if stats is not None else _ffi.NULL)
         if rc == -errno.ENOSPC:
             # Processes may keep appearing: leave headroom beyond the count.
             cap = n[0] + n[0] // 4 + 64
@@ -146,8 +147,12 @@ def _read_all(cgroups: bool) -> tuple[Any, int]:
     raise OSError(errno.ENOSPC, f"ct_procscan_read /proc: still growing after {_RETRIES} tries")
 
 
-def _scan_native(cgroups: bool) -> list[ProcessInfo]:
-    buf, count = _read_all(cgroups)
+def _scan_native(cgroups: bool, *, threads: int = 0, walk: bool = True, stats: Any = None) -> list[ProcessInfo]:
+    """The C scan. threads=0 lets C choose; walk=False reads every
+    /proc/<pid>/cgroup instead of walking the hierarchy; stats, a
+    `struct ct_procscan_stats *`, says how the scan went. The last three are
+    for tests and benchmarks: the result is the same either way."""
+    buf, count = _read_all(cgroups, threads, walk, stats)
     string = _ffi.string
     new = tuple.__new__  # skips NamedTuple's Python-level __new__: a third of the loop
     cls = ProcessInfo

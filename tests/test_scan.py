@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import threading
@@ -202,7 +203,9 @@ def test_zombie_is_reported_until_reaped(spawn):
     zombie = by_pid(scan_processes())[child.pid]
     assert zombie.state == "Z"
     assert zombie.ppid == os.getpid()
-    assert zombie.cgroup is not None  # a zombie still has a cgroup line
+    # A zombie still has a cgroup line but is in no cgroup.procs: the scan
+    # must have read its file rather than the walk's map.
+    assert zombie.cgroup == parse_cgroup(pathlib.Path(f"/proc/{child.pid}/cgroup").read_text())
     child.wait()
     assert child.pid not in by_pid(scan_processes())
 
@@ -278,7 +281,7 @@ def test_small_buffer_reports_enospc_with_a_size_hint():
     ffi, lib = _scan._ffi, _scan._lib
     buf = ffi.new("struct ct_proc[]", 2)
     n = ffi.new("int *")
-    assert lib.ct_procscan_read(buf, 2, n, 1) == -errno.ENOSPC
+    assert lib.ct_procscan_read(buf, 2, n, lib.CT_PROCSCAN_CGROUP, 0, ffi.NULL) == -errno.ENOSPC
     assert n[0] > 2
 
 
@@ -395,3 +398,172 @@ def test_long_cgroup_path_is_reported_whole(long_cgroup):
     finally:
         child.kill()
         child.wait()
+
+
+# --- cgroups from the hierarchy walk -----------------------------------------
+
+
+def _stats():
+    return _scan._ffi.new("struct ct_procscan_stats *")
+
+
+def _cgroup_files() -> dict[int, tuple[int, str | None]]:
+    """pid -> (start time, v2 path) for every process, each read by hand."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            fd = os.open(f"/proc/{name}", os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            continue
+        try:
+            stat = os.read(os.open("stat", os.O_RDONLY, dir_fd=fd), 4096).decode("utf-8", "surrogateescape")
+            path = parse_cgroup(pathlib.Path(f"/proc/self/fd/{fd}/cgroup").read_text("utf-8", "surrogateescape"))
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        out[int(name)] = (int(stat.rpartition(")")[2].split()[19]), path)
+    return out
+
+
+@native
+def test_walked_cgroups_are_what_proc_pid_cgroup_says():
+    """Every process's cgroup equals its own /proc/<pid>/cgroup. A process
+    that exited or moved between the reads is read again on its own."""
+    before = _cgroup_files()
+    st = _stats()
+    procs = _scan._scan_native(True, stats=st)
+    after = _cgroup_files()
+    if _v2_mount() is not None:
+        assert st.walked == 1 and st.cgroups_walked >= 1
+        assert st.cgroup_mapped > len(procs) // 2, "the walk mapped hardly anyone: the test proves nothing"
+    unsettled = []
+    for p in procs:
+        a, b = before.get(p.pid), after.get(p.pid)
+        if a is not None and a == b and a[0] == p.start_time:
+            assert p.cgroup == a[1], p
+        else:
+            unsettled.append(p)
+    for p in unsettled:  # born, exited or moved around the scan: ask once more
+        try:
+            again = _scan._read_cgroup_py(p.pid, p.start_time)[0]
+        except ProcessLookupError:
+            continue
+        assert p.cgroup == again or p.cgroup in (a[1] for a in (before.get(p.pid), after.get(p.pid)) if a), p
+
+
+@native
+def test_walk_and_per_process_reads_agree():
+    walked = by_pid(_scan._scan_native(True))
+    each = by_pid(_scan._scan_native(True, walk=False))
+    for pid in walked.keys() & each.keys():
+        # state and comm (kworkers rename themselves) may change between reads
+        assert walked[pid]._replace(state="", comm="") == each[pid]._replace(state="", comm=""), pid
+
+
+@native
+def test_per_process_reads_when_asked():
+    st = _stats()
+    _scan._scan_native(True, walk=False, stats=st)
+    assert (st.walked, st.cgroup_mapped) == (0, 0) and st.cgroup_fallback > 0
+
+
+@pytest.fixture
+def own_cgroup():
+    """A fresh cgroup below our own: (directory, path as /proc shows it),
+    plus everything the test makes under it, removed after (rmdir only:
+    the test reaps its processes first)."""
+    mount = _v2_mount()
+    own = parse_cgroup(pathlib.Path("/proc/self/cgroup").read_text())
+    if mount is None or own is None or not os.access(mount / own.lstrip("/"), os.W_OK):
+        pytest.skip("no writable cgroup v2 hierarchy")
+    name = f"contain-test-scan-{os.getpid()}"
+    d = mount / own.lstrip("/") / name
+    try:
+        d.mkdir()
+    except OSError as e:
+        pytest.skip(f"cannot create a test cgroup: {e}")
+    yield d, own.rstrip("/") + "/" + name
+    deadline = time.monotonic() + 5
+    for sub in sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [d]:
+        while True:
+            try:
+                sub.rmdir()
+                break
+            except OSError as e:
+                if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+
+
+@native
+def test_process_in_a_nested_cgroup_is_mapped(own_cgroup, spawn):
+    directory, path = own_cgroup
+    (directory / "a b" / "c").mkdir(parents=True)  # a space: the path is not escaped
+    child = spawn(["sleep", "60"])
+    (directory / "a b" / "c" / "cgroup.procs").write_text(str(child.pid))
+    time.sleep(0.03)  # older than the walk by more than a clock tick: eligible for the map
+    st = _stats()
+    info = by_pid(_scan._scan_native(True, stats=st))[child.pid]
+    assert info.cgroup == path + "/a b/c" == parse_cgroup(pathlib.Path(f"/proc/{child.pid}/cgroup").read_text())
+    assert st.cgroup_mapped > 0
+    child.kill()
+    child.wait()
+
+
+@native
+def test_threaded_cgroup_reports_the_leaders_cgroup(own_cgroup, spawn):
+    """A threaded domain's cgroup.procs lists the processes of its threaded
+    children too; /proc/<pid>/cgroup names the child. The scan must too."""
+    directory, path = own_cgroup
+    (directory / "t").mkdir()
+    try:
+        (directory / "t" / "cgroup.type").write_text("threaded")
+    except OSError as e:
+        pytest.skip(f"cannot make a threaded cgroup: {e}")
+    child = spawn(["sleep", "60"])
+    (directory / "cgroup.procs").write_text(str(child.pid))
+    (directory / "t" / "cgroup.threads").write_text(str(child.pid))  # its only thread, the leader
+    assert str(child.pid) in (directory / "cgroup.procs").read_text().split()
+    time.sleep(0.03)
+    assert by_pid(scan_processes())[child.pid].cgroup == path + "/t"
+    child.kill()
+    child.wait()
+
+
+@native
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare(1)")
+def test_mount_of_a_subtree_prefixes_its_root(own_cgroup, spawn, tmp_path):
+    """Where cgroup2 is mounted from a subtree (mountinfo field 4 is not
+    "/"), paths below the mount point are prefixed with that root. Run in a
+    private mount namespace that sees only such a mount."""
+    directory, path = own_cgroup
+    (directory / "a" / "b").mkdir(parents=True)
+    child = spawn(["sleep", "60"])
+    (directory / "a" / "b" / "cgroup.procs").write_text(str(child.pid))
+    time.sleep(0.03)
+    mounts = [line.split()[4] for line in pathlib.Path("/proc/self/mountinfo").read_text().splitlines()
+              if line.partition(" - ")[2].startswith("cgroup2 ")]
+    point = tmp_path / "mnt"
+    point.mkdir()
+    script = (
+        f"mount --bind {directory / 'a'} {point} && "
+        + "".join(f"umount -l {m} && " for m in mounts)
+        + f"{sys.executable} -c 'import sys; sys.path.insert(0, sys.argv[1]); "
+        "from launcher import _scan; st = _scan._ffi.new(\"struct ct_procscan_stats *\"); "
+        "p = {x.pid: x for x in _scan._scan_native(True, stats=st)}[int(sys.argv[2])]; "
+        "print(p.cgroup, st.cgroup_mapped, sep=\"\\n\")' "
+        f"{pathlib.Path(__file__).parent.parent} {child.pid}"
+    )
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                       capture_output=True, text=True, timeout=30)
+    if r.returncode != 0 and "unshare" in r.stderr:
+        pytest.skip(f"cannot make a mount namespace: {r.stderr.strip()}")
+    assert r.returncode == 0, r.stderr
+    cgroup, mapped = r.stdout.splitlines()
+    assert cgroup == path + "/a/b"
+    assert int(mapped) >= 1  # from the walk under the subtree mount, not a fallback
+    child.kill()
+    child.wait()

@@ -29,8 +29,28 @@ struct ct_proc {
     char cgroup[CT_PROC_CGROUP_MAX];    /* NUL-terminated v2 path, "" unless read */
 };
 
-/* Fill out[0..cap) with one entry per process in /proc. Returns 0 with *n
- * entries, -ENOSPC when cap was too small (*n is then the number of pids
- * seen, a size hint for the retry), or -errno when /proc itself failed. */
-int ct_procscan_read(struct ct_proc *out, int cap, int *n, int want_cgroup);
+/* ct_procscan_read flags */
+enum {
+    CT_PROCSCAN_CGROUP = 1 << 0,   /* fill cgroup (else it is "") */
+    CT_PROCSCAN_NO_WALK = 1 << 1,  /* read every /proc/<pid>/cgroup rather than walk the hierarchy */
+};
+
+/* How a scan went: for tests and benchmarks, never needed for the result. */
+struct ct_procscan_stats {
+    int threads;          /* threads that read /proc/<pid> files, the caller's included */
+    int walked;           /* the cgroup hierarchy was walked */
+    int cgroups_walked;   /* cgroup.procs files read */
+    int cgroup_mapped;    /* entries whose cgroup came from the walk */
+    int cgroup_fallback;  /* entries whose /proc/<pid>/cgroup was read (or whose stat failed) */
+    int walk_errno;       /* first error met by the walk (its subtree fell back), EXDEV if /proc
+                             belongs to another pid namespace, 0 if none */
+};
+
+/* Fill out[0..cap) with one entry per process in /proc. threads is the
+ * number of threads to read with, 0 to choose. Returns 0 with *n entries,
+ * -ENOSPC when cap was too small (*n is then the number of pids seen, a
+ * size hint for the retry; nothing was read), or -errno when /proc itself
+ * failed. stats may be NULL. */
+int ct_procscan_read(struct ct_proc *out, int cap, int *n, int flags, int threads,
+                     struct ct_procscan_stats *stats);
 #endif
