@@ -273,6 +273,44 @@ def test_scan_survives_churn(spawn):
     assert errors == []
 
 
+@native
+@pytest.mark.parametrize("cgroups", [True, False])
+def test_threaded_and_single_threaded_scans_agree(cgroups):
+    one, many = _stats(), _stats()
+    single = by_pid(_scan._scan_native(cgroups, threads=1, stats=one))
+    threaded = by_pid(_scan._scan_native(cgroups, threads=4, stats=many))
+    assert (one.threads, many.threads) == (1, 4)
+    common = single.keys() & threaded.keys()
+    assert len(common) >= 0.9 * max(len(single), len(threaded))
+    for pid in common:
+        assert single[pid]._replace(state="", comm="") == threaded[pid]._replace(state="", comm=""), pid
+    assert os.getpid() in threaded
+
+
+@native
+def test_threaded_scan_survives_churn(spawn):
+    """As test_scan_survives_churn, with the reads spread over threads even
+    though there are few processes, so that exits land mid-chunk."""
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            subprocess.run(["true"], check=True)
+
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        for _ in range(100):
+            procs = _scan._scan_native(True, threads=3)
+            assert len({p.pid for p in procs}) == len(procs)
+            for p in procs:
+                assert p.pid > 0 and len(p.state) == 1
+                assert p.cgroup is not None or p.cgroup_error is not None
+    finally:
+        stop.set()
+        t.join()
+
+
 # --- the C interface ---------------------------------------------------------
 
 

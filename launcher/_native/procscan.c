@@ -35,6 +35,10 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -665,6 +669,144 @@ static int read_entry(const struct scan *s, int i) {
     return 0;
 }
 
+/* The stat reads are nearly all kernel time (procfs lookups and
+ * do_task_stat), which runs in parallel across CPUs, so the list is shared
+ * by a few threads taking CHUNK pids at a time. Threads never touch Python
+ * objects, only the out[] entries they claimed.
+ *
+ * On a busy host a new thread may wait a whole timeslice (milliseconds)
+ * before it first runs, by which time the caller may have done all the
+ * work. So the caller waits for the entries to be done, not for the
+ * threads to end: workers are detached, share a reference-counted context,
+ * and one that starts late finds nothing left to claim and only drops its
+ * reference. A worker descheduled mid-chunk still holds up its chunk,
+ * which is why chunks are small. */
+#define MAX_THREADS 4
+#define CHUNK 16
+/* Below this many processes a thread's creation costs more than the reads
+ * it takes over (measured: benchmarks/bench_scan.py --crossover). */
+#define MIN_THREADED_PIDS 256
+
+struct pass {
+    const struct scan *s;  /* dereferenced only by a holder of an unfinished chunk */
+    int count;
+    atomic_int next;       /* first unclaimed entry */
+    atomic_int done;       /* entries finished */
+    atomic_int mapped;
+    atomic_int refs;       /* the caller and every started worker */
+    pthread_mutex_t lock;  /* with cond: the caller waits for the last chunk */
+    pthread_cond_t cond;
+};
+
+static void pass_release(struct pass *ps) {
+    if (atomic_fetch_sub(&ps->refs, 1) != 1) return;
+    pthread_cond_destroy(&ps->cond);
+    pthread_mutex_destroy(&ps->lock);
+    free(ps);
+}
+
+static void pass_work(struct pass *ps) {
+    int count = ps->count;
+    for (;;) {
+        int lo = atomic_fetch_add(&ps->next, CHUNK);
+        if (lo >= count) return;
+        int hi = count - lo > CHUNK ? lo + CHUNK : count, mapped = 0;
+        for (int i = lo; i < hi; i++) mapped += read_entry(ps->s, i);
+        atomic_fetch_add(&ps->mapped, mapped);
+        /* The entries written above happen-before the caller's load of
+         * done (both atomics are sequentially consistent). */
+        if (atomic_fetch_add(&ps->done, hi - lo) + (hi - lo) == count) {
+            pthread_mutex_lock(&ps->lock);
+            pthread_cond_broadcast(&ps->cond);
+            pthread_mutex_unlock(&ps->lock);
+        }
+    }
+}
+
+static void *pass_thread(void *arg) {
+    pass_work(arg);
+    pass_release(arg);
+    return NULL;
+}
+
+/* Tasks runnable right now on the whole machine, ourselves included: the
+ * fourth field of /proc/loadavg is "running/total" (proc(5)). 0 if unknown. */
+static int running_now(void) {
+    char buf[128];
+    int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t k = read_retry(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (k <= 0) return 0;
+    buf[k] = 0;
+    const char *c = buf;
+    for (int sp = 0; *c && sp < 3; c++) sp += *c == ' ';
+    int v = 0;
+    for (; *c >= '0' && *c <= '9'; c++) v = v * 10 + (*c - '0');
+    return *c == '/' ? v : 0;
+}
+
+/* One thread per CPU we may run on that has nothing else to run, up to
+ * MAX_THREADS: a thread sent to a busy CPU gains nothing and may be
+ * descheduled mid-chunk, holding the scan up for a timeslice. */
+static int auto_threads(int count) {
+    if (count < MIN_THREADED_PIDS) return 1;
+    cpu_set_t set;
+    int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : (int)sysconf(_SC_NPROCESSORS_ONLN);
+    int others = running_now() - 1;
+    int idle = cpus - (others > 0 ? others : 0);
+    return idle < 1 ? 1 : idle > MAX_THREADS ? MAX_THREADS : idle;
+}
+
+/* Reads every entry with up to `threads` threads, the caller's included;
+ * returns how many were started. A thread that cannot be created leaves
+ * its share to the others. */
+static int read_all(const struct scan *s, int threads, int *mapped) {
+    int i, started = 0;
+    struct pass *ps = threads > 1 ? malloc(sizeof *ps) : NULL;
+    if (!ps) {
+        for (*mapped = 0, i = 0; i < s->count; i++) *mapped += read_entry(s, i);
+        return 1;
+    }
+    ps->s = s;
+    ps->count = s->count;
+    atomic_init(&ps->next, 0);
+    atomic_init(&ps->done, 0);
+    atomic_init(&ps->mapped, 0);
+    atomic_init(&ps->refs, 1);
+    pthread_mutex_init(&ps->lock, NULL);
+    pthread_cond_init(&ps->cond, NULL);
+
+    pthread_attr_t attr;
+    if (pthread_attr_init(&attr) == 0) {
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, 256 * 1024);
+        /* Signals stay with the threads Python knows: the workers block
+         * them all (they inherit the mask in force at pthread_create). */
+        sigset_t all, old;
+        sigfillset(&all);
+        if (pthread_sigmask(SIG_SETMASK, &all, &old) == 0) {
+            for (; started < threads - 1; started++) {
+                pthread_t tid;
+                atomic_fetch_add(&ps->refs, 1);
+                if (pthread_create(&tid, &attr, pass_thread, ps) != 0) {
+                    atomic_fetch_sub(&ps->refs, 1);
+                    break;
+                }
+            }
+            pthread_sigmask(SIG_SETMASK, &old, NULL);
+        }
+        pthread_attr_destroy(&attr);
+    }
+    pass_work(ps);
+    pthread_mutex_lock(&ps->lock);
+    while (atomic_load(&ps->done) < ps->count) pthread_cond_wait(&ps->cond, &ps->lock);
+    pthread_mutex_unlock(&ps->lock);
+    *mapped = atomic_load(&ps->mapped);
+    pass_release(ps);
+    return started + 1;
+}
+
 static int list_pids(int procfd, int **pids, int *count) {
     int fd = dup(procfd);
     if (fd < 0) return -errno;
@@ -737,9 +879,7 @@ int ct_procscan_read(struct ct_proc *out, int cap, int *n, int flags, int thread
     }
     s.pids = pids;
     s.count = count;
-    (void)threads;
-    st.threads = 1;
-    for (int i = 0; i < count; i++) st.cgroup_mapped += read_entry(&s, i);
+    st.threads = read_all(&s, threads > 0 ? threads : auto_threads(count), &st.cgroup_mapped);
 
     int k = 0;
     for (int i = 0; i < count; i++) {
@@ -757,3 +897,4 @@ out:
     if (stats) *stats = st;
     return rc;
 }
+
