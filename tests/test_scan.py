@@ -376,6 +376,49 @@ def test_truncated_cgroup_is_read_again_for_the_same_process():
     assert _scan._odd_entry(p[0], True) is None
 
 
+@native
+def test_columns_name_each_path_once_and_list_odd_entries():
+    ffi, lib = _scan._ffi, _scan._lib
+    rows = [(10, b"a", b"/x", 0), (11, b"b c", b"/y", 0), (12, b"", b"/x", lib.CT_PROC_CGROUP_DENIED),
+            (13, b"d\xff", b"/y", lib.CT_PROC_COMM_TRUNCATED), (14, b"e", b"", 0)]
+    buf = ffi.new("struct ct_proc[]", [{"pid": pid, "ppid": pid + 1, "pgid": pid + 2, "sid": pid + 3,
+                                        "state": b"S", "start_time": pid * 100, "comm": comm,
+                                        "cgroup": cg, "flags": flags} for pid, comm, cg, flags in rows])
+    n = len(rows)
+    arrays = {"ids": ffi.new("int[]", 4 * n), "start_time": ffi.new("unsigned long long[]", n),
+              "state": ffi.new("char[]", n), "comm": ffi.new("char[]", n * 65),
+              "cgroup": ffi.new("int[]", n), "odd": ffi.new("int[]", n)}
+    cols = ffi.new("struct ct_procscan_cols *", arrays)
+    assert lib.ct_procscan_pack(buf, n, lib.CT_PROC_CGROUP_DENIED, cols) == 0
+    ids = ffi.unpack(arrays["ids"], 4 * n)
+    assert ids[:n] == [10, 11, 12, 13, 14] and ids[n:2 * n] == [11, 12, 13, 14, 15]
+    assert ids[3 * n:] == [13, 14, 15, 16, 17]
+    assert ffi.unpack(arrays["start_time"], n) == [1000, 1100, 1200, 1300, 1400]
+    assert ffi.unpack(arrays["comm"], cols.comm_len) == b"a\0b c\0\0d\xff\0e\0"
+    assert ffi.unpack(arrays["cgroup"], n) == [0, 1, 0, 1, 4]
+    assert ffi.unpack(arrays["odd"], cols.n_odd) == [2]
+
+
+@native
+def test_odd_entries_are_replaced_or_dropped_in_place(monkeypatch):
+    """Entries with a failure flag go through _odd_entry: kept with the
+    reason, or dropped when the process is gone, without shifting others."""
+    ffi, lib = _scan._ffi, _scan._lib
+    me, start = os.getpid(), int(raw_stat_fields(os.getpid())[1][19])
+    rows = [{"pid": 1, "state": b"S", "comm": b"one", "cgroup": b"/a"},
+            {"pid": me, "state": b"R", "start_time": start + 1, "comm": b"reused",
+             "flags": lib.CT_PROC_CGROUP_TRUNCATED},  # same pid, other start: gone
+            {"pid": 3, "state": b"S", "comm": b"three", "cgroup_errno": errno.EACCES,
+             "flags": lib.CT_PROC_CGROUP_DENIED},
+            {"pid": 4, "state": b"Z", "comm": b"four", "cgroup": b"/a"}]
+    buf = ffi.new("struct ct_proc[]", rows)
+    monkeypatch.setattr(_scan, "_read_all", lambda *a, **k: (buf, len(rows)))
+    out = _scan._scan_native(True)
+    assert [(p.pid, p.comm, p.cgroup, p.cgroup_error) for p in out] == [
+        (1, "one", "/a", None), (3, "three", None, "permission denied"), (4, "four", "/a", None)]
+    assert out[0].cgroup is out[2].cgroup
+
+
 # --- a real cgroup path longer than the C buffer -------------------------------
 
 

@@ -1,6 +1,8 @@
 #ifndef CT_PROCSCAN_H
 #define CT_PROCSCAN_H
 
+#include <stddef.h>
+
 /* What a /proc entry could not tell us. Set in ct_proc.flags; the errno that
  * caused a *_DENIED or *_UNREADABLE flag is kept beside it. */
 enum {
@@ -53,4 +55,20 @@ struct ct_procscan_stats {
  * failed. stats may be NULL. */
 int ct_procscan_read(struct ct_proc *out, int cap, int *n, int flags, int threads,
                      struct ct_procscan_stats *stats);
+
+/* The same entries as columns, for a caller that converts them in bulk.
+ * Every array is the caller's, of n entries unless said otherwise. */
+struct ct_procscan_cols {
+    int *ids;                        /* 4n: pid, ppid, pgid, sid, each a column of n */
+    unsigned long long *start_time;
+    char *state;
+    char *comm;                      /* n * (CT_PROC_COMM_MAX + 1) bytes: every comm, each ended by NUL */
+    size_t comm_len;                 /* out: bytes written to comm */
+    int *cgroup;                     /* out: index of the first entry whose cgroup is the same bytes */
+    int *odd;                        /* out: indexes of the entries with a flag in odd_mask */
+    int n_odd;                       /* out */
+};
+
+/* Lay out in[0..n) as columns. Returns 0, or -ENOMEM. */
+int ct_procscan_pack(const struct ct_proc *in, int n, int odd_mask, struct ct_procscan_cols *cols);
 #endif
