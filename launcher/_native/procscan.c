@@ -670,146 +670,8 @@ static int read_entry(const struct scan *s, int i) {
     return 0;
 }
 
-/* The stat reads are nearly all kernel time (procfs lookups and
- * do_task_stat), which runs in parallel across CPUs, so the list is shared
- * by a few threads taking CHUNK pids at a time. Threads never touch Python
- * objects, only the out[] entries they claimed.
- *
- * On a busy host a new thread may wait a whole timeslice (milliseconds)
- * before it first runs, by which time the caller may have done all the
- * work. So the caller waits for the entries to be done, not for the
- * threads to end: workers are detached, share a reference-counted context,
- * and one that starts late finds nothing left to claim and only drops its
- * reference. A worker descheduled mid-chunk still holds up its chunk,
- * which is why chunks are small. */
-#define MAX_THREADS 4
-#define CHUNK 16
-/* Below this many processes a thread's creation costs more than the reads
- * it takes over (measured: benchmarks/bench_scan.py --crossover). */
-#define MIN_THREADED_PIDS 256
-
-struct pass {
-    const struct scan *s;  /* dereferenced only by a holder of an unfinished chunk */
-    int count;
-    atomic_int next;       /* first unclaimed entry */
-    atomic_int done;       /* entries finished */
-    atomic_int mapped;
-    atomic_int refs;       /* the caller and every started worker */
-    pthread_mutex_t lock;  /* with cond: the caller waits for the last chunk */
-    pthread_cond_t cond;
-};
-
-static void pass_release(struct pass *ps) {
-    if (atomic_fetch_sub(&ps->refs, 1) != 1) return;
-    pthread_cond_destroy(&ps->cond);
-    pthread_mutex_destroy(&ps->lock);
-    free(ps);
-}
-
-static void pass_work(struct pass *ps) {
-    int count = ps->count;
-    for (;;) {
-        int lo = atomic_fetch_add(&ps->next, CHUNK);
-        if (lo >= count) return;
-        int hi = count - lo > CHUNK ? lo + CHUNK : count, mapped = 0;
-        for (int i = lo; i < hi; i++) mapped += read_entry(ps->s, i);
-        atomic_fetch_add(&ps->mapped, mapped);
-        /* The entries written above happen-before the caller's load of
-         * done (both atomics are sequentially consistent). */
-        if (atomic_fetch_add(&ps->done, hi - lo) + (hi - lo) == count) {
-            pthread_mutex_lock(&ps->lock);
-            pthread_cond_broadcast(&ps->cond);
-            pthread_mutex_unlock(&ps->lock);
-        }
-    }
-}
-
-static void *pass_thread(void *arg) {
-    pass_work(arg);
-    pass_release(arg);
-    return NULL;
-}
-
-/* Tasks runnable right now on the whole machine, ourselves included: the
- * fourth field of /proc/loadavg is "running/total" (proc(5)). 0 if unknown. */
-static int running_now(void) {
-    char buf[128];
-    int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return 0;
-    ssize_t k = read_retry(fd, buf, sizeof buf - 1);
-    close(fd);
-    if (k <= 0) return 0;
-    buf[k] = 0;
-    const char *c = buf;
-    for (int sp = 0; *c && sp < 3; c++) sp += *c == ' ';
-    int v = 0;
-    for (; *c >= '0' && *c <= '9'; c++) v = v * 10 + (*c - '0');
-    return *c == '/' ? v : 0;
-}
-
-/* One thread per CPU we may run on that has nothing else to run, up to
- * MAX_THREADS: a thread sent to a busy CPU gains nothing and may be
- * descheduled mid-chunk, holding the scan up for a timeslice. */
-static int auto_threads(int count) {
-    if (count < MIN_THREADED_PIDS) return 1;
-    cpu_set_t set;
-    int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : (int)sysconf(_SC_NPROCESSORS_ONLN);
-    int others = running_now() - 1;
-    int idle = cpus - (others > 0 ? others : 0);
-    return idle < 1 ? 1 : idle > MAX_THREADS ? MAX_THREADS : idle;
-}
-
-/* Reads every entry with up to `threads` threads, the caller's included;
- * returns how many were started. A thread that cannot be created leaves
- * its share to the others. */
-static int read_all(const struct scan *s, int threads, int *mapped) {
-    int i, started = 0;
-    struct pass *ps = threads > 1 ? malloc(sizeof *ps) : NULL;
-    if (!ps) {
-        for (*mapped = 0, i = 0; i < s->count; i++) *mapped += read_entry(s, i);
-        return 1;
-    }
-    ps->s = s;
-    ps->count = s->count;
-    atomic_init(&ps->next, 0);
-    atomic_init(&ps->done, 0);
-    atomic_init(&ps->mapped, 0);
-    atomic_init(&ps->refs, 1);
-    pthread_mutex_init(&ps->lock, NULL);
-    pthread_cond_init(&ps->cond, NULL);
-
-    pthread_attr_t attr;
-    if (pthread_attr_init(&attr) == 0) {
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        pthread_attr_setstacksize(&attr, 256 * 1024);
-        /* Signals stay with the threads Python knows: the workers block
-         * them all (they inherit the mask in force at pthread_create). */
-        sigset_t all, old;
-        sigfillset(&all);
-        if (pthread_sigmask(SIG_SETMASK, &all, &old) == 0) {
-            for (; started < threads - 1; started++) {
-                pthread_t tid;
-                atomic_fetch_add(&ps->refs, 1);
-                if (pthread_create(&tid, &attr, pass_thread, ps) != 0) {
-                    atomic_fetch_sub(&ps->refs, 1);
-                    break;
-                }
-            }
-            pthread_sigmask(SIG_SETMASK, &old, NULL);
-        }
-        pthread_attr_destroy(&attr);
-    }
-    pass_work(ps);
-    pthread_mutex_lock(&ps->lock);
-    while (atomic_load(&ps->done) < ps->count) pthread_cond_wait(&ps->cond, &ps->lock);
-    pthread_mutex_unlock(&ps->lock);
-    *mapped = atomic_load(&ps->mapped);
-    pass_release(ps);
-    return started + 1;
-}
-
 static int list_pids(int procfd, int **pids, int *count) {
-    int fd = dup(procfd);
+    int fd = openat(procfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);  /* its own offset */
     if (fd < 0) return -errno;
     DIR *d = fdopendir(fd);
     if (!d) {
@@ -845,57 +707,246 @@ static int list_pids(int procfd, int **pids, int *count) {
     return 0;
 }
 
+/* ---- threads ------------------------------------------------------------ */
+
+/* Nearly all of the scan is kernel time (procfs lookups, do_task_stat,
+ * css_task_iter for cgroup.procs), which runs in parallel across CPUs. So
+ * the two jobs that must precede the stat reads -- the cgroup walk and the
+ * listing of /proc -- run side by side, and then the listed pids are shared
+ * by the same threads taking CHUNK pids at a time. Threads never touch
+ * Python objects, only the out[] entries they claimed.
+ *
+ * On a busy host a new thread may wait a whole timeslice (milliseconds)
+ * before it first runs, by which time the caller may have done all the
+ * work. So the caller waits for the work to be done, not for the threads
+ * to end: workers are detached, share a reference-counted context, and one
+ * that starts late finds nothing left to claim and only drops its
+ * reference. A worker descheduled mid-job still holds that job up, which
+ * is why chunks are small. */
+#define MAX_THREADS 4
+#define CHUNK 16
+/* Below this many processes a thread's creation costs more than the reads
+ * it takes over (measured: benchmarks/bench_scan.py --crossover). */
+#define MIN_THREADED_PIDS 256
+
+enum { JOB_WALK, JOB_LIST, N_JOBS };
+
+struct pass {
+    /* Set before any worker starts. */
+    int procfd, flags, cap, want_walk, auto_threads;
+    struct ct_proc *out;
+    /* The jobs' results: read by others only after go is set. */
+    struct walk w;
+    int walked;
+    unsigned long long born_before;
+    int *pids, count, list_rc;
+    /* Guarded by lock. */
+    int jobs_done;
+    int go;                /* 0: jobs pending; 1: read s.count entries; -1: nothing to read */
+    int solo;              /* too few entries to share: the caller reads them all */
+    struct scan s;         /* set with go; dereferenced only by the holder of an unfinished chunk */
+    pthread_mutex_t lock;  /* with cond: waiting for the jobs, and for the last chunk */
+    pthread_cond_t cond;
+    atomic_int job;        /* next unclaimed job */
+    atomic_int next;       /* first unclaimed entry */
+    atomic_int done;       /* entries finished */
+    atomic_int mapped;
+    atomic_int refs;       /* the caller and every started worker */
+};
+
+static void pass_release(struct pass *ps) {
+    if (atomic_fetch_sub(&ps->refs, 1) != 1) return;
+    pthread_cond_destroy(&ps->cond);
+    pthread_mutex_destroy(&ps->lock);
+    free(ps);
+}
+
+static void run_job(struct pass *ps, int job) {
+    if (job == JOB_LIST) {
+        ps->list_rc = list_pids(ps->procfd, &ps->pids, &ps->count);
+    } else if (ps->want_walk) {
+        if (!proc_is_ours(ps->procfd)) {
+            ps->w.err = EXDEV;
+        } else if (!(ps->w.buf = malloc(PROCS_BUF))) {
+            ps->w.err = ENOMEM;
+        } else {
+            /* Taken before the walk starts, and every stat is read after it
+             * ends: see the comment at the top. */
+            ps->born_before = boot_ticks();
+            walk_hierarchy(&ps->w);
+            walk_index(&ps->w);
+            ps->walked = 1;
+        }
+    }
+    pthread_mutex_lock(&ps->lock);
+    if (++ps->jobs_done == N_JOBS) {
+        if (ps->list_rc < 0 || ps->count > ps->cap) {
+            ps->go = -1;
+        } else {
+            ps->s = (struct scan){.procfd = ps->procfd, .flags = ps->flags, .pids = ps->pids, .out = ps->out,
+                                  .count = ps->count, .map = ps->walked ? &ps->w : NULL,
+                                  .born_before = ps->born_before};
+            ps->solo = ps->auto_threads && ps->count < MIN_THREADED_PIDS;
+            ps->go = 1;
+        }
+        pthread_cond_broadcast(&ps->cond);
+    }
+    pthread_mutex_unlock(&ps->lock);
+}
+
+static void pass_work(struct pass *ps, int caller) {
+    int job;
+    while ((job = atomic_fetch_add(&ps->job, 1)) < N_JOBS) run_job(ps, job);
+    pthread_mutex_lock(&ps->lock);
+    while (!ps->go) pthread_cond_wait(&ps->cond, &ps->lock);
+    int go = ps->go > 0 && (caller || !ps->solo);
+    int count = ps->s.count;
+    pthread_mutex_unlock(&ps->lock);
+    if (!go) return;
+    for (;;) {
+        int lo = atomic_fetch_add(&ps->next, CHUNK);
+        if (lo >= count) return;
+        int hi = count - lo > CHUNK ? lo + CHUNK : count, mapped = 0;
+        for (int i = lo; i < hi; i++) mapped += read_entry(&ps->s, i);
+        atomic_fetch_add(&ps->mapped, mapped);
+        /* The entries written above happen-before the caller's load of
+         * done (both atomics are sequentially consistent). */
+        if (atomic_fetch_add(&ps->done, hi - lo) + (hi - lo) == count) {
+            pthread_mutex_lock(&ps->lock);
+            pthread_cond_broadcast(&ps->cond);
+            pthread_mutex_unlock(&ps->lock);
+        }
+    }
+}
+
+static void *pass_thread(void *arg) {
+    pass_work(arg, 0);
+    pass_release(arg);
+    return NULL;
+}
+
+/* Tasks on the whole machine from the fourth field of /proc/loadavg,
+ * "running/total" (proc(5)); running includes ourselves. 0 if unknown. */
+static void loadavg_tasks(int *running, int *total) {
+    char buf[128];
+    *running = *total = 0;
+    int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    ssize_t k = read_retry(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (k <= 0) return;
+    buf[k] = 0;
+    const char *c = buf;
+    for (int sp = 0; *c && sp < 3; c++) sp += *c == ' ';
+    int r = 0, t = 0;
+    for (; *c >= '0' && *c <= '9'; c++) r = r * 10 + (*c - '0');
+    if (*c++ != '/') return;
+    for (; *c >= '0' && *c <= '9'; c++) t = t * 10 + (*c - '0');
+    *running = r;
+    *total = t;
+}
+
+/* Chosen before /proc is listed, so from what loadavg says: one thread if
+ * the machine has fewer tasks (threads included) than MIN_THREADED_PIDS,
+ * else one per CPU we may run on that has nothing else to run, up to
+ * MAX_THREADS: a thread sent to a busy CPU gains nothing and may be
+ * descheduled mid-chunk, holding the scan up for a timeslice. */
+static int auto_threads(void) {
+    int running, total;
+    loadavg_tasks(&running, &total);
+    if (total && total < MIN_THREADED_PIDS) return 1;
+    cpu_set_t set;
+    int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : (int)sysconf(_SC_NPROCESSORS_ONLN);
+    int idle = cpus - (running > 1 ? running - 1 : 0);
+    return idle < 1 ? 1 : idle > MAX_THREADS ? MAX_THREADS : idle;
+}
+
+/* Starts up to n - 1 detached workers; returns how many started. A thread
+ * that cannot be created leaves its share to the others. */
+static int start_workers(struct pass *ps, int n) {
+    int started = 0;
+    pthread_attr_t attr;
+    if (n < 2 || pthread_attr_init(&attr) != 0) return 0;
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, 256 * 1024);
+    /* Signals stay with the threads Python knows: the workers block them
+     * all (they inherit the mask in force at pthread_create). */
+    sigset_t all, old;
+    sigfillset(&all);
+    if (pthread_sigmask(SIG_SETMASK, &all, &old) == 0) {
+        for (; started < n - 1; started++) {
+            pthread_t tid;
+            atomic_fetch_add(&ps->refs, 1);
+            if (pthread_create(&tid, &attr, pass_thread, ps) != 0) {
+                atomic_fetch_sub(&ps->refs, 1);
+                break;
+            }
+        }
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+    }
+    pthread_attr_destroy(&attr);
+    return started;
+}
+
 int ct_procscan_read(struct ct_proc *out, int cap, int *n, int flags, int threads,
                      struct ct_procscan_stats *stats) {
     struct ct_procscan_stats st = {0};
-    struct walk w = {0};
-    int *pids = NULL, count = 0, rc;
+    int rc;
     *n = 0;
-    int procfd = open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (procfd < 0) return -errno;
-
-    struct scan s = {.procfd = procfd, .flags = flags, .out = out};
-    if ((flags & CT_PROCSCAN_CGROUP) && !(flags & CT_PROCSCAN_NO_WALK)) {
-        if (!proc_is_ours(procfd)) {
-            st.walk_errno = EXDEV;
-        } else if (!(w.buf = malloc(PROCS_BUF))) {
-            st.walk_errno = ENOMEM;
-        } else {
-            /* Taken before the walk starts: see the comment at the top. */
-            s.born_before = boot_ticks();
-            walk_hierarchy(&w);
-            walk_index(&w);
-            s.map = &w;
-            st.walked = 1;
-            st.cgroups_walked = w.dirs;
-            st.walk_errno = w.err;
-        }
-    }
-    if ((rc = list_pids(procfd, &pids, &count)) < 0) goto out;
-    if (count > cap) {
-        /* Nothing read: the caller retries with room for this many. */
-        *n = count;
-        rc = -ENOSPC;
-        goto out;
-    }
-    s.pids = pids;
-    s.count = count;
-    st.threads = read_all(&s, threads > 0 ? threads : auto_threads(count), &st.cgroup_mapped);
-
-    int k = 0;
-    for (int i = 0; i < count; i++) {
-        if (!out[i].pid) continue;
-        if (k != i) memcpy(&out[k], &out[i], sizeof *out);
-        k++;
-    }
-    if (flags & CT_PROCSCAN_CGROUP) st.cgroup_fallback = k - st.cgroup_mapped;
-    *n = k;
-    rc = 0;
-out:
-    free(pids);
-    walk_free(&w);
-    close(procfd);
     if (stats) *stats = st;
+    struct pass *ps = calloc(1, sizeof *ps);
+    if (!ps) return -ENOMEM;
+    if ((ps->procfd = open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) {
+        rc = -errno;
+        free(ps);
+        return rc;
+    }
+    ps->flags = flags;
+    ps->cap = cap;
+    ps->out = out;
+    ps->want_walk = (flags & CT_PROCSCAN_CGROUP) && !(flags & CT_PROCSCAN_NO_WALK);
+    ps->auto_threads = threads <= 0;
+    pthread_mutex_init(&ps->lock, NULL);
+    pthread_cond_init(&ps->cond, NULL);
+    atomic_init(&ps->job, 0);
+    atomic_init(&ps->next, 0);
+    atomic_init(&ps->done, 0);
+    atomic_init(&ps->mapped, 0);
+    atomic_init(&ps->refs, 1);
+
+    st.threads = 1 + start_workers(ps, threads > 0 ? threads : auto_threads());
+    pass_work(ps, 1);
+    pthread_mutex_lock(&ps->lock);
+    while (ps->go > 0 && atomic_load(&ps->done) < ps->s.count) pthread_cond_wait(&ps->cond, &ps->lock);
+    pthread_mutex_unlock(&ps->lock);
+    /* Every job and chunk is done: nothing below is touched by a worker. */
+
+    st.walked = ps->walked;
+    st.cgroups_walked = ps->w.dirs;
+    st.walk_errno = ps->w.err;
+    if (ps->list_rc < 0) {
+        rc = ps->list_rc;
+    } else if (ps->count > cap) {
+        /* Nothing read: the caller retries with room for this many. */
+        *n = ps->count;
+        rc = -ENOSPC;
+    } else {
+        int k = 0;
+        for (int i = 0; i < ps->count; i++) {
+            if (!out[i].pid) continue;
+            if (k != i) memcpy(&out[k], &out[i], sizeof *out);
+            k++;
+        }
+        st.cgroup_mapped = atomic_load(&ps->mapped);
+        if (flags & CT_PROCSCAN_CGROUP) st.cgroup_fallback = k - st.cgroup_mapped;
+        *n = k;
+        rc = 0;
+    }
+    free(ps->pids);
+    walk_free(&ps->w);
+    close(ps->procfd);
+    if (stats) *stats = st;
+    pass_release(ps);
     return rc;
 }
 
