@@ -740,6 +740,7 @@ struct pass {
     int walked;
     unsigned long long born_before;
     int *pids, count, list_rc;
+    long long walk_ns, list_ns, go_at;
     /* Guarded by lock. */
     int jobs_done;
     int go;                /* 0: jobs pending; 1: read s.count entries; -1: nothing to read */
@@ -761,9 +762,17 @@ static void pass_release(struct pass *ps) {
     free(ps);
 }
 
+static long long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000ll + ts.tv_nsec;
+}
+
 static void run_job(struct pass *ps, int job) {
+    long long t0 = now_ns();
     if (job == JOB_LIST) {
         ps->list_rc = list_pids(ps->procfd, &ps->pids, &ps->count);
+        ps->list_ns = now_ns() - t0;
     } else if (ps->want_walk) {
         if (!proc_is_ours(ps->procfd)) {
             ps->w.err = EXDEV;
@@ -777,6 +786,7 @@ static void run_job(struct pass *ps, int job) {
             walk_index(&ps->w);
             ps->walked = 1;
         }
+        ps->walk_ns = now_ns() - t0;
     }
     pthread_mutex_lock(&ps->lock);
     if (++ps->jobs_done == N_JOBS) {
@@ -787,6 +797,7 @@ static void run_job(struct pass *ps, int job) {
                                   .count = ps->count, .map = ps->walked ? &ps->w : NULL,
                                   .born_before = ps->born_before};
             ps->solo = ps->auto_threads && ps->count < MIN_THREADED_PIDS;
+            ps->go_at = now_ns();
             ps->go = 1;
         }
         pthread_cond_broadcast(&ps->cond);
@@ -920,6 +931,9 @@ int ct_procscan_read(struct ct_proc *out, int cap, int *n, int flags, int thread
     while (ps->go > 0 && atomic_load(&ps->done) < ps->s.count) pthread_cond_wait(&ps->cond, &ps->lock);
     pthread_mutex_unlock(&ps->lock);
     /* Every job and chunk is done: nothing below is touched by a worker. */
+    if (ps->go > 0) st.read_ns = now_ns() - ps->go_at;
+    st.walk_ns = ps->walk_ns;
+    st.list_ns = ps->list_ns;
 
     st.walked = ps->walked;
     st.cgroups_walked = ps->w.dirs;

@@ -46,6 +46,9 @@ struct ct_procscan_stats {
     int cgroup_fallback;  /* entries whose /proc/<pid>/cgroup was read (or whose stat failed) */
     int walk_errno;       /* first error met by the walk (its subtree fell back), EXDEV if /proc
                              belongs to another pid namespace, 0 if none */
+    long long walk_ns;    /* wall time of the cgroup walk */
+    long long list_ns;    /* wall time of listing /proc (beside the walk when threaded) */
+    long long read_ns;    /* wall time from both being done to the last entry read */
 };
 
 /* Fill out[0..cap) with one entry per process in /proc. threads is the
