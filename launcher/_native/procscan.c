@@ -618,7 +618,6 @@ struct scan {
     int procfd;
     int flags;
     const int *pids;
-    struct ct_proc *out;
     int count;
     const struct walk *map;            /* NULL: read every /proc/<pid>/cgroup */
     unsigned long long born_before;    /* map entries hold for start_time below this */
@@ -645,10 +644,9 @@ static void copy_path(struct ct_proc *p, const char *path) {
     p->cgroup[k] = 0;
 }
 
-/* Fills out[i]; an entry whose process is gone gets pid 0. Returns 1 if
- * the cgroup came from the map. */
-static int read_entry(const struct scan *s, int i) {
-    struct ct_proc *p = &s->out[i];
+/* Fills *p for entry i; an entry whose process is gone gets pid 0.
+ * Returns 1 if the cgroup came from the map. */
+static int read_entry(const struct scan *s, int i, struct ct_proc *p) {
     int pid = s->pids[i];
     char name[12];
     fmt_pid(name, pid);
@@ -711,52 +709,71 @@ static int list_pids(int procfd, int **pids, int *count) {
 
 /* Nearly all of the scan is kernel time (procfs lookups, do_task_stat,
  * css_task_iter for cgroup.procs), which runs in parallel across CPUs. So
- * the two jobs that must precede the stat reads -- the cgroup walk and the
- * listing of /proc -- run side by side, and then the listed pids are shared
- * by the same threads taking CHUNK pids at a time. Threads never touch
- * Python objects, only the out[] entries they claimed.
+ * a worker lists /proc while the caller walks the cgroups (both must be
+ * done before the first stat is read), and then the caller and the
+ * workers share the pids, CHUNK at a time.
  *
- * On a busy host a new thread may wait a whole timeslice (milliseconds)
- * before it first runs, by which time the caller may have done all the
- * work. So the caller waits for the work to be done, not for the threads
- * to end: workers are detached, share a reference-counted context, and one
- * that starts late finds nothing left to claim and only drops its
- * reference. A worker descheduled mid-job still holds that job up, which
- * is why chunks are small. */
+ * On a busy host a thread may wait a whole timeslice (milliseconds) to
+ * run, so the caller never waits for a worker:
+ * - if the listing is not there when the walk ends, the caller lists /proc
+ *   itself, and the first listing published is used;
+ * - workers write their entries into the pass's own slots and publish each
+ *   with a compare-and-swap on its state; when no chunk is left to claim,
+ *   the caller reads, backwards, every entry not yet published into out[]
+ *   and claims it the same way. Whoever loses a race has only wasted a
+ *   read, so a descheduled worker costs nothing but its share.
+ * Workers are detached and everything they touch (procfd, pid list, map,
+ * slots) belongs to a reference-counted pass freed by the last holder; a
+ * worker that runs on after the caller has returned, or starts late,
+ * writes only there. Nothing of Python's is touched off the caller's
+ * thread, not even the out[] array. */
 #define MAX_THREADS 4
 #define CHUNK 16
 /* Below this many processes a thread's creation costs more than the reads
  * it takes over (measured: benchmarks/bench_scan.py --crossover). */
 #define MIN_THREADED_PIDS 256
 
-enum { JOB_WALK, JOB_LIST, N_JOBS };
+/* pass.state[i]; a worker's entry is in pass.slots[i], the caller's in out[i]. */
+enum { OPEN, BY_CALLER, BY_WORKER, BY_WORKER_MAPPED };
+
+struct listing {
+    int *pids;
+    int count;
+    int rc;
+    long long ns;  /* how long it took */
+};
 
 struct pass {
     /* Set before any worker starts. */
-    int procfd, flags, cap, want_walk, auto_threads;
-    struct ct_proc *out;
-    /* The jobs' results: read by others only after go is set. */
+    int procfd, flags, want_walk;
+    atomic_int list_claimed;            /* a worker took the listing job */
+    _Atomic(struct listing *) listed;   /* the first listing finished */
+    /* Set by the caller before go; read-only after. */
     struct walk w;
-    int walked;
-    unsigned long long born_before;
-    int *pids, count, list_rc;
-    long long walk_ns, list_ns, go_at;
-    /* Guarded by lock. */
-    int jobs_done;
-    int go;                /* 0: jobs pending; 1: read s.count entries; -1: nothing to read */
-    int solo;              /* too few entries to share: the caller reads them all */
-    struct scan s;         /* set with go; dereferenced only by the holder of an unfinished chunk */
-    pthread_mutex_t lock;  /* with cond: waiting for the jobs, and for the last chunk */
+    struct scan s;
+    struct ct_proc *slots;              /* workers' entries */
+    _Atomic unsigned char *state;       /* who published each entry */
+    pthread_mutex_t lock;               /* with cond: workers wait for go */
     pthread_cond_t cond;
-    atomic_int job;        /* next unclaimed job */
-    atomic_int next;       /* first unclaimed entry */
-    atomic_int done;       /* entries finished */
-    atomic_int mapped;
-    atomic_int refs;       /* the caller and every started worker */
+    int go;                             /* under lock: 0 not yet; 1 read; -1 workers have nothing to do */
+    atomic_int next;                    /* first unclaimed entry */
+    atomic_int refs;                    /* the caller and every started worker */
+    long long walk_ns;
 };
+
+static void listing_free(struct listing *l) {
+    if (!l) return;
+    free(l->pids);
+    free(l);
+}
 
 static void pass_release(struct pass *ps) {
     if (atomic_fetch_sub(&ps->refs, 1) != 1) return;
+    listing_free(atomic_load(&ps->listed));
+    walk_free(&ps->w);
+    free(ps->slots);
+    free((void *)ps->state);
+    close(ps->procfd);
     pthread_cond_destroy(&ps->cond);
     pthread_mutex_destroy(&ps->lock);
     free(ps);
@@ -768,71 +785,55 @@ static long long now_ns(void) {
     return (long long)ts.tv_sec * 1000000000ll + ts.tv_nsec;
 }
 
-static void run_job(struct pass *ps, int job) {
+/* Lists /proc and publishes the result unless another listing was first. */
+static void list_job(struct pass *ps) {
     long long t0 = now_ns();
-    if (job == JOB_LIST) {
-        ps->list_rc = list_pids(ps->procfd, &ps->pids, &ps->count);
-        ps->list_ns = now_ns() - t0;
-    } else if (ps->want_walk) {
-        if (!proc_is_ours(ps->procfd)) {
-            ps->w.err = EXDEV;
-        } else if (!(ps->w.buf = malloc(PROCS_BUF))) {
-            ps->w.err = ENOMEM;
-        } else {
-            /* Taken before the walk starts, and every stat is read after it
-             * ends: see the comment at the top. */
-            ps->born_before = boot_ticks();
-            walk_hierarchy(&ps->w);
-            walk_index(&ps->w);
-            ps->walked = 1;
-        }
-        ps->walk_ns = now_ns() - t0;
-    }
-    pthread_mutex_lock(&ps->lock);
-    if (++ps->jobs_done == N_JOBS) {
-        if (ps->list_rc < 0 || ps->count > ps->cap) {
-            ps->go = -1;
-        } else {
-            ps->s = (struct scan){.procfd = ps->procfd, .flags = ps->flags, .pids = ps->pids, .out = ps->out,
-                                  .count = ps->count, .map = ps->walked ? &ps->w : NULL,
-                                  .born_before = ps->born_before};
-            ps->solo = ps->auto_threads && ps->count < MIN_THREADED_PIDS;
-            ps->go_at = now_ns();
-            ps->go = 1;
-        }
-        pthread_cond_broadcast(&ps->cond);
-    }
-    pthread_mutex_unlock(&ps->lock);
+    struct listing *l = calloc(1, sizeof *l), *none = NULL;
+    if (!l) return;  /* the caller lists, or reports ENOMEM */
+    l->rc = list_pids(ps->procfd, &l->pids, &l->count);
+    l->ns = now_ns() - t0;
+    if (!atomic_compare_exchange_strong(&ps->listed, &none, l)) listing_free(l);
 }
 
-static void pass_work(struct pass *ps, int caller) {
-    int job;
-    while ((job = atomic_fetch_add(&ps->job, 1)) < N_JOBS) run_job(ps, job);
+static void walk_job(struct pass *ps) {
+    long long t0 = now_ns();
+    if (!proc_is_ours(ps->procfd)) {
+        ps->w.err = EXDEV;
+    } else if (!(ps->w.buf = malloc(PROCS_BUF))) {
+        ps->w.err = ENOMEM;
+    } else {
+        /* Taken before the walk starts, and every stat is read after it
+         * ends: see the comment at the top. */
+        ps->s.born_before = boot_ticks();
+        walk_hierarchy(&ps->w);
+        walk_index(&ps->w);
+        ps->s.map = &ps->w;
+    }
+    ps->walk_ns = now_ns() - t0;
+}
+
+static void *worker(void *arg) {
+    struct pass *ps = arg;
+    if (atomic_exchange(&ps->list_claimed, 1) == 0 && !atomic_load(&ps->listed)) list_job(ps);
     pthread_mutex_lock(&ps->lock);
     while (!ps->go) pthread_cond_wait(&ps->cond, &ps->lock);
-    int go = ps->go > 0 && (caller || !ps->solo);
-    int count = ps->s.count;
+    int go = ps->go > 0;
     pthread_mutex_unlock(&ps->lock);
-    if (!go) return;
-    for (;;) {
+    int count = ps->s.count;
+    while (go) {
         int lo = atomic_fetch_add(&ps->next, CHUNK);
-        if (lo >= count) return;
-        int hi = count - lo > CHUNK ? lo + CHUNK : count, mapped = 0;
-        for (int i = lo; i < hi; i++) mapped += read_entry(&ps->s, i);
-        atomic_fetch_add(&ps->mapped, mapped);
-        /* The entries written above happen-before the caller's load of
-         * done (both atomics are sequentially consistent). */
-        if (atomic_fetch_add(&ps->done, hi - lo) + (hi - lo) == count) {
-            pthread_mutex_lock(&ps->lock);
-            pthread_cond_broadcast(&ps->cond);
-            pthread_mutex_unlock(&ps->lock);
+        if (lo >= count) break;
+        int hi = count - lo > CHUNK ? lo + CHUNK : count;
+        for (int i = lo; i < hi; i++) {
+            unsigned char open = OPEN;
+            if (atomic_load(&ps->state[i]) != OPEN) continue;  /* the caller took it */
+            int m = read_entry(&ps->s, i, &ps->slots[i]);
+            /* The slot written above happens-before the caller's load of
+             * the state (sequentially consistent atomics). */
+            atomic_compare_exchange_strong(&ps->state[i], &open, m ? BY_WORKER_MAPPED : BY_WORKER);
         }
     }
-}
-
-static void *pass_thread(void *arg) {
-    pass_work(arg, 0);
-    pass_release(arg);
+    pass_release(ps);
     return NULL;
 }
 
@@ -860,8 +861,7 @@ static void loadavg_tasks(int *running, int *total) {
 /* Chosen before /proc is listed, so from what loadavg says: one thread if
  * the machine has fewer tasks (threads included) than MIN_THREADED_PIDS,
  * else one per CPU we may run on that has nothing else to run, up to
- * MAX_THREADS: a thread sent to a busy CPU gains nothing and may be
- * descheduled mid-chunk, holding the scan up for a timeslice. */
+ * MAX_THREADS: a thread sent to a busy CPU gains little. */
 static int auto_threads(void) {
     int running, total;
     loadavg_tasks(&running, &total);
@@ -872,8 +872,7 @@ static int auto_threads(void) {
     return idle < 1 ? 1 : idle > MAX_THREADS ? MAX_THREADS : idle;
 }
 
-/* Starts up to n - 1 detached workers; returns how many started. A thread
- * that cannot be created leaves its share to the others. */
+/* Starts up to n - 1 detached workers; returns how many started. */
 static int start_workers(struct pass *ps, int n) {
     int started = 0;
     pthread_attr_t attr;
@@ -888,7 +887,7 @@ static int start_workers(struct pass *ps, int n) {
         for (; started < n - 1; started++) {
             pthread_t tid;
             atomic_fetch_add(&ps->refs, 1);
-            if (pthread_create(&tid, &attr, pass_thread, ps) != 0) {
+            if (pthread_create(&tid, &attr, worker, ps) != 0) {
                 atomic_fetch_sub(&ps->refs, 1);
                 break;
             }
@@ -897,6 +896,40 @@ static int start_workers(struct pass *ps, int n) {
     }
     pthread_attr_destroy(&attr);
     return started;
+}
+
+static void set_go(struct pass *ps, int go) {
+    pthread_mutex_lock(&ps->lock);
+    ps->go = go;
+    pthread_cond_broadcast(&ps->cond);
+    pthread_mutex_unlock(&ps->lock);
+}
+
+/* The caller's share: chunks while any are left, then every entry no one
+ * has published, last first (a worker goes forwards through its chunk, so
+ * the two meet rather than collide). Returns the entries it mapped. */
+static int caller_reads(struct pass *ps, struct ct_proc *out) {
+    int count = ps->s.count, mapped = 0;
+    if (!ps->state) {
+        for (int i = 0; i < count; i++) mapped += read_entry(&ps->s, i, &out[i]);
+        return mapped;
+    }
+    for (;;) {
+        int lo = atomic_fetch_add(&ps->next, CHUNK);
+        if (lo >= count) break;
+        int hi = count - lo > CHUNK ? lo + CHUNK : count;
+        for (int i = lo; i < hi; i++) {
+            mapped += read_entry(&ps->s, i, &out[i]);
+            atomic_store(&ps->state[i], BY_CALLER);
+        }
+    }
+    for (int i = count - 1; i >= 0; i--) {
+        unsigned char open = OPEN;
+        if (atomic_load(&ps->state[i]) != OPEN) continue;
+        int m = read_entry(&ps->s, i, &out[i]);
+        if (atomic_compare_exchange_strong(&ps->state[i], &open, BY_CALLER)) mapped += m;
+    }
+    return mapped;
 }
 
 int ct_procscan_read(struct ct_proc *out, int cap, int *n, int flags, int threads,
@@ -913,52 +946,70 @@ int ct_procscan_read(struct ct_proc *out, int cap, int *n, int flags, int thread
         return rc;
     }
     ps->flags = flags;
-    ps->cap = cap;
-    ps->out = out;
     ps->want_walk = (flags & CT_PROCSCAN_CGROUP) && !(flags & CT_PROCSCAN_NO_WALK);
-    ps->auto_threads = threads <= 0;
+    ps->s = (struct scan){.procfd = ps->procfd, .flags = flags};
     pthread_mutex_init(&ps->lock, NULL);
     pthread_cond_init(&ps->cond, NULL);
-    atomic_init(&ps->job, 0);
+    atomic_init(&ps->list_claimed, !ps->want_walk);  /* nothing to do beside it: the caller lists */
+    atomic_init(&ps->listed, NULL);
     atomic_init(&ps->next, 0);
-    atomic_init(&ps->done, 0);
-    atomic_init(&ps->mapped, 0);
     atomic_init(&ps->refs, 1);
 
-    st.threads = 1 + start_workers(ps, threads > 0 ? threads : auto_threads());
-    pass_work(ps, 1);
-    pthread_mutex_lock(&ps->lock);
-    while (ps->go > 0 && atomic_load(&ps->done) < ps->s.count) pthread_cond_wait(&ps->cond, &ps->lock);
-    pthread_mutex_unlock(&ps->lock);
-    /* Every job and chunk is done: nothing below is touched by a worker. */
-    if (ps->go > 0) st.read_ns = now_ns() - ps->go_at;
-    st.walk_ns = ps->walk_ns;
-    st.list_ns = ps->list_ns;
-
-    st.walked = ps->walked;
+    int started = start_workers(ps, threads > 0 ? threads : auto_threads());
+    st.threads = 1 + started;
+    if (ps->want_walk) walk_job(ps);
+    if (!atomic_load(&ps->listed)) list_job(ps);
+    struct listing *l = atomic_load(&ps->listed);
+    st.walked = ps->s.map != NULL;
     st.cgroups_walked = ps->w.dirs;
     st.walk_errno = ps->w.err;
-    if (ps->list_rc < 0) {
-        rc = ps->list_rc;
-    } else if (ps->count > cap) {
+    st.walk_ns = ps->walk_ns;
+    st.list_ns = l ? l->ns : 0;
+
+    if (!l || l->rc < 0) {
+        rc = l ? l->rc : -ENOMEM;
+        set_go(ps, -1);
+    } else if (l->count > cap) {
         /* Nothing read: the caller retries with room for this many. */
-        *n = ps->count;
+        *n = l->count;
         rc = -ENOSPC;
+        set_go(ps, -1);
     } else {
+        long long t0 = now_ns();
+        ps->s.pids = l->pids;
+        ps->s.count = l->count;
+        int share = started && !(threads <= 0 && l->count < MIN_THREADED_PIDS);
+        if (share) {
+            ps->slots = malloc((size_t)l->count * sizeof *ps->slots + 1);
+            ps->state = calloc((size_t)l->count + 1, 1);  /* all OPEN */
+            if (!ps->slots || !ps->state) {
+                free(ps->slots);
+                free((void *)ps->state);
+                ps->slots = NULL;
+                ps->state = NULL;
+                share = 0;
+            }
+        }
+        set_go(ps, share ? 1 : -1);
+        int mapped = caller_reads(ps, out);
         int k = 0;
-        for (int i = 0; i < ps->count; i++) {
-            if (!out[i].pid) continue;
-            if (k != i) memcpy(&out[k], &out[i], sizeof *out);
+        for (int i = 0; i < l->count; i++) {
+            struct ct_proc *p = &out[i];
+            int by = ps->state ? atomic_load(&ps->state[i]) : BY_CALLER;
+            if (by != BY_CALLER) {
+                p = &ps->slots[i];
+                mapped += by == BY_WORKER_MAPPED;
+            }
+            if (!p->pid) continue;
+            if (p != &out[k]) memcpy(&out[k], p, sizeof *out);
             k++;
         }
-        st.cgroup_mapped = atomic_load(&ps->mapped);
+        st.cgroup_mapped = mapped;
         if (flags & CT_PROCSCAN_CGROUP) st.cgroup_fallback = k - st.cgroup_mapped;
+        st.read_ns = now_ns() - t0;
         *n = k;
         rc = 0;
     }
-    free(ps->pids);
-    walk_free(&ps->w);
-    close(ps->procfd);
     if (stats) *stats = st;
     pass_release(ps);
     return rc;
