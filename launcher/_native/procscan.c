@@ -707,6 +707,19 @@ static int list_pids(int procfd, int **pids, int *count) {
 
 /* ---- threads ------------------------------------------------------------ */
 
+/* Copies only the bytes that mean something: the fixed fields and the two
+ * strings up to their NULs, about three cache lines of the struct's ten. */
+static void copy_entry(struct ct_proc *dst, const struct ct_proc *src) {
+    memcpy(dst, src, offsetof(struct ct_proc, comm));
+    size_t k = strnlen(src->comm, sizeof src->comm - 1);
+    memcpy(dst->comm, src->comm, k);
+    dst->comm[k] = 0;
+    k = strnlen(src->cgroup, sizeof src->cgroup - 1);
+    memcpy(dst->cgroup, src->cgroup, k);
+    dst->cgroup[k] = 0;
+}
+
+
 /* Nearly all of the scan is kernel time (procfs lookups, do_task_stat,
  * css_task_iter for cgroup.procs), which runs in parallel across CPUs. So
  * a worker lists /proc while the caller walks the cgroups (both must be
@@ -714,27 +727,29 @@ static int list_pids(int procfd, int **pids, int *count) {
  * workers share the pids, CHUNK at a time.
  *
  * On a busy host a thread may wait a whole timeslice (milliseconds) to
- * run, so the caller never waits for a worker:
+ * run, so the caller does not wait for a worker that is not running:
  * - if the listing is not there when the walk ends, the caller lists /proc
  *   itself, and the first listing published is used;
- * - workers write their entries into the pass's own slots and publish each
- *   with a compare-and-swap on its state; when no chunk is left to claim,
- *   the caller reads, backwards, every entry not yet published into out[]
- *   and claims it the same way. Whoever loses a race has only wasted a
- *   read, so a descheduled worker costs nothing but its share.
- * Workers are detached and everything they touch (procfd, pid list, map,
- * slots) belongs to a reference-counted pass freed by the last holder; a
- * worker that runs on after the caller has returned, or starts late,
- * writes only there. Nothing of Python's is touched off the caller's
- * thread, not even the out[] array. */
+ * - a worker reads an entry into its own stack, then claims the entry with
+ *   a compare-and-swap (OPEN -> WRITING), copies it into out[] and marks it
+ *   DONE. When no chunk is left to claim, the caller takes every entry
+ *   still OPEN in the workers' chunks, last first, and reads it itself; a
+ *   worker that then finds its entry taken drops its read. The caller
+ *   waits only for an entry caught in WRITING, a copy of a few hundred
+ *   bytes, and returns once every entry is DONE or its own, so no worker
+ *   writes to out[] afterwards.
+ * Workers are detached and everything else they touch (procfd, pid list,
+ * map) belongs to a reference-counted pass freed by the last holder, so a
+ * worker that starts late, or runs on after the caller has returned,
+ * touches only that. */
 #define MAX_THREADS 4
 #define CHUNK 16
 /* Below this many processes a thread's creation costs more than the reads
  * it takes over (measured: benchmarks/bench_scan.py --crossover). */
 #define MIN_THREADED_PIDS 256
 
-/* pass.state[i]; a worker's entry is in pass.slots[i], the caller's in out[i]. */
-enum { OPEN, BY_CALLER, BY_WORKER, BY_WORKER_MAPPED };
+/* pass.state[i], for the entries of the workers' chunks. */
+enum { OPEN, BY_CALLER, WRITING, DONE, DONE_MAPPED /* its cgroup came from the walk */ };
 
 struct listing {
     int *pids;
@@ -751,8 +766,8 @@ struct pass {
     /* Set by the caller before go; read-only after. */
     struct walk w;
     struct scan s;
-    struct ct_proc *slots;              /* workers' entries */
-    _Atomic unsigned char *state;       /* who published each entry */
+    struct ct_proc *out;                /* the caller's; written by a worker only in WRITING */
+    _Atomic unsigned char *state;
     pthread_mutex_t lock;               /* with cond: workers wait for go */
     pthread_cond_t cond;
     int go;                             /* under lock: 0 not yet; 1 read; -1 workers have nothing to do */
@@ -771,7 +786,6 @@ static void pass_release(struct pass *ps) {
     if (atomic_fetch_sub(&ps->refs, 1) != 1) return;
     listing_free(atomic_load(&ps->listed));
     walk_free(&ps->w);
-    free(ps->slots);
     free((void *)ps->state);
     close(ps->procfd);
     pthread_cond_destroy(&ps->cond);
@@ -825,12 +839,15 @@ static void *worker(void *arg) {
         if (lo >= count) break;
         int hi = count - lo > CHUNK ? lo + CHUNK : count;
         for (int i = lo; i < hi; i++) {
+            struct ct_proc p;
             unsigned char open = OPEN;
             if (atomic_load(&ps->state[i]) != OPEN) continue;  /* the caller took it */
-            int m = read_entry(&ps->s, i, &ps->slots[i]);
-            /* The slot written above happens-before the caller's load of
-             * the state (sequentially consistent atomics). */
-            atomic_compare_exchange_strong(&ps->state[i], &open, m ? BY_WORKER_MAPPED : BY_WORKER);
+            int m = read_entry(&ps->s, i, &p);
+            if (!atomic_compare_exchange_strong(&ps->state[i], &open, WRITING)) continue;
+            copy_entry(&ps->out[i], &p);
+            /* The copy happens-before the caller's load of DONE
+             * (sequentially consistent atomics). */
+            atomic_store(&ps->state[i], m ? DONE_MAPPED : DONE);
         }
     }
     pass_release(ps);
@@ -905,10 +922,13 @@ static void set_go(struct pass *ps, int go) {
     pthread_mutex_unlock(&ps->lock);
 }
 
-/* The caller's share: chunks while any are left, then every entry no one
- * has published, last first (a worker goes forwards through its chunk, so
- * the two meet rather than collide). Returns the entries it mapped. */
-static int caller_reads(struct pass *ps, struct ct_proc *out) {
+/* The caller's share: chunks while any are left, then every entry of the
+ * workers' chunks that no one has published, last first (a worker goes
+ * forwards through its chunk, so the two meet rather than collide). The
+ * caller marks its own chunks in mine[], private to it, rather than in
+ * state[], so that during the reads only workers write to state[] and its
+ * cache lines do not bounce between CPUs. Returns the entries it mapped. */
+static int caller_reads(struct pass *ps, struct ct_proc *out, unsigned char *mine) {
     int count = ps->s.count, mapped = 0;
     if (!ps->state) {
         for (int i = 0; i < count; i++) mapped += read_entry(&ps->s, i, &out[i]);
@@ -918,16 +938,21 @@ static int caller_reads(struct pass *ps, struct ct_proc *out) {
         int lo = atomic_fetch_add(&ps->next, CHUNK);
         if (lo >= count) break;
         int hi = count - lo > CHUNK ? lo + CHUNK : count;
-        for (int i = lo; i < hi; i++) {
-            mapped += read_entry(&ps->s, i, &out[i]);
-            atomic_store(&ps->state[i], BY_CALLER);
-        }
+        mine[lo / CHUNK] = 1;
+        for (int i = lo; i < hi; i++) mapped += read_entry(&ps->s, i, &out[i]);
     }
     for (int i = count - 1; i >= 0; i--) {
-        unsigned char open = OPEN;
-        if (atomic_load(&ps->state[i]) != OPEN) continue;
-        int m = read_entry(&ps->s, i, &out[i]);
-        if (atomic_compare_exchange_strong(&ps->state[i], &open, BY_CALLER)) mapped += m;
+        if (mine[i / CHUNK]) continue;
+        unsigned char st = OPEN;
+        if (atomic_compare_exchange_strong(&ps->state[i], &st, BY_CALLER)) {
+            mapped += read_entry(&ps->s, i, &out[i]);
+            continue;
+        }
+        while (st == WRITING) {
+            sched_yield();
+            st = atomic_load(&ps->state[i]);
+        }
+        mapped += st == DONE_MAPPED;
     }
     return mapped;
 }
@@ -979,31 +1004,29 @@ int ct_procscan_read(struct ct_proc *out, int cap, int *n, int flags, int thread
         ps->s.pids = l->pids;
         ps->s.count = l->count;
         int share = started && !(threads <= 0 && l->count < MIN_THREADED_PIDS);
+        unsigned char *mine = NULL;
         if (share) {
-            ps->slots = malloc((size_t)l->count * sizeof *ps->slots + 1);
+            ps->out = out;
             ps->state = calloc((size_t)l->count + 1, 1);  /* all OPEN */
-            if (!ps->slots || !ps->state) {
-                free(ps->slots);
+            mine = calloc((size_t)l->count / CHUNK + 1, 1);
+            if (!ps->state || !mine) {
                 free((void *)ps->state);
-                ps->slots = NULL;
+                free(mine);
                 ps->state = NULL;
+                mine = NULL;
                 share = 0;
             }
         }
         set_go(ps, share ? 1 : -1);
-        int mapped = caller_reads(ps, out);
+        int mapped = caller_reads(ps, out, mine);
+        /* Every entry is the caller's or DONE: no worker writes out[] now. */
         int k = 0;
         for (int i = 0; i < l->count; i++) {
-            struct ct_proc *p = &out[i];
-            int by = ps->state ? atomic_load(&ps->state[i]) : BY_CALLER;
-            if (by != BY_CALLER) {
-                p = &ps->slots[i];
-                mapped += by == BY_WORKER_MAPPED;
-            }
-            if (!p->pid) continue;
-            if (p != &out[k]) memcpy(&out[k], p, sizeof *out);
+            if (!out[i].pid) continue;
+            if (k != i) copy_entry(&out[k], &out[i]);
             k++;
         }
+        free(mine);
         st.cgroup_mapped = mapped;
         if (flags & CT_PROCSCAN_CGROUP) st.cgroup_fallback = k - st.cgroup_mapped;
         st.read_ns = now_ns() - t0;
