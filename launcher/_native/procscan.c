@@ -744,8 +744,11 @@ static void copy_entry(struct ct_proc *dst, const struct ct_proc *src) {
  * touches only that. */
 #define MAX_THREADS 4
 #define CHUNK 16
-/* Below this many processes a thread's creation costs more than the reads
- * it takes over (measured: benchmarks/bench_scan.py --crossover). */
+/* Below this many processes a second thread does not pay for itself.
+ * Measured on an idle 2-CPU VM (benchmarks/bench_scan.py --crossover, C
+ * scan with cgroups, one thread vs two): 0.86x at 100 processes,
+ * 1.02-1.07x from 150 to 300, 1.31-1.37x from 400 to 1,000, 1.5x at
+ * 3,000. With no idle CPU, two threads measured 0.98-1.02x at any count. */
 #define MIN_THREADED_PIDS 256
 
 /* pass.state[i], for the entries of the workers' chunks. */
