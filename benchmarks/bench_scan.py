@@ -1,6 +1,7 @@
 """scan_processes() against psutil.process_iter, with ~3,000 processes present.
 
     python benchmarks/bench_scan.py [--procs 3000] [--repeats 15]
+    python benchmarks/bench_scan.py --crossover
 
 Starts the processes itself (`sleep 600`, children of this process), times
 each contender `repeats` times in interleaved order, prints medians and the
@@ -132,6 +133,7 @@ def run(n_procs: int = 3000, repeats: int = 15, json_path: pathlib.Path | str | 
                 ms, n = _time(contenders[name])
                 times[name].append(ms)
                 seen[name].append(n)
+        breakdown = _breakdown(_scan, repeats)
     finally:
         _stop(procs)
 
@@ -151,6 +153,7 @@ def run(n_procs: int = 3000, repeats: int = 15, json_path: pathlib.Path | str | 
         "min_ms": {k: round(min(v), 3) for k, v in times.items()},
         "all_ms": {k: [round(x, 3) for x in v] for k, v in times.items()},
         "ratio_vs_faster_psutil": {k: round(v, 2) for k, v in ratio.items()},
+        "scan_breakdown_ms": breakdown,
         "target_ratio": TARGET_RATIO,
         "target_met": {k: v >= TARGET_RATIO for k, v in ratio.items()},
         "host": {
@@ -172,6 +175,60 @@ def run(n_procs: int = 3000, repeats: int = 15, json_path: pathlib.Path | str | 
     return result
 
 
+def _breakdown(_scan: Any, repeats: int) -> dict[str, Any] | None:
+    """Where scan_processes() spends its time, from the C side's own clocks:
+    medians over `repeats` more scans (not the timed ones)."""
+    if _scan._lib is None:
+        return None
+    rows: list[tuple[float, ...]] = []
+    for _ in range(repeats):
+        st = _scan._ffi.new("struct ct_procscan_stats *")
+        ms, _ = _time(lambda: _scan._scan_native(True, stats=st))
+        c = (st.walk_ns / 1e6, st.list_ns / 1e6, st.read_ns / 1e6)
+        rows.append((ms, *c, st.threads, st.cgroup_mapped, st.cgroup_fallback, st.cgroups_walked))
+    med = [statistics.median(col) for col in zip(*rows)]
+    return {
+        "total": round(med[0], 3), "walk": round(med[1], 3), "list": round(med[2], 3), "read": round(med[3], 3),
+        "threads": med[4], "cgroup_mapped": med[5], "cgroup_fallback": med[6], "cgroups_walked": med[7],
+    }
+
+
+def crossover(
+    totals: tuple[int, ...] = (100, 150, 200, 250, 300, 400, 600, 1000), repeats: int = 41
+) -> dict[str, Any]:
+    """Where reading /proc with several threads starts to pay: the C scan
+    (cgroups included) timed with one thread and with as many as it would
+    choose, at several process counts. Sleepers are added to reach each
+    total and all of them are killed and reaped at the end."""
+    from launcher import _scan
+
+    if _scan._lib is None:
+        raise RuntimeError(f"extension not built: {_scan._native_missing}")
+    many = min(len(os.sched_getaffinity(0)), 4)
+    rows = []
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for total in totals:
+            present = sum(1 for n in os.listdir("/proc") if n.isdigit())
+            if total - present > 0:
+                if len(procs) + total - present > MAX_PROCS:
+                    raise ValueError(f"more than {MAX_PROCS} processes needed")
+                procs += _start_sleepers(total - present)
+            times: dict[int, list[float]] = {1: [], many: []}
+            for i in range(repeats):
+                for k in (1, many) if i % 2 else (many, 1):
+                    ms, _ = _time(lambda: [0] * _scan._read_all(True, threads=k)[1])
+                    times[k].append(ms)
+            seen = _scan._read_all(True)[1]
+            one, par = statistics.median(times[1]), statistics.median(times[many])
+            rows.append({"processes": seen, "one_thread_ms": round(one, 3), f"{many}_threads_ms": round(par, 3),
+                         "speedup": round(one / par, 2)})
+    finally:
+        _stop(procs)
+    return {"benchmark": "scan_crossover", "threads": many, "repeats": repeats, "rows": rows,
+            "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
 def _table(r: dict[str, Any]) -> str:
     lines = [
         f"{r['n_procs_started']} sleepers started; ~{int(r['processes_seen_median']['scan_processes()'])} "
@@ -182,6 +239,15 @@ def _table(r: dict[str, Any]) -> str:
     psutil_best = min(r["median_ms"]["psutil.process_iter (warm)"], r["median_ms"]["psutil.process_iter (cold)"])
     for name, med in r["median_ms"].items():
         lines.append(f"{name:<32}{med:>11.2f}{r['min_ms'][name]:>9.2f}{psutil_best / med:>10.1f}")
+    b = r.get("scan_breakdown_ms")
+    if b:
+        lines.append(
+            f"\nscan_processes(), median of {r['repeats']} more: {b['total']:.2f} ms; cgroup walk {b['walk']:.2f} "
+            f"and /proc listing {b['list']:.2f} ({'side by side' if b['threads'] > 1 else 'in turn'}), "
+            f"stat reads {b['read']:.2f} on {b['threads']:g} thread(s), the rest Python.\n"
+            f"cgroups: {b['cgroup_mapped']:g} processes from the walk of {b['cgroups_walked']:g} cgroup.procs, "
+            f"{b['cgroup_fallback']:g} read one by one"
+        )
     lines.append("")
     for name, ratio in r["ratio_vs_faster_psutil"].items():
         verdict = "met" if ratio >= r["target_ratio"] else "NOT met"
@@ -194,7 +260,17 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=3000)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--json", default=str(RESULTS))
+    ap.add_argument("--crossover", action="store_true",
+                    help="instead: time the C scan with one thread and with several at 100..1,000 processes")
     args = ap.parse_args()
+    if args.crossover:
+        c = crossover()
+        k = c["threads"]
+        print(f"{'processes':>10}{'1 thread ms':>13}{f'{k} threads ms':>14}{'speedup':>9}")
+        for row in c["rows"]:
+            print(f"{row['processes']:>10}{row['one_thread_ms']:>13.3f}{row[f'{k}_threads_ms']:>14.3f}"
+                  f"{row['speedup']:>9.2f}")
+        return
     r = run(args.procs, args.repeats, args.json)
     print(_table(r))
     print(f"\nwritten: {args.json}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import threading
@@ -202,7 +203,9 @@ def test_zombie_is_reported_until_reaped(spawn):
     zombie = by_pid(scan_processes())[child.pid]
     assert zombie.state == "Z"
     assert zombie.ppid == os.getpid()
-    assert zombie.cgroup is not None  # a zombie still has a cgroup line
+    # A zombie still has a cgroup line but is in no cgroup.procs: the scan
+    # must have read its file rather than the walk's map.
+    assert zombie.cgroup == parse_cgroup(pathlib.Path(f"/proc/{child.pid}/cgroup").read_text())
     child.wait()
     assert child.pid not in by_pid(scan_processes())
 
@@ -270,6 +273,44 @@ def test_scan_survives_churn(spawn):
     assert errors == []
 
 
+@native
+@pytest.mark.parametrize("cgroups", [True, False])
+def test_threaded_and_single_threaded_scans_agree(cgroups):
+    one, many = _stats(), _stats()
+    single = by_pid(_scan._scan_native(cgroups, threads=1, stats=one))
+    threaded = by_pid(_scan._scan_native(cgroups, threads=4, stats=many))
+    assert (one.threads, many.threads) == (1, 4)
+    common = single.keys() & threaded.keys()
+    assert len(common) >= 0.9 * max(len(single), len(threaded))
+    for pid in common:
+        assert single[pid]._replace(state="", comm="") == threaded[pid]._replace(state="", comm=""), pid
+    assert os.getpid() in threaded
+
+
+@native
+def test_threaded_scan_survives_churn(spawn):
+    """As test_scan_survives_churn, with the reads spread over threads even
+    though there are few processes, so that exits land mid-chunk."""
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            subprocess.run(["true"], check=True)
+
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        for _ in range(100):
+            procs = _scan._scan_native(True, threads=3)
+            assert len({p.pid for p in procs}) == len(procs)
+            for p in procs:
+                assert p.pid > 0 and len(p.state) == 1
+                assert p.cgroup is not None or p.cgroup_error is not None
+    finally:
+        stop.set()
+        t.join()
+
+
 # --- the C interface ---------------------------------------------------------
 
 
@@ -278,7 +319,7 @@ def test_small_buffer_reports_enospc_with_a_size_hint():
     ffi, lib = _scan._ffi, _scan._lib
     buf = ffi.new("struct ct_proc[]", 2)
     n = ffi.new("int *")
-    assert lib.ct_procscan_read(buf, 2, n, 1) == -errno.ENOSPC
+    assert lib.ct_procscan_read(buf, 2, n, lib.CT_PROCSCAN_CGROUP, 0, ffi.NULL) == -errno.ENOSPC
     assert n[0] > 2
 
 
@@ -333,6 +374,49 @@ def test_truncated_cgroup_is_read_again_for_the_same_process():
     # Same pid, other start time: another process, so the entry is dropped.
     p.start_time = start + 1
     assert _scan._odd_entry(p[0], True) is None
+
+
+@native
+def test_columns_name_each_path_once_and_list_odd_entries():
+    ffi, lib = _scan._ffi, _scan._lib
+    rows = [(10, b"a", b"/x", 0), (11, b"b c", b"/y", 0), (12, b"", b"/x", lib.CT_PROC_CGROUP_DENIED),
+            (13, b"d\xff", b"/y", lib.CT_PROC_COMM_TRUNCATED), (14, b"e", b"", 0)]
+    buf = ffi.new("struct ct_proc[]", [{"pid": pid, "ppid": pid + 1, "pgid": pid + 2, "sid": pid + 3,
+                                        "state": b"S", "start_time": pid * 100, "comm": comm,
+                                        "cgroup": cg, "flags": flags} for pid, comm, cg, flags in rows])
+    n = len(rows)
+    arrays = {"ids": ffi.new("int[]", 4 * n), "start_time": ffi.new("unsigned long long[]", n),
+              "state": ffi.new("char[]", n), "comm": ffi.new("char[]", n * 65),
+              "cgroup": ffi.new("int[]", n), "odd": ffi.new("int[]", n)}
+    cols = ffi.new("struct ct_procscan_cols *", arrays)
+    assert lib.ct_procscan_pack(buf, n, lib.CT_PROC_CGROUP_DENIED, cols) == 0
+    ids = ffi.unpack(arrays["ids"], 4 * n)
+    assert ids[:n] == [10, 11, 12, 13, 14] and ids[n:2 * n] == [11, 12, 13, 14, 15]
+    assert ids[3 * n:] == [13, 14, 15, 16, 17]
+    assert ffi.unpack(arrays["start_time"], n) == [1000, 1100, 1200, 1300, 1400]
+    assert ffi.unpack(arrays["comm"], cols.comm_len) == b"a\0b c\0\0d\xff\0e\0"
+    assert ffi.unpack(arrays["cgroup"], n) == [0, 1, 0, 1, 4]
+    assert ffi.unpack(arrays["odd"], cols.n_odd) == [2]
+
+
+@native
+def test_odd_entries_are_replaced_or_dropped_in_place(monkeypatch):
+    """Entries with a failure flag go through _odd_entry: kept with the
+    reason, or dropped when the process is gone, without shifting others."""
+    ffi, lib = _scan._ffi, _scan._lib
+    me, start = os.getpid(), int(raw_stat_fields(os.getpid())[1][19])
+    rows = [{"pid": 1, "state": b"S", "comm": b"one", "cgroup": b"/a"},
+            {"pid": me, "state": b"R", "start_time": start + 1, "comm": b"reused",
+             "flags": lib.CT_PROC_CGROUP_TRUNCATED},  # same pid, other start: gone
+            {"pid": 3, "state": b"S", "comm": b"three", "cgroup_errno": errno.EACCES,
+             "flags": lib.CT_PROC_CGROUP_DENIED},
+            {"pid": 4, "state": b"Z", "comm": b"four", "cgroup": b"/a"}]
+    buf = ffi.new("struct ct_proc[]", rows)
+    monkeypatch.setattr(_scan, "_read_all", lambda *a, **k: (buf, len(rows)))
+    out = _scan._scan_native(True)
+    assert [(p.pid, p.comm, p.cgroup, p.cgroup_error) for p in out] == [
+        (1, "one", "/a", None), (3, "three", None, "permission denied"), (4, "four", "/a", None)]
+    assert out[0].cgroup is out[2].cgroup
 
 
 # --- a real cgroup path longer than the C buffer -------------------------------
@@ -395,3 +479,172 @@ def test_long_cgroup_path_is_reported_whole(long_cgroup):
     finally:
         child.kill()
         child.wait()
+
+
+# --- cgroups from the hierarchy walk -----------------------------------------
+
+
+def _stats():
+    return _scan._ffi.new("struct ct_procscan_stats *")
+
+
+def _cgroup_files() -> dict[int, tuple[int, str | None]]:
+    """pid -> (start time, v2 path) for every process, each read by hand."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            fd = os.open(f"/proc/{name}", os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            continue
+        try:
+            stat = os.read(os.open("stat", os.O_RDONLY, dir_fd=fd), 4096).decode("utf-8", "surrogateescape")
+            path = parse_cgroup(pathlib.Path(f"/proc/self/fd/{fd}/cgroup").read_text("utf-8", "surrogateescape"))
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        out[int(name)] = (int(stat.rpartition(")")[2].split()[19]), path)
+    return out
+
+
+@native
+def test_walked_cgroups_are_what_proc_pid_cgroup_says():
+    """Every process's cgroup equals its own /proc/<pid>/cgroup. A process
+    that exited or moved between the reads is read again on its own."""
+    before = _cgroup_files()
+    st = _stats()
+    procs = _scan._scan_native(True, stats=st)
+    after = _cgroup_files()
+    if _v2_mount() is not None:
+        assert st.walked == 1 and st.cgroups_walked >= 1
+        assert st.cgroup_mapped > len(procs) // 2, "the walk mapped hardly anyone: the test proves nothing"
+    unsettled = []
+    for p in procs:
+        a, b = before.get(p.pid), after.get(p.pid)
+        if a is not None and a == b and a[0] == p.start_time:
+            assert p.cgroup == a[1], p
+        else:
+            unsettled.append(p)
+    for p in unsettled:  # born, exited or moved around the scan: ask once more
+        try:
+            again = _scan._read_cgroup_py(p.pid, p.start_time)[0]
+        except ProcessLookupError:
+            continue
+        assert p.cgroup == again or p.cgroup in (a[1] for a in (before.get(p.pid), after.get(p.pid)) if a), p
+
+
+@native
+def test_walk_and_per_process_reads_agree():
+    walked = by_pid(_scan._scan_native(True))
+    each = by_pid(_scan._scan_native(True, walk=False))
+    for pid in walked.keys() & each.keys():
+        # state and comm (kworkers rename themselves) may change between reads
+        assert walked[pid]._replace(state="", comm="") == each[pid]._replace(state="", comm=""), pid
+
+
+@native
+def test_per_process_reads_when_asked():
+    st = _stats()
+    _scan._scan_native(True, walk=False, stats=st)
+    assert (st.walked, st.cgroup_mapped) == (0, 0) and st.cgroup_fallback > 0
+
+
+@pytest.fixture
+def own_cgroup():
+    """A fresh cgroup below our own: (directory, path as /proc shows it),
+    plus everything the test makes under it, removed after (rmdir only:
+    the test reaps its processes first)."""
+    mount = _v2_mount()
+    own = parse_cgroup(pathlib.Path("/proc/self/cgroup").read_text())
+    if mount is None or own is None or not os.access(mount / own.lstrip("/"), os.W_OK):
+        pytest.skip("no writable cgroup v2 hierarchy")
+    name = f"contain-test-scan-{os.getpid()}"
+    d = mount / own.lstrip("/") / name
+    try:
+        d.mkdir()
+    except OSError as e:
+        pytest.skip(f"cannot create a test cgroup: {e}")
+    yield d, own.rstrip("/") + "/" + name
+    deadline = time.monotonic() + 5
+    for sub in sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [d]:
+        while True:
+            try:
+                sub.rmdir()
+                break
+            except OSError as e:
+                if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+
+
+@native
+def test_process_in_a_nested_cgroup_is_mapped(own_cgroup, spawn):
+    directory, path = own_cgroup
+    (directory / "a b" / "c").mkdir(parents=True)  # a space: the path is not escaped
+    child = spawn(["sleep", "60"])
+    (directory / "a b" / "c" / "cgroup.procs").write_text(str(child.pid))
+    time.sleep(0.03)  # older than the walk by more than a clock tick: eligible for the map
+    st = _stats()
+    info = by_pid(_scan._scan_native(True, stats=st))[child.pid]
+    assert info.cgroup == path + "/a b/c" == parse_cgroup(pathlib.Path(f"/proc/{child.pid}/cgroup").read_text())
+    assert st.cgroup_mapped > 0
+    child.kill()
+    child.wait()
+
+
+@native
+def test_threaded_cgroup_reports_the_leaders_cgroup(own_cgroup, spawn):
+    """A threaded domain's cgroup.procs lists the processes of its threaded
+    children too; /proc/<pid>/cgroup names the child. The scan must too."""
+    directory, path = own_cgroup
+    (directory / "t").mkdir()
+    try:
+        (directory / "t" / "cgroup.type").write_text("threaded")
+    except OSError as e:
+        pytest.skip(f"cannot make a threaded cgroup: {e}")
+    child = spawn(["sleep", "60"])
+    (directory / "cgroup.procs").write_text(str(child.pid))
+    (directory / "t" / "cgroup.threads").write_text(str(child.pid))  # its only thread, the leader
+    assert str(child.pid) in (directory / "cgroup.procs").read_text().split()
+    time.sleep(0.03)
+    assert by_pid(scan_processes())[child.pid].cgroup == path + "/t"
+    child.kill()
+    child.wait()
+
+
+@native
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare(1)")
+def test_mount_of_a_subtree_prefixes_its_root(own_cgroup, spawn, tmp_path):
+    """Where cgroup2 is mounted from a subtree (mountinfo field 4 is not
+    "/"), paths below the mount point are prefixed with that root. Run in a
+    private mount namespace that sees only such a mount."""
+    directory, path = own_cgroup
+    (directory / "a" / "b").mkdir(parents=True)
+    child = spawn(["sleep", "60"])
+    (directory / "a" / "b" / "cgroup.procs").write_text(str(child.pid))
+    time.sleep(0.03)
+    mounts = [line.split()[4] for line in pathlib.Path("/proc/self/mountinfo").read_text().splitlines()
+              if line.partition(" - ")[2].startswith("cgroup2 ")]
+    point = tmp_path / "mnt"
+    point.mkdir()
+    script = (
+        f"mount --bind {directory / 'a'} {point} && "
+        + "".join(f"umount -l {m} && " for m in mounts)
+        + f"{sys.executable} -c 'import sys; sys.path.insert(0, sys.argv[1]); "
+        "from launcher import _scan; st = _scan._ffi.new(\"struct ct_procscan_stats *\"); "
+        "p = {x.pid: x for x in _scan._scan_native(True, stats=st)}[int(sys.argv[2])]; "
+        "print(p.cgroup, st.cgroup_mapped, sep=\"\\n\")' "
+        f"{pathlib.Path(__file__).parent.parent} {child.pid}"
+    )
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                       capture_output=True, text=True, timeout=30)
+    if r.returncode != 0 and "unshare" in r.stderr:
+        pytest.skip(f"cannot make a mount namespace: {r.stderr.strip()}")
+    assert r.returncode == 0, r.stderr
+    cgroup, mapped = r.stdout.splitlines()
+    assert cgroup == path + "/a/b"
+    assert int(mapped) >= 1  # from the walk under the subtree mount, not a fallback
+    child.kill()
+    child.wait()

@@ -28,6 +28,8 @@ ffibuilder.set_source(
     sources=[os.path.relpath(p) for p in _ours("*.c")],
     include_dirs=[os.path.relpath(HERE)],
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+    # procscan.c reads /proc with a few threads.
+    extra_link_args=["-pthread"],
 )
 
 if __name__ == "__main__":
