@@ -34,6 +34,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from ._scan import read_stat
+
 NETLINK_CONNECTOR = 11
 CN_IDX_PROC = 1
 CN_VAL_PROC = 1
@@ -68,13 +70,8 @@ class LedgerUnavailable(Exception):
 
 def _stat(pid: int) -> tuple[str, int, int] | None:
     """(state, ppid, start_time) of /proc/<pid>/stat, or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    rest = data[data.rindex(b")") + 2:].split()
-    return rest[0].decode(), int(rest[1]), int(rest[19])
+    p = read_stat(pid)
+    return None if p is None else (p.state, p.ppid, p.start_time)
 
 
 def cgroup_of(pid: int) -> str | None:

@@ -95,6 +95,15 @@ def parse_stat(text: str) -> ProcessInfo:
         raise ValueError(f"bad /proc/<pid>/stat line: {text[:80]!r}") from err
 
 
+def read_stat(pid: int) -> ProcessInfo | None:
+    """One process's /proc/<pid>/stat, or None if it is gone (or unreadable)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return parse_stat(f.read().decode(errors="replace"))
+    except (OSError, ValueError):
+        return None
+
+
 def parse_cgroup(text: str) -> str | None:
     """The cgroup v2 path of a /proc/<pid>/cgroup file, or None if it has none.
 

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from .._errors import ContainmentUnavailable
+from .._scan import read_stat, scan_processes
 from . import posix
 
 KIND = "none"
@@ -29,26 +30,16 @@ _LIST_CAP = 500   # entries kept in the record's lists; the count is always exac
 
 
 def _stat(pid: int) -> tuple[int, int, int, int] | None:
-    """(ppid, pgid, sid, start_time) from /proc/<pid>/stat, or None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    rest = data[data.rindex(b")") + 2:].split()
-    if rest[0] in (b"Z", b"X"):
-        return None   # a zombie has exited; it only waits to be reaped
-    return int(rest[1]), int(rest[2]), int(rest[3]), int(rest[19])
+    """(ppid, pgid, sid, start_time) of a live process, or None if it is gone
+    (a zombie has exited; it only waits to be reaped)."""
+    p = read_stat(pid)
+    return None if p is None or p.state in ("Z", "X") else (p.ppid, p.pgid, p.sid, p.start_time)
 
 
 def _snapshot() -> dict[int, tuple[int, int, int, int]]:
-    procs: dict[int, tuple[int, int, int, int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            st = _stat(int(name))
-            if st is not None:
-                procs[int(name)] = st
-    return procs
+    """Every live process, from one native pass over /proc."""
+    return {p.pid: (p.ppid, p.pgid, p.sid, p.start_time)
+            for p in scan_processes(cgroups=False) if p.state not in ("Z", "X")}
 
 
 class Container:
