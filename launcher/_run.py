@@ -148,7 +148,7 @@ class Run:
         Raises RunConflict, ContainmentUnavailable or SpawnFailed; in the
         last two cases a final record with outcome `spawn_failed` exists."""
         self.layout = RunDir.claim(self.id, self.opts.state_dir)
-        self.layout.journal("claimed", sync=False, run_uid=self.uid)
+        self.layout.journal("claimed", run_uid=self.uid)
         try:
             self.container = _make_container(self.id, self.opts)
         except ContainmentUnavailable as e:
@@ -432,7 +432,7 @@ class Run:
         was_stopping = self.snap.stopping
         self._event(S.Event.ROOT_EXITED, how)
         if self.layout:
-            self.layout.journal("root_exited", sync=False, exit_code=self.exit_code, signal=self.signal)
+            self.layout.journal("root_exited", exit_code=self.exit_code, signal=self.signal)
         if not was_stopping:
             self._enter_stop(time.monotonic())
 
@@ -502,7 +502,7 @@ class Run:
     def _write_ack(self, op: str, ack: dict[str, Any]) -> None:
         assert self.layout is not None
         self.ops[op] = ack
-        self.layout.write_ack(op, ack)
+        self.layout.write_ack(op, ack, durable=self.snap.terminal)
 
     def _cancel_from_signal(self, signum: int) -> None:
         """SIGINT/SIGTERM/SIGHUP to the supervisor cancel the run, through the
@@ -561,7 +561,7 @@ class Run:
             self._signal_evidence("kill", True, via, {"round": self._kill_rounds})
         except OSError as e:
             self._signal_evidence("kill", None, "cgroup.kill", f"failed: {e}")
-        self.layout and self.layout.journal("kill", sync=False, round=self._kill_rounds)
+        self.layout and self.layout.journal("kill", round=self._kill_rounds)
         self._stop_stage, self._stage_deadline = "kill", now + self.opts.kill_timeout
 
     def _retry_kill(self, now: float) -> None:
@@ -735,11 +735,12 @@ class Run:
 
     def _write_record(self) -> StopRecord:
         rec = self.record_dict()
+        durable = self.snap.terminal     # only the result outlives the processes (see _layout.py)
         if self.layout is not None:
-            self.layout.write_record(rec)
+            self.layout.write_record(rec, durable=durable)
         if self.record_file:
             try:
-                write_json_atomic(self.record_file, rec)
+                write_json_atomic(self.record_file, rec, fsync=durable)
             except OSError as e:
                 self.notes.append(f"--record {self.record_file}: {e}")
         return StopRecord(rec)
