@@ -6,6 +6,7 @@ what happened to it, or cancel it after a reconnect.
     <state>/runs/<id>/record.json                 the stop record (atomic)
     <state>/runs/<id>/owner.lock                  flock held by the owner for its lifetime
     <state>/runs/<id>/cancellations/requests.ndjson   one line per cancel request (the inbox)
+    <state>/runs/<id>/cancellations/wake          FIFO the owner reads; a requester pokes it
     <state>/runs/<id>/cancellations/<op>.json     acknowledgement, written only by the owner
 
 The owner's flock is how death is detected: the kernel drops it when the
@@ -234,6 +235,37 @@ class RunDir:
         finally:
             os.close(fd)
         fsync_dir(self.cancellations)
+        self.poke_owner()
+
+    @property
+    def wake_fifo(self) -> str:
+        return os.path.join(self.cancellations, "wake")
+
+    def open_wake(self) -> int:
+        """The owner's end of the inbox's wake-up FIFO. Opened read-write, so
+        the owner is always a writer too and never polls a hung-up FIFO
+        (fifo(7)). A byte in it carries no authority, only "read the inbox",
+        so anyone may write it."""
+        try:
+            os.mkfifo(self.wake_fifo, 0o600)
+            os.chmod(self.wake_fifo, 0o622)
+        except FileExistsError:
+            pass
+        return os.open(self.wake_fifo, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def poke_owner(self) -> None:
+        """Wake the owner to read the inbox. No FIFO, or no reader (ENXIO),
+        means no owner is listening; whoever cares checks owner_alive()."""
+        try:
+            fd = os.open(self.wake_fifo, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            os.write(fd, b"!")
+        except OSError:
+            pass     # full (EAGAIN): a wake-up is already pending
+        finally:
+            os.close(fd)
 
     def read_requests(self, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
         """Complete lines after `offset`, and the offset after them."""

@@ -3,8 +3,9 @@
 The owner of a run (the `contain run` process, a library thread, or an
 adopter after the supervisor died) loops on kernel readiness, never on a
 sleep: the worker's pidfd (root exit), the run cgroup's `cgroup.events`
-(POLLPRI on `populated` changes), an inotify watch on the cancel inbox, and
-a wake-up pipe for in-process callers and signals. Every event goes through
+(POLLPRI on `populated` changes), the cancel inbox's wake-up FIFO (poked by
+every process that appends a request, see _layout.RunDir.poke_owner), and a
+wake-up pipe for in-process callers and signals. Every event goes through
 `_state.step`; every observation is recorded as evidence of its own layer.
 """
 from __future__ import annotations
@@ -28,7 +29,8 @@ DEFAULT_GRACE = 5.0
 DEFAULT_KILL_TIMEOUT = 10.0
 UNCONFIRMED_RETRIES = 2
 
-_IN_MASK = 0x2 | 0x8 | 0x80  # IN_MODIFY | IN_CLOSE_WRITE | IN_MOVED_TO
+# Without a wake-up FIFO the inbox is still read this often.
+_INBOX_FALLBACK_S = 0.5
 
 
 class Options:
@@ -133,7 +135,7 @@ class Run:
         self._kill_rounds = 0
         self._deadline_timeout = 0.0
         self._wake_r, self._wake_w = -1, -1
-        self._inotify = -1
+        self._inbox_fd = -1
         self._signals: list[int] = []
         self._lock = threading.RLock()
         self._done = threading.Event()
@@ -201,18 +203,16 @@ class Run:
         return req
 
     def _open_channels(self) -> None:
-        from ._native import lib
-
         assert self.layout is not None
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        fd = lib.ct_inotify_open()
-        if fd >= 0:
-            if lib.ct_inotify_watch(fd, self.layout.cancellations.encode(), _IN_MASK) >= 0:
-                self._inotify = fd
-            else:
-                os.close(fd)
-        if self._inotify < 0:
-            self.notes.append("inotify unavailable: cancel inbox checked on each wake-up only")
+        # A FIFO rather than inotify on the inbox: closing an inotify fd that
+        # holds a watch waits for an SRCU grace period (fsnotify_destroy_group
+        # -> __flush_work, seen in /proc/<tid>/stack), 0.1 to 24 ms here, and
+        # every run closes it (docs/performance.md).
+        try:
+            self._inbox_fd = self.layout.open_wake()
+        except OSError as e:
+            self.notes.append(f"cancel wake-up FIFO unavailable ({e}): inbox read every {_INBOX_FALLBACK_S} s")
 
     def _spawn_failed(self, err: LauncherError, container_made: bool) -> None:
         self.snap = S.step(self.snap, S.Event.SPAWN_FAILED)
@@ -346,15 +346,15 @@ class Run:
         efd = self.container.events_fd if self.container is not None else -1
         if efd >= 0:
             p.register(efd, select.POLLPRI | select.POLLERR)
-        if self._inotify >= 0:
-            p.register(self._inotify, select.POLLIN)
+        if self._inbox_fd >= 0:
+            p.register(self._inbox_fd, select.POLLIN)
         p.register(self._wake_r, select.POLLIN)
         for fd in extra_fds:
             p.register(fd, select.POLLIN)
         timeout = self._next_deadline() - time.monotonic()
         ready = p.poll(None if timeout == float("inf") else max(0, int(timeout * 1000) + 1))
         for fd, _ in ready:
-            if fd in (self._wake_r, self._inotify):
+            if fd in (self._wake_r, self._inbox_fd):
                 try:
                     while os.read(fd, 4096):
                         pass
@@ -369,6 +369,8 @@ class Run:
             t = min(t, self._stage_deadline)
         if self.container is not None and self.container.backend == "none" and self.snap.stopping:
             t = min(t, time.monotonic() + 0.02)   # degraded mode has no emptiness event
+        if self._inbox_fd < 0 and self.layout is not None:
+            t = min(t, time.monotonic() + _INBOX_FALLBACK_S)
         return t
 
     def _turn(self) -> None:
@@ -632,10 +634,10 @@ class Run:
     def close(self) -> None:
         """Give up ownership without writing anything (used after acknowledging
         a cancel on a run that had already ended)."""
-        for fd in (self._wake_r, self._wake_w, self._inotify, self.pidfd):
+        for fd in (self._wake_r, self._wake_w, self._inbox_fd, self.pidfd):
             if fd >= 0:
                 os.close(fd)
-        self._wake_r = self._wake_w = self._inotify = self.pidfd = -1
+        self._wake_r = self._wake_w = self._inbox_fd = self.pidfd = -1
         if self.layout is not None:
             self.layout.release()
         self._done.set()
@@ -657,10 +659,10 @@ class Run:
         if self.layout is not None:
             self.layout.journal("ended" if self.snap.terminal else "unconfirmed", state=self.snap.state.value)
             self.layout.release()
-        for fd in (self._wake_r, self._wake_w, self._inotify):
+        for fd in (self._wake_r, self._wake_w, self._inbox_fd):
             if fd >= 0:
                 os.close(fd)
-        self._wake_r = self._wake_w = self._inotify = -1
+        self._wake_r = self._wake_w = self._inbox_fd = -1
         self._final = rec
         self._done.set()
 
