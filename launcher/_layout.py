@@ -7,6 +7,8 @@ what happened to it, or cancel it after a reconnect.
     <state>/runs/<id>/owner.lock                  flock held by the owner for its lifetime
     <state>/runs/<id>/cancellations/requests.ndjson   one line per cancel request (the inbox)
     <state>/runs/<id>/cancellations/wake          FIFO the owner reads; a requester pokes it
+    <state>/runs/<id>/waiters/<pid>-<hex>         one FIFO per waiting process; the owner pokes
+                                                  each after writing a record or an acknowledgement
     <state>/runs/<id>/cancellations/<op>.json     acknowledgement, written only by the owner
 
 The owner's flock is how death is detected: the kernel drops it when the
@@ -196,6 +198,7 @@ class RunDir:
 
     def write_record(self, rec: dict[str, Any], *, durable: bool) -> None:
         write_json_atomic(self.file("record.json"), rec, fsync=durable)
+        self.poke_waiters()
 
     def read_record(self) -> dict[str, Any] | None:
         try:
@@ -305,6 +308,57 @@ class RunDir:
         if existing is not None and existing.get("op_id") != op:
             raise RunConflict(f"operation id {op!r} collides with {existing.get('op_id')!r}")
         write_json_atomic(path, ack, fsync=durable)
+        self.poke_waiters()
+
+    # -- waiters -------------------------------------------------------------
+
+    @property
+    def waiters(self) -> str:
+        return os.path.join(self.path, "waiters")
+
+    def add_waiter(self) -> tuple[int, str]:
+        """A FIFO for this process to wait on: (read fd, path). It is opened
+        before it is renamed into waiters/, so a FIFO found there without a
+        reader (ENXIO) belongs to a waiter that is gone."""
+        os.makedirs(self.waiters, exist_ok=True)
+        name = f"{os.getpid()}-{os.urandom(4).hex()}"
+        tmp = os.path.join(self.waiters, "." + name)
+        os.mkfifo(tmp, 0o600)
+        try:
+            os.chmod(tmp, 0o622)     # the owner may be another uid; a poke carries no data
+            fd = os.open(tmp, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            os.unlink(tmp)
+            raise
+        path = os.path.join(self.waiters, name)
+        os.rename(tmp, path)
+        return fd, path
+
+    def poke_waiters(self) -> None:
+        """Wake every waiter (after a write it may be waiting for)."""
+        try:
+            names = os.listdir(self.waiters)
+        except OSError:
+            return
+        for n in names:
+            if n.startswith("."):
+                continue
+            path = os.path.join(self.waiters, n)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError as e:
+                if e.errno == errno.ENXIO:       # its reader is gone
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+                continue
+            try:
+                os.write(fd, b"!")
+            except OSError:
+                pass         # full (EAGAIN): a wake-up is already pending
+            finally:
+                os.close(fd)
 
     def acks(self) -> list[dict[str, Any]]:
         out = []
