@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 import select
 import time
 from typing import Any, NamedTuple
@@ -179,7 +178,7 @@ class Container:
             h, base = resolve_base(env)
         prefix = "sub" if parent_dir is not None else "run"
         for _ in range(8):
-            c = cls(h, base, f"{prefix}-{run_id}-{secrets.token_hex(4)}")
+            c = cls(h, base, f"{prefix}-{run_id}-{os.urandom(4).hex()}")
             try:
                 os.mkdir(c.dir)
             except FileExistsError:
@@ -227,7 +226,7 @@ class Container:
         if sp is not None:
             sp.via = "clone3(CLONE_INTO_CGROUP|CLONE_PIDFD)"
             return sp
-        leaf = os.path.join(self.dir, f"main-{secrets.token_hex(2)}")
+        leaf = os.path.join(self.dir, f"main-{os.urandom(2).hex()}")
         os.mkdir(leaf)
         self._leaves.append(leaf)
         self.leaf = leaf
