@@ -354,7 +354,18 @@ class Run:
         timeout = self._next_deadline() - time.monotonic()
         ready = p.poll(None if timeout == float("inf") else max(0, int(timeout * 1000) + 1))
         for fd, _ in ready:
-            if fd in (self._wake_r, self._inbox_fd):
+            if fd == efd:
+                # kernfs keeps POLLPRI|POLLERR raised on this open file until
+                # it is read again (kernfs_generic_poll compares the file's
+                # event count with the node's; kernfs_seq_show updates it).
+                # Unread, the populated 0 -> 1 at spawn made every poll return
+                # at once for the worker's whole life: the owner spun at 80%
+                # of a CPU (docs/performance.md).
+                try:
+                    os.pread(efd, 4096, 0)
+                except OSError:
+                    pass
+            elif fd in (self._wake_r, self._inbox_fd):
                 try:
                     while os.read(fd, 4096):
                         pass
