@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import argparse
-    from typing import Any, Sequence
+    from typing import Any, Callable, Sequence
 
 EXIT_USAGE = 2
 EXIT_NOT_FOUND = 3
@@ -43,7 +43,7 @@ def _seconds(text: str) -> float:
 
 
 # `contain run` options as the argparse parser defines them: name -> (dest, convert).
-_RUN_VALUED = {
+_RUN_VALUED: dict[str, tuple[str, Callable[[str], Any]]] = {
     "--id": ("id", str),
     "--grace": ("grace", _seconds_value),
     "--timeout": ("timeout", _seconds_value),
@@ -99,7 +99,7 @@ def _fast_run(argv: Sequence[str]) -> SimpleNamespace | None:
     return SimpleNamespace(**vals)
 
 
-def _make_parser_class() -> type:
+def _make_parser_class() -> type[argparse.ArgumentParser]:
     import argparse
 
     class _Parser(argparse.ArgumentParser):
