@@ -11,8 +11,7 @@ import os
 import signal
 import sys
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
-
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     import argparse
     from typing import Any, Callable, Sequence

@@ -35,7 +35,9 @@ import json
 import os
 import re
 import time
-from typing import Any, Iterator
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any, Iterator
 
 from ._errors import RunConflict, RunNotFound
 from ._record import fsync_dir, now_iso, read_json, write_json_atomic

@@ -16,7 +16,9 @@ import select
 import signal
 import threading
 import time
-from typing import Any, Callable, Sequence
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any, Callable, Sequence
 
 from . import _state as S
 from ._errors import ContainmentUnavailable, LauncherError, SpawnFailed

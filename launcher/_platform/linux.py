@@ -16,7 +16,9 @@ import errno
 import os
 import select
 import time
-from typing import Any, NamedTuple
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any, NamedTuple
 
 from .._errors import ContainmentUnavailable
 from . import posix
@@ -30,10 +32,19 @@ KIND = "cgroup2"
 SEAL_DROP_CAPS = (21, 19, 2, 16, 39)
 
 
-class Hierarchy(NamedTuple):
-    mount: str        # where the cgroup2 filesystem is mounted
-    root: str         # the mount's root inside the hierarchy (mountinfo field 4)
-    nsdelegate: bool
+if TYPE_CHECKING:
+    class _HierarchyFields(NamedTuple):
+        mount: str        # where the cgroup2 filesystem is mounted
+        root: str         # the mount's root inside the hierarchy (mountinfo field 4)
+        nsdelegate: bool
+else:
+    from collections import namedtuple
+
+    _HierarchyFields = namedtuple("Hierarchy", ("mount", "root", "nsdelegate"))
+
+
+class Hierarchy(_HierarchyFields):
+    __slots__ = ()
 
     def fs_path(self, cg_path: str) -> str:
         rel = os.path.relpath(cg_path, self.root) if self.root != "/" else cg_path.lstrip("/")
