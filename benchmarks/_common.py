@@ -93,6 +93,13 @@ def ratio(a: dict[str, Any], b: dict[str, Any]) -> float | None:
     return round(a["median_ms"] / b["median_ms"], 3)
 
 
+def loadavg() -> float:
+    """The 1-minute load average: this is a shared host, and a busy one
+    slows every contender (ratios hold up better than absolute times)."""
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
 def fs_type(path: str) -> str:
     """The filesystem `path` is on, from /proc/self/mountinfo (longest mount)."""
     path = os.path.realpath(path)

@@ -55,6 +55,7 @@ def run(repeats: int = 200, cgroup_base: str | None = None) -> dict[str, Any]:
         "launcher.run (spawn, wait, observed empty, leaf removed)": lib_run,
     }
     times: dict[str, list[float]] = {k: [] for k in contenders}
+    load = [C.loadavg()]
     try:
         for f in contenders.values():
             f()
@@ -76,6 +77,7 @@ def run(repeats: int = 200, cgroup_base: str | None = None) -> dict[str, Any]:
         "ratio_vs_subprocess": C.ratio(lib, s["subprocess.run"]),
         "target": TARGET,
         "record_states": states,
+        "loadavg_start_end": load + [C.loadavg()],
     }
     out["target_met"] = out["ratio_vs_posix_spawn"] is not None and out["ratio_vs_posix_spawn"] <= TARGET
     return out

@@ -257,6 +257,7 @@ def run(sizes: tuple[int, ...] = (10, 100, 1000, 5000), repeats: dict[int, int] 
     state = tempfile.mkdtemp(prefix="contain-bench-state-")
     trials: list[dict[str, Any]] = []
     problems: list[str] = []
+    load = [C.loadavg()]
     try:
         b = Bench(scratch, state, script)
         for n in sizes:
@@ -271,7 +272,9 @@ def run(sizes: tuple[int, ...] = (10, 100, 1000, 5000), repeats: dict[int, int] 
     finally:
         problems.extend(scratch.close())
         shutil.rmtree(state, ignore_errors=True)
-    return summarise(trials, sizes, problems)
+    out = summarise(trials, sizes, problems)
+    out["loadavg_start_end"] = load + [C.loadavg()]
+    return out
 
 
 def summarise(trials: list[dict[str, Any]], sizes: tuple[int, ...], problems: list[str]) -> dict[str, Any]:

@@ -45,6 +45,8 @@ def table(res: dict[str, Any]) -> str:
         out.append(f"  ratio console script / plain call  {_fmt(cli['ratio_console_script'])}  "
                    f"(target <= {cli['target']}: {'met' if cli['target_met'] else 'NOT met'})")
         out.append(f"  ratio python -m launcher / plain   {_fmt(cli['ratio_python_m'])}")
+        out.append(f"  ratio under python -S (no site hooks), console script / plain  {_fmt(cli.get('ratio_python_S'))}")
+        out.append(f"  1-min load average at start, end: {cli.get('loadavg_start_end')}")
     sp = res.get("spawn")
     if sp:
         out.append(f"\n## spawn: in process, {sp['repeats']} alternating runs each (median ms)")
@@ -53,6 +55,7 @@ def table(res: dict[str, Any]) -> str:
         out.append(f"  ratio launcher.run / posix_spawn+waitpid  {_fmt(sp['ratio_vs_posix_spawn'])}  "
                    f"(target <= {sp['target']}: {'met' if sp['target_met'] else 'NOT met'})")
         out.append(f"  ratio launcher.run / subprocess.run       {_fmt(sp['ratio_vs_subprocess'])}")
+        out.append(f"  1-min load average at start, end: {sp.get('loadavg_start_end')}")
     st = res.get("stop")
     if st and "skipped" in st:
         out.append(f"\n## stop: skipped ({st['skipped']})")
@@ -77,6 +80,7 @@ def table(res: dict[str, Any]) -> str:
             out.append(f"  {m:<52}" + "".join(cells))
         for k, t in st.get("targets", {}).items():
             out.append(f"  {k:<58} {_fmt(t['ratio'])}  (target {t['target']}: {'met' if t['met'] else 'NOT met'})")
+        out.append(f"  1-min load average at start, end: {st.get('loadavg_start_end')}")
         for p in st.get("problems", []):
             out.append(f"  problem: {p}")
     sc = res.get("scan")
