@@ -137,6 +137,8 @@ def machine() -> dict[str, Any]:
         "kernel": platform.release(), "python": platform.python_version(),
         "pid_max": pid_max, "ulimit_u": resource.getrlimit(resource.RLIMIT_NPROC)[0],
         "state_dir_fs": fs_type(tempfile.gettempdir()),
+        "processes_on_host": sum(1 for p in os.listdir("/proc") if p.isdigit()),
+        "loadavg_1min": loadavg(),
         "PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE"),
     }
 

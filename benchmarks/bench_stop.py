@@ -258,6 +258,7 @@ def run(sizes: tuple[int, ...] = (10, 100, 1000, 5000), repeats: dict[int, int] 
     trials: list[dict[str, Any]] = []
     problems: list[str] = []
     load = [C.loadavg()]
+    host_procs = in_use
     try:
         b = Bench(scratch, state, script)
         for n in sizes:
@@ -274,6 +275,7 @@ def run(sizes: tuple[int, ...] = (10, 100, 1000, 5000), repeats: dict[int, int] 
         shutil.rmtree(state, ignore_errors=True)
     out = summarise(trials, sizes, problems)
     out["loadavg_start_end"] = load + [C.loadavg()]
+    out["processes_on_host_at_start"] = host_procs
     return out
 
 

@@ -80,7 +80,8 @@ def table(res: dict[str, Any]) -> str:
             out.append(f"  {m:<52}" + "".join(cells))
         for k, t in st.get("targets", {}).items():
             out.append(f"  {k:<58} {_fmt(t['ratio'])}  (target {t['target']}: {'met' if t['met'] else 'NOT met'})")
-        out.append(f"  1-min load average at start, end: {st.get('loadavg_start_end')}")
+        out.append(f"  1-min load average at start, end: {st.get('loadavg_start_end')}; "
+                   f"{st.get('processes_on_host_at_start')} other processes on the host at start")
         for p in st.get("problems", []):
             out.append(f"  problem: {p}")
     sc = res.get("scan")
