@@ -309,9 +309,9 @@ def summarise(trials: list[dict[str, Any]], sizes: tuple[int, ...], problems: li
         owner = C.ratio(row[CLI_OWNER], bare) if CLI_OWNER in row else None
         cmd = C.ratio(row[CLI], row[PSUTIL]) if CLI in row and PSUTIL in row else None
         out["targets"] = {
-            "library cancel->empty / bare (1,000)": {"ratio": lib, "target": f"<= {TARGET_CANCEL_VS_BARE}",
+            "library Worker.cancel + wait / bare (1,000)": {"ratio": lib, "target": f"<= {TARGET_CANCEL_VS_BARE}",
                                                       "met": lib is not None and lib <= TARGET_CANCEL_VS_BARE},
-            "contain owner cancel->empty / bare (1,000)": {
+            "contain run owner: cancel -> observed empty / bare (1,000)": {
                 "ratio": owner, "target": f"<= {TARGET_CANCEL_VS_BARE}",
                 "met": owner is not None and owner <= TARGET_CANCEL_VS_BARE},
             "contain cancel --wait command / psutil recipe (1,000)": {
