@@ -154,6 +154,13 @@ def main() -> int:
     reps = QUICK if a.quick else FULL
     t_start = time.monotonic()
     _say("; ".join(C.ensure_ready()))
+    # In this process too (the library and scan benchmarks import it here),
+    # `launcher` must be this checkout, not an installed copy.
+    sys.path.insert(0, C.ROOT)
+    import launcher
+
+    if not launcher.__file__.startswith(C.ROOT + os.sep):
+        raise SystemExit(f"launcher imported from {launcher.__file__}, not from {C.ROOT}")
     machine = C.machine()
     _say(f"machine: {machine}")
     res: dict[str, Any] = {"machine": machine, "mode": "quick" if a.quick else "full",
