@@ -5,7 +5,7 @@ resolved on first use, so the `contain run` path imports only what it needs.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 
 __version__ = "0.1.0"
 
@@ -40,6 +40,8 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from ._aio import AsyncSupervisor as AsyncSupervisor, AsyncWorker as AsyncWorker, open_worker as open_worker
     from ._cancel import cancel as cancel
     from ._errors import (AccessDenied as AccessDenied, ContainmentUnavailable as ContainmentUnavailable,

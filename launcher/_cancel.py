@@ -2,9 +2,9 @@
 
 1. The intent is appended to the run's inbox and fsynced: nothing is
    signalled before it is durable.
-2. The owner acknowledges in `cancellations/<op>.json`. We wait for that by
-   inotify on the directory and the owner's pidfd (its death), never by
-   sleeping in a loop.
+2. The owner acknowledges in `cancellations/<op>.json`. We wait for that on
+   a waiter FIFO the owner pokes after each write, and on the owner's pidfd
+   (its death), never by sleeping in a loop.
 3. If the owner is gone (its flock is free), this process adopts the run:
    it becomes the owner, applies the inbox, stops the container and writes
    the record and the acknowledgement itself.
@@ -31,15 +31,19 @@ def settled(ack: dict[str, Any]) -> bool:
 
 
 class _Watch:
-    """inotify on a directory plus, optionally, an owner's pidfd."""
+    """A waiter FIFO of our own in the run directory, which the owner pokes
+    after every record or acknowledgement it writes, plus, optionally, the
+    owner's pidfd (readable when the owner dies).
 
-    def __init__(self, path: str, owner: dict[str, Any] | None) -> None:
-        from ._native import lib
+    Not inotify: closing an inotify fd that holds a watch waits for an SRCU
+    grace period (up to 24 ms here), which every `contain cancel --wait` and
+    `contain wait` paid on its way out (docs/performance.md)."""
 
-        self.fd = lib.ct_inotify_open()
-        if self.fd >= 0 and lib.ct_inotify_watch(self.fd, path.encode(), 0x2 | 0x8 | 0x80) < 0:
-            os.close(self.fd)
-            self.fd = -1
+    def __init__(self, layout: RunDir, owner: dict[str, Any] | None) -> None:
+        try:
+            self.fd, self.path = layout.add_waiter()
+        except OSError:
+            self.fd, self.path = -1, ""
         self.owner_fd = -1
         if owner:
             ident = ProcessIdentity.from_dict(owner)
@@ -57,20 +61,27 @@ class _Watch:
         for fd in (self.fd, self.owner_fd):
             if fd >= 0:
                 p.register(fd, select.POLLIN)
-        # Without inotify the bounded timeout below is the only wake-up.
+        # Without a waiter FIFO the bounded timeout below is the only wake-up.
         cap = timeout if self.fd >= 0 else min(timeout, 0.05)
         for fd, _ in p.poll(max(0, int(cap * 1000))):
             if fd == self.fd:
                 try:
-                    while os.read(fd, 65536):
+                    while os.read(fd, 4096):
                         pass
                 except BlockingIOError:
                     pass
 
     def close(self) -> None:
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
         for fd in (self.fd, self.owner_fd):
             if fd >= 0:
                 os.close(fd)
+        self.fd = self.owner_fd = -1
+        self.path = ""
 
 
 def cancel(run_id: str, *, op_id: str | None = None, grace: float | None = None,
@@ -99,7 +110,7 @@ def cancel(run_id: str, *, op_id: str | None = None, grace: float | None = None,
 def _await(layout: RunDir, op: str, info: dict[str, Any], wait: bool, timeout: float | None) -> CancelRecord:
     limit = timeout if timeout is not None else (None if wait else ACK_TIMEOUT)
     deadline = None if limit is None else time.monotonic() + limit
-    watch = _Watch(layout.cancellations, info.get("supervisor"))
+    watch = _Watch(layout, info.get("supervisor"))
     try:
         while True:
             ack = layout.read_ack(op)

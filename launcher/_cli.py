@@ -1,38 +1,117 @@
 """`contain`: argument parsing, exit codes, human output.
 
 Imports stay lean on the `run` path: the supervisor's own start-up is part of
-every run's cost (benchmarks/bench_cli.py).
+every run's cost (benchmarks/bench_cli.py). A plain `contain run [OPTIONS]
+-- CMD` is parsed without argparse (see _fast_run); everything else, help
+and every error included, goes through the argparse parser below.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
-from typing import Any, Sequence
+from types import SimpleNamespace
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    import argparse
+    from typing import Any, Callable, Sequence
 
 EXIT_USAGE = 2
 EXIT_NOT_FOUND = 3
 EXIT_CONTAIN_FAILED = 125
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:   # one clear line, exit 2, no traceback
-        self.exit(EXIT_USAGE, f"contain: {message}\n(see `contain --help`)\n")
-
-
-def _seconds(text: str) -> float:
+def _seconds_value(text: str) -> float:
+    """Raises ValueError with the message argparse shows."""
     try:
         v = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+        raise ValueError(f"not a number of seconds: {text!r}") from None
     if v != v or v < 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"seconds must be a finite number >= 0: {text!r}")
+        raise ValueError(f"seconds must be a finite number >= 0: {text!r}")
     return v
 
 
-def _parser() -> _Parser:
-    p = _Parser(prog="contain", description="Run a process tree inside a kernel container and "
+def _seconds(text: str) -> float:
+    import argparse
+
+    try:
+        return _seconds_value(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# `contain run` options as the argparse parser defines them: name -> (dest, convert).
+_RUN_VALUED: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "--id": ("id", str),
+    "--grace": ("grace", _seconds_value),
+    "--timeout": ("timeout", _seconds_value),
+    "--kill-timeout": ("kill_timeout", _seconds_value),
+    "--record": ("record", str),
+    "--backend": ("backend", str),
+    "--user": ("user", str),
+    "--workspace": ("workspace", str),
+}
+_RUN_DEFAULTS = {"cmd": "run", "id": None, "grace": 5.0, "timeout": None, "kill_timeout": 10.0,
+                 "record": None, "backend": None, "seal": False, "user": None, "workspace": None}
+_BACKENDS = ("auto", "cgroup2", "none")
+
+
+def _fast_run(argv: Sequence[str]) -> SimpleNamespace | None:
+    """The arguments of a plain `contain run`, as argparse would give them,
+    without importing and building argparse (3 ms import + 3 ms parser here,
+    per run: docs/performance.md). Returns None whenever anything is not
+    plain (help, abbreviations, a value that looks like an option, a value
+    argparse would reject): the full parser then decides, with its own
+    messages. tests/test_cli_parse.py holds the two to the same answers."""
+    if not argv or argv[0] != "run":
+        return None
+    vals: dict[str, Any] = dict(_RUN_DEFAULTS)
+    i = 1
+    while i < len(argv):
+        a = argv[i]
+        if a == "--" or not a.startswith("-"):
+            break                             # REMAINDER: argparse keeps a leading "--"
+        if a == "--seal":
+            vals["seal"] = True
+            i += 1
+            continue
+        name, eq, value = a.partition("=")
+        if name not in _RUN_VALUED:
+            return None
+        if not eq:
+            if i + 1 >= len(argv):
+                return None
+            value = argv[i + 1]
+            i += 1
+        if not value or value.startswith("-"):
+            return None
+        dest, convert = _RUN_VALUED[name]
+        try:
+            vals[dest] = convert(value)
+        except ValueError:
+            return None
+        if dest == "backend" and value not in _BACKENDS:
+            return None
+        i += 1
+    vals["command"] = list(argv[i:])
+    return SimpleNamespace(**vals)
+
+
+def _make_parser_class() -> type[argparse.ArgumentParser]:
+    import argparse
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> Any:   # one clear line, exit 2, no traceback
+            self.exit(EXIT_USAGE, f"contain: {message}\n(see `contain --help`)\n")
+
+    return _Parser
+
+
+def _parser() -> argparse.ArgumentParser:
+    import argparse
+
+    p = _make_parser_class()(prog="contain", description="Run a process tree inside a kernel container and "
                 "report exactly what was observed when it stopped.")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
     r = sub.add_parser("run", help="run CMD in a fresh container; exits with its status",
@@ -82,7 +161,7 @@ def _parser() -> _Parser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _fast_run(sys.argv[1:] if argv is None else argv) or _parser().parse_args(argv)
     if args.cmd is None:
         _parser().print_help(sys.stderr)
         return EXIT_USAGE
@@ -106,7 +185,7 @@ def _say(msg: str) -> None:
         pass
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
+def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
     from ._errors import ContainmentUnavailable, RunConflict, SpawnFailed
     from ._run import Options, Run
 

@@ -169,7 +169,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
         _err(str(e))
         return EXIT_NOT_FOUND
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
-    watch = _Watch(d.path, (d.read_run() or {}).get("supervisor"))
+    watch = _Watch(d, (d.read_run() or {}).get("supervisor"))
     try:
         while True:
             rec = d.read_record() or {}

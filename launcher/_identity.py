@@ -7,7 +7,9 @@ a pidfd exists its inode (unique for the boot) is recorded too.
 from __future__ import annotations
 
 import os
-from typing import Any
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any
 
 _boot_id: str | None = None
 

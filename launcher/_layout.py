@@ -2,26 +2,42 @@
 what happened to it, or cancel it after a reconnect.
 
     <state>/runs/<id>/run.json                    who and what (written once per run uid)
-    <state>/runs/<id>/journal.ndjson              transitions, appended and fsynced
+    <state>/runs/<id>/journal.ndjson              transitions, appended (diagnostic)
     <state>/runs/<id>/record.json                 the stop record (atomic)
     <state>/runs/<id>/owner.lock                  flock held by the owner for its lifetime
     <state>/runs/<id>/cancellations/requests.ndjson   one line per cancel request (the inbox)
+    <state>/runs/<id>/cancellations/wake          FIFO the owner reads; a requester pokes it
+    <state>/runs/<id>/waiters/<pid>-<hex>         one FIFO per waiting process; the owner pokes
+                                                  each after writing a record or an acknowledgement
     <state>/runs/<id>/cancellations/<op>.json     acknowledgement, written only by the owner
 
 The owner's flock is how death is detected: the kernel drops it when the
 owner dies, whatever happens to its pid afterwards.
+
+What is fsynced, and why only that: every write here is visible to every
+other process as soon as it is made (the page cache is shared), whatever
+happens to the writer, so fsync only matters for an OS crash. An OS crash
+also ends every process of a run, so a live run's files (run.json, a
+RUNNING record, pending acknowledgements, the journal) describe nothing that
+could outlive it; they are written atomically but not fsynced. What does
+outlive the processes is made durable: the terminal stop record and the
+settled acknowledgements (`durable=True`), and the cancel intent, which is
+fsynced before the owner may act on it (_cancel.py). The default state
+directories (/run, $XDG_RUNTIME_DIR) are tmpfs, where fsync costs nothing;
+on a disk each fsync cost 0.3 to 2.5 ms here, eight of them per run
+(benchmarks/bench_cli.py, docs/performance.md).
 """
 from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import re
-import secrets
 import time
-from typing import Any, Iterator
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any, Iterator
 
 from ._errors import RunConflict, RunNotFound
 from ._record import fsync_dir, now_iso, read_json, write_json_atomic
@@ -49,11 +65,18 @@ def check_id(run_id: str) -> str:
 
 def new_id() -> str:
     """Sortable by start time, unique enough to never be retried."""
-    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + token_hex(3)
 
 
 def new_uid() -> str:
-    return secrets.token_hex(8)
+    return token_hex(8)
+
+
+def token_hex(nbytes: int) -> str:
+    """What secrets.token_hex does (os.urandom), without importing secrets:
+    secrets pulls in hmac, hashlib and OpenSSL, 3 ms of every `contain run`
+    (python -X importtime, docs/performance.md)."""
+    return os.urandom(nbytes).hex()
 
 
 def op_filename(op: str) -> str:
@@ -64,6 +87,8 @@ def op_filename(op: str) -> str:
         raise ValueError("operation id must be 1 to 200 characters")
     safe = _OP_SAFE.sub("_", op)
     if safe != op or safe.startswith("."):
+        import hashlib      # only for odd ids: kept off the `contain run` path
+
         safe = f"{safe.lstrip('.')[:80]}~{hashlib.sha256(op.encode()).hexdigest()[:12]}"
     return safe + ".json"
 
@@ -119,7 +144,7 @@ class RunDir:
             if os.path.exists(d.path):
                 if d.is_live():
                     raise RunConflict(f"run id {run_id!r} is held by a live run")
-                old_uid = (d.read_run() or {}).get("run_uid", secrets.token_hex(4))
+                old_uid = (d.read_run() or {}).get("run_uid", token_hex(4))
                 os.rename(d.path, os.path.join(root, f".ended-{run_id}-{old_uid}"))
             os.mkdir(d.path)
             os.mkdir(d.cancellations)
@@ -173,7 +198,7 @@ class RunDir:
         return os.path.join(self.path, name)
 
     def write_run(self, info: dict[str, Any]) -> None:
-        write_json_atomic(self.file("run.json"), info)
+        write_json_atomic(self.file("run.json"), info, fsync=False)
 
     def read_run(self) -> dict[str, Any] | None:
         try:
@@ -181,8 +206,9 @@ class RunDir:
         except (FileNotFoundError, ValueError):
             return None
 
-    def write_record(self, rec: dict[str, Any]) -> None:
-        write_json_atomic(self.file("record.json"), rec)
+    def write_record(self, rec: dict[str, Any], *, durable: bool) -> None:
+        write_json_atomic(self.file("record.json"), rec, fsync=durable)
+        self.poke_waiters()
 
     def read_record(self) -> dict[str, Any] | None:
         try:
@@ -190,7 +216,7 @@ class RunDir:
         except (FileNotFoundError, ValueError):
             return None
 
-    def journal(self, event: str, sync: bool = True, **fields: Any) -> None:
+    def journal(self, event: str, sync: bool = False, **fields: Any) -> None:
         line = json.dumps({"at": now_iso(), "event": event, **fields}, separators=(",", ":")) + "\n"
         fd = os.open(self.file("journal.ndjson"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
@@ -222,6 +248,37 @@ class RunDir:
         finally:
             os.close(fd)
         fsync_dir(self.cancellations)
+        self.poke_owner()
+
+    @property
+    def wake_fifo(self) -> str:
+        return os.path.join(self.cancellations, "wake")
+
+    def open_wake(self) -> int:
+        """The owner's end of the inbox's wake-up FIFO. Opened read-write, so
+        the owner is always a writer too and never polls a hung-up FIFO
+        (fifo(7)). A byte in it carries no authority, only "read the inbox",
+        so anyone may write it."""
+        try:
+            os.mkfifo(self.wake_fifo, 0o600)
+            os.chmod(self.wake_fifo, 0o622)
+        except FileExistsError:
+            pass
+        return os.open(self.wake_fifo, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def poke_owner(self) -> None:
+        """Wake the owner to read the inbox. No FIFO, or no reader (ENXIO),
+        means no owner is listening; whoever cares checks owner_alive()."""
+        try:
+            fd = os.open(self.wake_fifo, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            os.write(fd, b"!")
+        except OSError:
+            pass     # full (EAGAIN): a wake-up is already pending
+        finally:
+            os.close(fd)
 
     def read_requests(self, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
         """Complete lines after `offset`, and the offset after them."""
@@ -252,7 +309,7 @@ class RunDir:
             raise RunConflict(f"operation id {op!r} collides with {ack.get('op_id')!r} in {self.ack_path(op)}")
         return ack
 
-    def write_ack(self, op: str, ack: dict[str, Any]) -> None:
+    def write_ack(self, op: str, ack: dict[str, Any], *, durable: bool = False) -> None:
         path = self.ack_path(op)
         try:
             existing = read_json(path)
@@ -260,7 +317,58 @@ class RunDir:
             existing = None
         if existing is not None and existing.get("op_id") != op:
             raise RunConflict(f"operation id {op!r} collides with {existing.get('op_id')!r}")
-        write_json_atomic(path, ack)
+        write_json_atomic(path, ack, fsync=durable)
+        self.poke_waiters()
+
+    # -- waiters -------------------------------------------------------------
+
+    @property
+    def waiters(self) -> str:
+        return os.path.join(self.path, "waiters")
+
+    def add_waiter(self) -> tuple[int, str]:
+        """A FIFO for this process to wait on: (read fd, path). It is opened
+        before it is renamed into waiters/, so a FIFO found there without a
+        reader (ENXIO) belongs to a waiter that is gone."""
+        os.makedirs(self.waiters, exist_ok=True)
+        name = f"{os.getpid()}-{os.urandom(4).hex()}"
+        tmp = os.path.join(self.waiters, "." + name)
+        os.mkfifo(tmp, 0o600)
+        try:
+            os.chmod(tmp, 0o622)     # the owner may be another uid; a poke carries no data
+            fd = os.open(tmp, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            os.unlink(tmp)
+            raise
+        path = os.path.join(self.waiters, name)
+        os.rename(tmp, path)
+        return fd, path
+
+    def poke_waiters(self) -> None:
+        """Wake every waiter (after a write it may be waiting for)."""
+        try:
+            names = os.listdir(self.waiters)
+        except OSError:
+            return
+        for n in names:
+            if n.startswith("."):
+                continue
+            path = os.path.join(self.waiters, n)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError as e:
+                if e.errno == errno.ENXIO:       # its reader is gone
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+                continue
+            try:
+                os.write(fd, b"!")
+            except OSError:
+                pass         # full (EAGAIN): a wake-up is already pending
+            finally:
+                os.close(fd)
 
     def acks(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -275,28 +383,3 @@ class RunDir:
                 except (OSError, ValueError):
                     continue
         return out
-
-
-def wait_for_change(path: str, timeout: float) -> None:
-    """Block until something in directory `path` changes or `timeout` passes
-    (inotify, not a sleep loop)."""
-    import select
-
-    from ._native import lib
-
-    fd = lib.ct_inotify_open()
-    if fd < 0:
-        time.sleep(min(timeout, 0.05))
-        return
-    try:
-        # IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE | IN_MODIFY
-        if lib.ct_inotify_watch(fd, path.encode(), 0x8 | 0x80 | 0x100 | 0x2) < 0:
-            time.sleep(min(timeout, 0.05))
-            return
-        select.select([fd], [], [], max(0.0, timeout))
-    finally:
-        os.close(fd)
-
-
-def errno_name(e: OSError) -> str:
-    return errno.errorcode.get(e.errno or 0, str(e.errno))

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Iterator, Mapping
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any, Iterator, Mapping
 
 SCHEMA = "contain.stop-record/1"
 

@@ -3,27 +3,29 @@
 The owner of a run (the `contain run` process, a library thread, or an
 adopter after the supervisor died) loops on kernel readiness, never on a
 sleep: the worker's pidfd (root exit), the run cgroup's `cgroup.events`
-(POLLPRI on `populated` changes), an inotify watch on the cancel inbox, and
-a wake-up pipe for in-process callers and signals. Every event goes through
+(POLLPRI on `populated` changes), the cancel inbox's wake-up FIFO (poked by
+every process that appends a request, see _layout.RunDir.poke_owner), and a
+wake-up pipe for in-process callers and signals. Every event goes through
 `_state.step`; every observation is recorded as evidence of its own layer.
 """
 from __future__ import annotations
 
-import errno
 import os
 import select
 import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Sequence
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any, Callable, Sequence
 
-from . import _inotify, _nested
+from . import _nested
 from . import _state as S
 from ._errors import ContainmentUnavailable, LauncherError, SpawnFailed
 from ._identity import ProcessIdentity, boot_id
 from ._ledger import EscapeWatch
-from ._layout import RunDir, new_id, new_uid, state_dir
+from ._layout import RunDir, new_id, new_uid
 from ._record import LAYERS, StopRecord, evidence, not_measured, now_iso, write_json_atomic
 from ._platform import posix
 
@@ -31,7 +33,8 @@ DEFAULT_GRACE = 5.0
 DEFAULT_KILL_TIMEOUT = 10.0
 UNCONFIRMED_RETRIES = 2
 
-_IN_MASK = 0x2 | 0x8 | 0x80  # IN_MODIFY | IN_CLOSE_WRITE | IN_MOVED_TO
+# Without a wake-up FIFO the inbox is still read this often.
+_INBOX_FALLBACK_S = 0.5
 
 
 class Options:
@@ -145,8 +148,7 @@ class Run:
         self._kill_rounds = 0
         self._deadline_timeout = 0.0
         self._wake_r, self._wake_w = -1, -1
-        self._inotify = -1
-        self._inotify_wd = -1
+        self._inbox_fd = -1
         self._signals: list[int] = []
         self._lock = threading.RLock()
         self._done = threading.Event()
@@ -164,7 +166,7 @@ class Run:
         Raises RunConflict, ContainmentUnavailable or SpawnFailed; in the
         last two cases a final record with outcome `spawn_failed` exists."""
         self.layout = RunDir.claim(self.id, self.opts.state_dir)
-        self.layout.journal("claimed", sync=False, run_uid=self.uid)
+        self.layout.journal("claimed", run_uid=self.uid)
         try:
             self.container = _make_container(self.id, self.opts)
         except ContainmentUnavailable as e:
@@ -227,18 +229,16 @@ class Run:
         return req
 
     def _open_channels(self) -> None:
-        from ._native import lib
-
         assert self.layout is not None
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        fd = _inotify.take()
-        if fd >= 0:
-            wd = lib.ct_inotify_watch(fd, self.layout.cancellations.encode(), _IN_MASK)
-            self._inotify, self._inotify_wd = fd, wd
-            if wd < 0:
-                self._unwatch()
-        if self._inotify < 0:
-            self.notes.append("inotify unavailable: cancel inbox checked on each wake-up only")
+        # A FIFO rather than inotify on the inbox: closing an inotify fd that
+        # holds a watch waits for an SRCU grace period (fsnotify_destroy_group
+        # -> __flush_work, seen in /proc/<tid>/stack), 0.1 to 24 ms here, and
+        # every run closes it (docs/performance.md).
+        try:
+            self._inbox_fd = self.layout.open_wake()
+        except OSError as e:
+            self.notes.append(f"cancel wake-up FIFO unavailable ({e}): inbox read every {_INBOX_FALLBACK_S} s")
 
     def _spawn_failed(self, err: LauncherError, container_made: bool) -> None:
         self.snap = S.step(self.snap, S.Event.SPAWN_FAILED)
@@ -379,16 +379,28 @@ class Run:
         efd = self.container.events_fd if self.container is not None else -1
         if efd >= 0:
             fds.append((efd, select.POLLPRI | select.POLLERR))
-        if self._inotify >= 0:
-            fds.append((self._inotify, select.POLLIN))
+        if self._inbox_fd >= 0:
+            fds.append((self._inbox_fd, select.POLLIN))
         if self._wake_r >= 0:
             fds.append((self._wake_r, select.POLLIN))
         return fds
 
     def drain(self, ready: Sequence[int]) -> None:
         """Consume the wake-ups among `ready` fds (level-triggered inputs)."""
+        efd = self.container.events_fd if self.container is not None else -1
         for fd in ready:
-            if fd >= 0 and fd in (self._wake_r, self._inotify):
+            if fd >= 0 and fd == efd:
+                # kernfs keeps POLLPRI|POLLERR raised on this open file until
+                # it is read again (kernfs_generic_poll compares the file's
+                # event count with the node's; kernfs_seq_show updates it).
+                # Unread, the populated 0 -> 1 at spawn made every poll return
+                # at once for the worker's whole life: the owner spun at 80%
+                # of a CPU (docs/performance.md).
+                try:
+                    os.pread(efd, 4096, 0)
+                except OSError:
+                    pass
+            elif fd >= 0 and fd in (self._wake_r, self._inbox_fd):
                 try:
                     while os.read(fd, 4096):
                         pass
@@ -413,6 +425,8 @@ class Run:
             t = min(t, self._stage_deadline)
         if self.container is not None and self.container.backend == "none" and self.snap.stopping:
             t = min(t, time.monotonic() + 0.02)   # degraded mode has no emptiness event
+        if self._inbox_fd < 0 and self.layout is not None:
+            t = min(t, time.monotonic() + _INBOX_FALLBACK_S)
         return t
 
     def _turn(self) -> None:
@@ -477,7 +491,7 @@ class Run:
         was_stopping = self.snap.stopping
         self._event(S.Event.ROOT_EXITED, how)
         if self.layout:
-            self.layout.journal("root_exited", sync=False, exit_code=self.exit_code, signal=self.signal)
+            self.layout.journal("root_exited", exit_code=self.exit_code, signal=self.signal)
         if not was_stopping:
             self._enter_stop(time.monotonic())
 
@@ -547,7 +561,7 @@ class Run:
     def _write_ack(self, op: str, ack: dict[str, Any]) -> None:
         assert self.layout is not None
         self.ops[op] = ack
-        self.layout.write_ack(op, ack)
+        self.layout.write_ack(op, ack, durable=self.snap.terminal)
 
     def _cancel_from_signal(self, signum: int) -> None:
         """SIGINT/SIGTERM/SIGHUP to the supervisor cancel the run, through the
@@ -613,7 +627,7 @@ class Run:
         except OSError as e:
             self._signal_evidence("kill", None, "cgroup.kill", f"failed: {e}")
         if self.layout:
-            self.layout.journal("kill", sync=False, round=self._kill_rounds)
+            self.layout.journal("kill", round=self._kill_rounds)
         self._stop_stage, self._stage_deadline = "kill", now + self.opts.kill_timeout
 
     def _retry_kill(self, now: float) -> None:
@@ -689,21 +703,13 @@ class Run:
     def close(self) -> None:
         """Give up ownership without writing anything (used after acknowledging
         a cancel on a run that had already ended)."""
-        self._unwatch()
-        for fd in (self._wake_r, self._wake_w, self._inotify, self.pidfd):
+        for fd in (self._wake_r, self._wake_w, self._inbox_fd, self.pidfd):
             if fd >= 0:
                 os.close(fd)
-        self._wake_r = self._wake_w = self._inotify = self.pidfd = -1
+        self._wake_r = self._wake_w = self._inbox_fd = self.pidfd = -1
         if self.layout is not None:
             self.layout.release()
         self._done.set()
-
-    def _unwatch(self) -> None:
-        # The inbox's inotify instance goes back to a pool: closing it costs
-        # 4-16 ms (see _inotify.py), most of a short run.
-        if self._inotify >= 0:
-            _inotify.give(self._inotify, self._inotify_wd)
-        self._inotify, self._inotify_wd = -1, -1
 
     def _finalise(self) -> None:
         if self._final is not None and self._final.terminal:
@@ -727,11 +733,10 @@ class Run:
         if self.layout is not None:
             self.layout.journal("ended" if self.snap.terminal else "unconfirmed", state=self.snap.state.value)
             self.layout.release()
-        self._unwatch()
-        for fd in (self._wake_r, self._wake_w, self._inotify):
+        for fd in (self._wake_r, self._wake_w, self._inbox_fd):
             if fd >= 0:
                 os.close(fd)
-        self._wake_r = self._wake_w = self._inotify = -1
+        self._wake_r = self._wake_w = self._inbox_fd = -1
         self._final = rec
         self._done.set()
 
@@ -857,11 +862,12 @@ class Run:
 
     def _write_record(self) -> StopRecord:
         rec = self.record_dict()
+        durable = self.snap.terminal     # only the result outlives the processes (see _layout.py)
         if self.layout is not None:
-            self.layout.write_record(rec)
+            self.layout.write_record(rec, durable=durable)
         if self.record_file:
             try:
-                write_json_atomic(self.record_file, rec)
+                write_json_atomic(self.record_file, rec, fsync=durable)
             except OSError as e:
                 self.notes.append(f"--record {self.record_file}: {e}")
         return StopRecord(rec)

@@ -16,7 +16,9 @@ Rules the table encodes (CONTRACT.md):
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import NamedTuple
 
 
 class State(enum.StrEnum):
@@ -97,9 +99,18 @@ _OUTCOME_OF = {
 }
 
 
-class Snapshot(NamedTuple):
-    phase: Phase = Phase.RUNNING
-    outcome: Outcome | None = None
+if TYPE_CHECKING:
+    class _SnapshotFields(NamedTuple):
+        phase: Phase = Phase.RUNNING
+        outcome: Outcome | None = None
+else:
+    from collections import namedtuple
+
+    _SnapshotFields = namedtuple("Snapshot", ("phase", "outcome"), defaults=(Phase.RUNNING, None))
+
+
+class Snapshot(_SnapshotFields):
+    __slots__ = ()
 
     @property
     def state(self) -> State:

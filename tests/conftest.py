@@ -82,9 +82,8 @@ def fd_count() -> int:
 
 
 def warm_up(env: dict[str, str], n: int = 6) -> None:
-    """Run `n` workers at once so per-process caches (the bounded pool of
-    inotify instances, see launcher/_inotify.py) are at their size before a
-    test counts descriptors."""
+    """Run `n` workers at once so any per-process state that grows with
+    concurrency is at its size before a test counts descriptors."""
     ws = [launcher.spawn(["sleep", "60"], env=env) for _ in range(n)]   # all live at once
     for w in ws:
         w.cancel(grace=0)

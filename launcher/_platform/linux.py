@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 import select
 import time
-from typing import Any, NamedTuple
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any, NamedTuple
 
 from .._errors import ContainmentUnavailable
 from . import posix
@@ -35,10 +36,19 @@ _CAP_NAMES = {2: "CAP_DAC_READ_SEARCH", 16: "CAP_SYS_MODULE", 17: "CAP_SYS_RAWIO
               21: "CAP_SYS_ADMIN", 22: "CAP_SYS_BOOT", 39: "CAP_BPF"}
 
 
-class Hierarchy(NamedTuple):
-    mount: str        # where the cgroup2 filesystem is mounted
-    root: str         # the mount's root inside the hierarchy (mountinfo field 4)
-    nsdelegate: bool
+if TYPE_CHECKING:
+    class _HierarchyFields(NamedTuple):
+        mount: str        # where the cgroup2 filesystem is mounted
+        root: str         # the mount's root inside the hierarchy (mountinfo field 4)
+        nsdelegate: bool
+else:
+    from collections import namedtuple
+
+    _HierarchyFields = namedtuple("Hierarchy", ("mount", "root", "nsdelegate"))
+
+
+class Hierarchy(_HierarchyFields):
+    __slots__ = ()
 
     def fs_path(self, cg_path: str) -> str:
         rel = os.path.relpath(cg_path, self.root) if self.root != "/" else cg_path.lstrip("/")
@@ -220,7 +230,7 @@ class Container:
             h, base = resolve_base(env)
         prefix = "sub" if parent_dir is not None else "run"
         for _ in range(8):
-            c = cls(h, base, f"{prefix}-{run_id}-{secrets.token_hex(4)}")
+            c = cls(h, base, f"{prefix}-{run_id}-{os.urandom(4).hex()}")
             try:
                 os.mkdir(c.dir)
             except FileExistsError:
@@ -287,7 +297,7 @@ class Container:
         if sp is not None:
             sp.via = "clone3(CLONE_INTO_CGROUP|CLONE_PIDFD)"
             return sp
-        leaf = os.path.join(self.dir, f"main-{secrets.token_hex(2)}")
+        leaf = os.path.join(self.dir, f"main-{os.urandom(2).hex()}")
         os.mkdir(leaf)
         self._leaves.append(leaf)
         self.leaf = leaf

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Any, Sequence
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any, Sequence
 
 from .._errors import SpawnFailed
 from .._native import ffi, lib
