@@ -149,6 +149,7 @@ def _adopt(layout: RunDir, op: str, wait: bool) -> CancelRecord | None:
     try:
         run._turn()               # apply the inbox (this op included) and act
         if was_terminal:
+            run._settle_acks()    # the previous owner may have died between record and acks
             run.close()           # one result: an ended run's record is left as it is
         else:
             run.supervise()

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     import argparse
-    from typing import Any, Callable, Sequence
+    from typing import Any, Sequence
 
 EXIT_USAGE = 2
 EXIT_NOT_FOUND = 3
@@ -41,20 +41,29 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-# `contain run` options as the argparse parser defines them: name -> (dest, convert).
-_RUN_VALUED: dict[str, tuple[str, Callable[[str], Any]]] = {
-    "--id": ("id", str),
-    "--grace": ("grace", _seconds_value),
-    "--timeout": ("timeout", _seconds_value),
-    "--kill-timeout": ("kill_timeout", _seconds_value),
-    "--record": ("record", str),
-    "--backend": ("backend", str),
-    "--user": ("user", str),
-    "--workspace": ("workspace", str),
-}
-_RUN_DEFAULTS = {"cmd": "run", "id": None, "grace": 5.0, "timeout": None, "kill_timeout": 10.0,
-                 "record": None, "backend": None, "seal": False, "user": None, "workspace": None}
-_BACKENDS = ("auto", "cgroup2", "none")
+# Every `contain run` option, once: both the argparse parser and the fast
+# path below are built from this table, so they cannot drift apart.
+# (flag, dest, kind, default, help); kind is "seconds", "text", "flag", or a
+# tuple of choices.
+_RUN_OPTIONS: tuple[tuple[str, str, Any, Any, str], ...] = (
+    ("--id", "id", "text", None, "run id (default: generated); a live run's id cannot be reused"),
+    ("--grace", "grace", "seconds", 5.0, "seconds between SIGTERM and SIGKILL (default 5)"),
+    ("--timeout", "timeout", "seconds", None, "cancel the run after this many seconds (exit 124)"),
+    ("--kill-timeout", "kill_timeout", "seconds", 10.0,
+     "seconds to wait for the container to empty after SIGKILL (default 10)"),
+    ("--record", "record", "text", None, "also write the stop record to FILE"),
+    ("--backend", "backend", ("auto", "cgroup2", "job-object", "none"), None,
+     "container kind (default auto, or CONTAIN_BACKEND)"),
+    ("--seal", "seal", "flag", False, "make leaving the container impossible (see docs/sealing.md)"),
+    ("--user", "user", "text", None, "run the worker as USER (name or uid)"),
+    ("--workspace", "workspace", "text", None,
+     "after the stop, check no process holds DIR and nothing writes under it"),
+    ("--check-sockets", "check_sockets", "flag", False,
+     "after the stop, check every socket the tree held at the stop is closed"),
+)
+_METAVARS = {"--record": "FILE", "--workspace": "DIR", "--user": "USER"}
+_RUN_BY_FLAG = {o[0]: o for o in _RUN_OPTIONS}
+_RUN_DEFAULTS = {"cmd": "run", **{o[1]: o[3] for o in _RUN_OPTIONS}}
 
 
 def _fast_run(argv: Sequence[str]) -> SimpleNamespace | None:
@@ -72,13 +81,17 @@ def _fast_run(argv: Sequence[str]) -> SimpleNamespace | None:
         a = argv[i]
         if a == "--" or not a.startswith("-"):
             break                             # REMAINDER: argparse keeps a leading "--"
-        if a == "--seal":
-            vals["seal"] = True
+        name, eq, value = a.partition("=")
+        opt = _RUN_BY_FLAG.get(name)
+        if opt is None:
+            return None
+        _flag, dest, kind, _default, _help = opt
+        if kind == "flag":
+            if eq:
+                return None
+            vals[dest] = True
             i += 1
             continue
-        name, eq, value = a.partition("=")
-        if name not in _RUN_VALUED:
-            return None
         if not eq:
             if i + 1 >= len(argv):
                 return None
@@ -86,13 +99,17 @@ def _fast_run(argv: Sequence[str]) -> SimpleNamespace | None:
             i += 1
         if not value or value.startswith("-"):
             return None
-        dest, convert = _RUN_VALUED[name]
-        try:
-            vals[dest] = convert(value)
-        except ValueError:
-            return None
-        if dest == "backend" and value not in _BACKENDS:
-            return None
+        if isinstance(kind, tuple):
+            if value not in kind:
+                return None
+            vals[dest] = value
+        elif kind == "seconds":
+            try:
+                vals[dest] = _seconds_value(value)
+            except ValueError:
+                return None
+        else:
+            vals[dest] = value
         i += 1
     vals["command"] = list(argv[i:])
     return SimpleNamespace(**vals)
@@ -118,20 +135,15 @@ def _parser() -> argparse.ArgumentParser:
                        description="Run CMD in a fresh cgroup v2 leaf entered at clone time. stdin, "
                        "stdout and stderr are inherited. Exit status: the worker's own, 128+N for "
                        "signal N, 124 on --timeout, 125 if contain failed, 126/127 if CMD cannot run.")
-    r.add_argument("--id", help="run id (default: generated); a live run's id cannot be reused")
-    r.add_argument("--grace", type=_seconds, default=5.0, help="seconds between SIGTERM and SIGKILL (default 5)")
-    r.add_argument("--timeout", type=_seconds, help="cancel the run after this many seconds (exit 124)")
-    r.add_argument("--kill-timeout", type=_seconds, default=10.0,
-                   help="seconds to wait for the container to empty after SIGKILL (default 10)")
-    r.add_argument("--record", metavar="FILE", help="also write the stop record to FILE")
-    r.add_argument("--backend", choices=("auto", "cgroup2", "job-object", "none"), default=None,
-                   help="container kind (default auto, or CONTAIN_BACKEND)")
-    r.add_argument("--seal", action="store_true", help="make leaving the container impossible (see docs)")
-    r.add_argument("--user", help="run the worker as USER (name or uid)")
-    r.add_argument("--workspace", metavar="DIR",
-                   help="after the stop, check no process holds DIR and nothing writes under it")
-    r.add_argument("--check-sockets", action="store_true",
-                   help="after the stop, check every socket the tree held at the stop is closed")
+    for flag, dest, kind, default, help_text in _RUN_OPTIONS:
+        if kind == "flag":
+            r.add_argument(flag, dest=dest, action="store_true", help=help_text)
+        elif kind == "seconds":
+            r.add_argument(flag, dest=dest, type=_seconds, default=default, metavar="SECONDS", help=help_text)
+        elif isinstance(kind, tuple):
+            r.add_argument(flag, dest=dest, choices=kind, default=default, help=help_text)
+        else:
+            r.add_argument(flag, dest=dest, default=default, metavar=_METAVARS.get(flag), help=help_text)
     r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
 
     ls = sub.add_parser("ls", help="list runs")

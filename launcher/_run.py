@@ -728,8 +728,11 @@ class Run:
             os.close(self.pidfd)
             self.pidfd = -1
         self.times["ended_at"] = now_iso() if self.snap.terminal else None
-        self._settle_acks()
+        # The record first: an acknowledgement may only claim what a written
+        # record already says (an owner dying in between leaves acks to be
+        # settled by the next adopter, never the reverse).
         rec = self._write_record()
+        self._settle_acks()
         if self.layout is not None:
             self.layout.journal("ended" if self.snap.terminal else "unconfirmed", state=self.snap.state.value)
             self.layout.release()

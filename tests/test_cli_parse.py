@@ -13,7 +13,7 @@ from launcher import _cli
 TOKENS = ["--", "--grace", "0", "1.5", "nan", "-1", "inf", "--id", "x", "my-run", "--seal", "--se",
           "-h", "--help", "--id=--", "--id=", "--grace=2", "--timeout", "3", "--kill-timeout=4",
           "--backend", "none", "auto", "cgroup2", "bogus", "--backend=none", "--record", "/tmp/r.json",
-          "--user", "nobody", "--workspace", "/tmp", "/bin/true", "-x", "a", "b", "--unknown"]
+          "--user", "nobody", "--workspace", "/tmp", "--check-sockets", "--check-sockets=1", "--backend=job-object", "/bin/true", "-x", "a", "b", "--unknown"]
 
 
 def _argparse(argv: list[str]) -> dict[str, object] | None:
