@@ -56,6 +56,9 @@ if TYPE_CHECKING:
     from ._worker import Worker as Worker, run as run, spawn as spawn
 
 
+del TYPE_CHECKING   # a flag for type checkers, not part of the public surface
+
+
 def __getattr__(name: str) -> Any:
     mod = _EXPORTS.get(name)
     if mod is None:
