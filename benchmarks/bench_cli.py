@@ -4,7 +4,7 @@
     python benchmarks/bench_cli.py [--repeats 40]
 
 The `contain` console script is generated here, byte for byte what pip
-writes for `[project.scripts] contain = "launcher._cli:main"`, with this
+writes for `[project.scripts] contain = "launcher._cli:console"`, with this
 interpreter in its shebang: an installed `contain` on PATH may import another
 copy of `launcher`, or be a wrapper (a pyenv shim is a bash script that
 costs more than the whole run). `python -m launcher` is measured as well.
@@ -38,10 +38,10 @@ SCRIPT = """#!{python}
 # -*- coding: utf-8 -*-
 import re
 import sys
-from launcher._cli import main
+from launcher._cli import console
 if __name__ == '__main__':
     sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])
-    sys.exit(main())
+    sys.exit(console())
 """
 
 

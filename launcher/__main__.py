@@ -1,5 +1,3 @@
-import sys
+from ._cli import console
 
-from ._cli import main
-
-sys.exit(main())
+console()

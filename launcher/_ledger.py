@@ -28,13 +28,18 @@ import errno
 import os
 import select
 import signal
-import socket
+# _socket, not socket: the wrapper module costs ~2 ms of imports (selectors,
+# array, enum constants) on every unsealed run's start.
+import _socket
 import struct
 import threading
 import time
-from typing import Any, Callable
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any, Callable
 
-from ._scan import read_stat
+from ._identity import read_stat
+
 
 NETLINK_CONNECTOR = 11
 CN_IDX_PROC = 1
@@ -71,7 +76,7 @@ class LedgerUnavailable(Exception):
 def _stat(pid: int) -> tuple[str, int, int] | None:
     """(state, ppid, start_time) of /proc/<pid>/stat, or None if it is gone."""
     p = read_stat(pid)
-    return None if p is None else (p.state, p.ppid, p.start_time)
+    return None if p is None else (p[0], p[1], p[4])
 
 
 def cgroup_of(pid: int) -> str | None:
@@ -122,7 +127,7 @@ class Ledger:
     the spawn to the stop. Use `open()`, then `track_root(pid)` right after
     the spawn, `sync()` before reading, `close()` at the end."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: _socket.socket) -> None:
         self._sock = sock
         self._lock = threading.Lock()
         self._buf = bytearray(256 * 1024)
@@ -147,7 +152,7 @@ class Ledger:
     def open(cls, ack_timeout: float = 0.2) -> "Ledger":
         """Subscribe to the process connector. Raises LedgerUnavailable."""
         try:
-            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, NETLINK_CONNECTOR)
+            sock = _socket.socket(_socket.AF_NETLINK, _socket.SOCK_DGRAM | _socket.SOCK_CLOEXEC, NETLINK_CONNECTOR)
         except OSError as e:
             raise LedgerUnavailable(f"socket(AF_NETLINK, NETLINK_CONNECTOR): {os.strerror(e.errno or 0)}") from e
         try:
@@ -327,25 +332,25 @@ class Ledger:
             t.exit_seen = True
 
 
-def _bigger_buffer(sock: socket.socket) -> None:
+def _bigger_buffer(sock: _socket.socket) -> None:
     """A fork storm on the host must not overflow the queue between two
     drains: ask for 8 MiB (SO_RCVBUFFORCE needs CAP_NET_ADMIN)."""
     size = 8 << 20
     try:
-        sock.setsockopt(socket.SOL_SOCKET, 33, size)      # SO_RCVBUFFORCE
+        sock.setsockopt(_socket.SOL_SOCKET, 33, size)      # SO_RCVBUFFORCE
     except OSError:
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+            sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_RCVBUF, size)
         except OSError:
             pass
 
 
-def _control(sock: socket.socket, payload: bytes, token: int) -> None:
+def _control(sock: _socket.socket, payload: bytes, token: int) -> None:
     cn = _CN_MSG.pack(CN_IDX_PROC, CN_VAL_PROC, token, token, len(payload), 0) + payload
     sock.sendto(_NLMSGHDR.pack(_NLMSGHDR.size + len(cn), NLMSG_DONE, 0, token, os.getpid()) + cn, (0, 0))
 
 
-def _wait_ack(sock: socket.socket, token: int, timeout: float) -> int | None:
+def _wait_ack(sock: _socket.socket, token: int, timeout: float) -> int | None:
     """The err of our acknowledgement (ack == token + 1), None on timeout.
     Acknowledgements go to every listener: ours is the one with our token."""
     deadline = time.monotonic() + timeout

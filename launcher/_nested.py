@@ -23,7 +23,9 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any
 
 from ._record import now_iso
 

@@ -134,7 +134,9 @@ def write_json_atomic(path: str, obj: Any, *, fsync: bool = True) -> None:
     """Write `obj` as JSON to `path` by temp file + rename: readers see the
     old file or the new one, never a torn one."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    data = (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()
+    # Pretty only when durable (the files people read once a run has ended):
+    # json's indent switches to the pure-Python encoder, ~0.1 ms a write.
+    data = (json.dumps(obj, indent=2 if fsync else None) + "\n").encode()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
         os.write(fd, data)

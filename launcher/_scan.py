@@ -29,6 +29,8 @@ from collections.abc import Iterable
 from itertools import repeat
 from typing import Any, NamedTuple
 
+from ._identity import stat_fields
+
 try:
     from ._native import ffi as _ffi, lib as _lib
 except ImportError as err:  # not built: the Python reader below takes over
@@ -76,32 +78,13 @@ def parse_stat(text: str) -> ProcessInfo:
     rp = text.rfind(")")
     if lp < 0 or rp < lp:
         raise ValueError(f"not a /proc/<pid>/stat line: {text[:80]!r}")
-    rest = text[rp + 2 :].split()
-    if len(rest) < 20:  # fields 3..22
-        raise ValueError(f"/proc/<pid>/stat line too short: {text[:80]!r}")
     try:
-        return ProcessInfo(
-            pid=int(text[:lp]),
-            ppid=int(rest[1]),
-            pgid=int(rest[2]),
-            sid=int(rest[3]),
-            state=rest[0],
-            start_time=int(rest[19]),
-            comm=text[lp + 1 : rp],
-            cgroup=None,
-            cgroup_error=NOT_REQUESTED,
-        )
+        state, ppid, pgid, sid, start = stat_fields(text.encode())
+        return ProcessInfo(pid=int(text[:lp]), ppid=ppid, pgid=pgid, sid=sid, state=state,
+                           start_time=start, comm=text[lp + 1 : rp], cgroup=None,
+                           cgroup_error=NOT_REQUESTED)
     except ValueError as err:
         raise ValueError(f"bad /proc/<pid>/stat line: {text[:80]!r}") from err
-
-
-def read_stat(pid: int) -> ProcessInfo | None:
-    """One process's /proc/<pid>/stat, or None if it is gone (or unreadable)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return parse_stat(f.read().decode(errors="replace"))
-    except (OSError, ValueError):
-        return None
 
 
 def parse_cgroup(text: str) -> str | None:

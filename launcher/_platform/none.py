@@ -22,7 +22,8 @@ import time
 from typing import Any
 
 from .._errors import ContainmentUnavailable
-from .._scan import read_stat, scan_processes
+from .._identity import read_stat
+from .._scan import scan_processes
 from . import posix
 
 KIND = "none"
@@ -33,7 +34,7 @@ def _stat(pid: int) -> tuple[int, int, int, int] | None:
     """(ppid, pgid, sid, start_time) of a live process, or None if it is gone
     (a zombie has exited; it only waits to be reaped)."""
     p = read_stat(pid)
-    return None if p is None or p.state in ("Z", "X") else (p.ppid, p.pgid, p.sid, p.start_time)
+    return None if p is None or p[0] in ("Z", "X") else (p[1], p[2], p[3], p[4])
 
 
 def _snapshot() -> dict[int, tuple[int, int, int, int]]:
