@@ -288,3 +288,21 @@ def box(tmp_path, monkeypatch):
         kill_holders(b.token)
         if b.base:
             remove_cgroup_tree(b.base)
+
+
+@pytest.fixture
+def contain_runs(tmp_path):
+    """A factory of `_survivors.Contain` drivers (one token each); every one
+    made is cleaned up at the end, whatever happened."""
+    from _survivors import Contain, new_token as _new_token
+
+    made: list = []
+
+    def make():
+        c = Contain(str(tmp_path), _new_token())
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.cleanup()

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from _survivors import Contain, new_token, survivors, wait_for
+from _survivors import Contain, survivors, wait_for
 
 PY = sys.executable
 
@@ -25,18 +25,6 @@ SCENARIOS = {
 }
 
 
-@pytest.fixture
-def seal_degraded_run(tmp_path):
-    made: list[Contain] = []
-
-    def make() -> Contain:
-        c = Contain(str(tmp_path), new_token())
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.cleanup()
 
 
 def _check(c: Contain, rc: int) -> dict:
@@ -51,8 +39,8 @@ def _check(c: Contain, rc: int) -> dict:
 
 @pytest.mark.parametrize("ledger", ["on", "off"])
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_degraded_never_reaped(seal_degraded_run, name, ledger):
-    c = seal_degraded_run()
+def test_degraded_never_reaped(contain_runs, name, ledger):
+    c = contain_runs()
     rc = c.run(["--backend", "none", "--grace", "0.3"], ["sh", "-c", SCENARIOS[name]],
                extra_env={"CONTAIN_LEDGER": ledger})
     r = _check(c, rc)
@@ -66,8 +54,8 @@ def test_degraded_never_reaped(seal_degraded_run, name, ledger):
     assert wait_for(lambda: not survivors(c.token), 5), f"{name}: left {survivors(c.token)}"
 
 
-def test_degraded_with_ledger_finds_by_ledger(seal_degraded_run):
-    c = seal_degraded_run()
+def test_degraded_with_ledger_finds_by_ledger(contain_runs):
+    c = contain_runs()
     rc = c.run(["--backend", "none", "--grace", "0.3"], ["sh", "-c", SCENARIOS["setsid_daemon"]])
     rec = _check(c, rc)["rec"]
     d = rec["evidence"]["descendants_exit"]["detail"]
@@ -78,15 +66,15 @@ def test_degraded_with_ledger_finds_by_ledger(seal_degraded_run):
     assert esc["observed"] is None and esc["detail"]["tracked"] >= 2
 
 
-def test_degraded_plain_exit_is_exited(seal_degraded_run):
-    c = seal_degraded_run()
+def test_degraded_plain_exit_is_exited(contain_runs):
+    c = contain_runs()
     rc = c.run(["--backend", "none"], ["sh", "-c", "exit 3"])
     assert rc == 3
     assert _check(c, rc)["rec"]["state"] == "EXITED"
 
 
-def test_degraded_cancel_is_not_reaped(seal_degraded_run):
-    c = seal_degraded_run()
+def test_degraded_cancel_is_not_reaped(contain_runs):
+    c = contain_runs()
     c.start(["--backend", "none", "--grace", "0.3"], ["sh", "-c", "setsid sleep 300 & exec sleep 300"])
     assert wait_for(lambda: len(survivors(c.token)) >= 3, 10)   # supervisor, worker, daemon
     c.cancel()
@@ -96,8 +84,8 @@ def test_degraded_cancel_is_not_reaped(seal_degraded_run):
     assert wait_for(lambda: not survivors(c.token), 5)
 
 
-def test_seal_is_refused_in_degraded_mode(seal_degraded_run):
-    c = seal_degraded_run()
+def test_seal_is_refused_in_degraded_mode(contain_runs):
+    c = contain_runs()
     rc = c.run(["--backend", "none", "--seal"], ["true"])
     assert rc == 125
     assert "seal" in c.stderr

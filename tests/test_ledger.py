@@ -15,25 +15,13 @@ import time
 
 import pytest
 
-from _survivors import IS_ROOT, ROOT, Contain, cgroup_of, kill_survivors, new_token, survivors, wait_for
-from test_seal import ATTEMPTS, BASE, MOUNT, _attempt, _finish, _inside
+from _survivors import IS_ROOT, ROOT, Contain, kill_survivors, new_token, survivors, wait_for
+from test_seal import ATTEMPTS, BASE, _attempt, _finish, _inside
 
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="the escapes tried need a root worker "
                                 "(a non-root uid owns no cgroup.procs to move into)")
 
 
-@pytest.fixture
-def seal_ledger_run(tmp_path):
-    made: list[Contain] = []
-
-    def make() -> Contain:
-        c = Contain(str(tmp_path), new_token())
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.cleanup()
 
 
 def _outside(c: Contain, where: dict[str, str | None]) -> dict[str, str | None]:
@@ -56,9 +44,9 @@ ESCAPES = {
 
 @needs_root
 @pytest.mark.parametrize("name", sorted(ESCAPES))
-def test_unsealed_escape_is_caught(seal_ledger_run, tmp_path, name):
+def test_unsealed_escape_is_caught(contain_runs, tmp_path, name):
     attempt, sleepers, escapers = ESCAPES[name]
-    c = seal_ledger_run()
+    c = contain_runs()
     where = _attempt(c, [], attempt, str(tmp_path), expect_sleepers=sleepers)
     out = _outside(c, where)
     assert len(out) >= escapers, f"{name} did not escape unsealed (the test is void): {where}"
@@ -75,7 +63,7 @@ def test_unsealed_escape_is_caught(seal_ledger_run, tmp_path, name):
 
 
 @needs_root
-def test_unsealed_escape_through_capless_root_process_is_caught(seal_ledger_run, tmp_path):
+def test_unsealed_escape_through_capless_root_process_is_caught(contain_runs, tmp_path):
     """/proc/<pid>/root of a root process without capabilities leads to the
     host's cgroup mount. (/proc/1/root is denied here even to root: pid 1
     holds a capability outside this host's bounding set.)"""
@@ -88,7 +76,7 @@ def test_unsealed_escape_through_capless_root_process_is_caught(seal_ledger_run,
                               env=dict(os.environ, SEALTEST_TOKEN=helper_token))
     try:
         assert wait_for(lambda: survivors(helper_token), 5)
-        c = seal_ledger_run()
+        c = contain_runs()
         where = _attempt(c, [], f"echo $$ > /proc/{helper.pid}/root{BASE}/cgroup.procs", str(tmp_path))
         out = _outside(c, where)
         assert out, f"did not escape unsealed (the test is void): {where}"
@@ -102,11 +90,11 @@ def test_unsealed_escape_through_capless_root_process_is_caught(seal_ledger_run,
 
 
 @needs_root
-def test_ledger_turned_off_says_escapes_not_observed(seal_ledger_run, tmp_path):
+def test_ledger_turned_off_says_escapes_not_observed(contain_runs, tmp_path):
     """Without a ledger (here: turned off), an escape cannot be seen: the
     layer is null with the reason, never "none seen". The escaper here exits
     by itself before the stop, so nothing is left to lie about."""
-    c = seal_ledger_run()
+    c = contain_runs()
     script = f"sh -c 'echo $$ > {BASE}/cgroup.procs && sleep 0.2'\nexit 0"
     assert c.run([], ["sh", "-c", script], extra_env={"CONTAIN_LEDGER": "off"}) == 0
     rec = c.record()
@@ -117,8 +105,8 @@ def test_ledger_turned_off_says_escapes_not_observed(seal_ledger_run, tmp_path):
 
 
 @needs_root
-def test_no_escape_is_observed_false_with_ledger(seal_ledger_run):
-    c = seal_ledger_run()
+def test_no_escape_is_observed_false_with_ledger(contain_runs):
+    c = contain_runs()
     assert c.run([], ["sh", "-c", "sleep 0.1 & sleep 0.1 & wait"]) == 0
     rec = c.record()
     esc = rec["evidence"]["escapes"]

@@ -78,18 +78,6 @@ def _attempt(c: Contain, opts: list[str], attempt: str, tmp: str, extra_env: dic
     return {str(p): cgroup_of(p) for p in survivors(c.token) if p != sup}
 
 
-@pytest.fixture
-def seal_run(tmp_path):
-    made: list[Contain] = []
-
-    def make() -> Contain:
-        c = Contain(str(tmp_path), new_token())
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.cleanup()
 
 
 def _finish(c: Contain) -> dict:
@@ -106,11 +94,11 @@ def _finish(c: Contain) -> dict:
 
 
 @pytest.mark.parametrize("name", sorted(ATTEMPTS))
-def test_sealed_root_worker_cannot_leave(seal_run, tmp_path, name):
+def test_sealed_root_worker_cannot_leave(contain_runs, tmp_path, name):
     tool = TOOLS.get(name)
     if tool and shutil.which(tool) is None:
         pytest.skip(f"{tool} not installed")
-    c = seal_run()
+    c = contain_runs()
     where = _attempt(c, ["--seal"], ATTEMPTS[name], str(tmp_path))
     outside = {p: w for p, w in where.items() if not _inside(c, w)}
     assert not outside, f"{name}: left the run under --seal: {outside}"
@@ -126,7 +114,7 @@ def test_sealed_root_worker_cannot_leave(seal_run, tmp_path, name):
     assert esc["observed"] is None and "sealed" in esc["detail"]
 
 
-def test_sealed_root_worker_cannot_leave_through_capless_root_process(seal_run, tmp_path):
+def test_sealed_root_worker_cannot_leave_through_capless_root_process(contain_runs, tmp_path):
     """A root process without capabilities outside the run can be walked
     through /proc/<pid>/root by a root worker whose capabilities are a
     superset of it; the seal's user namespace closes that."""
@@ -137,7 +125,7 @@ def test_sealed_root_worker_cannot_leave_through_capless_root_process(seal_run, 
     helper = subprocess.Popen(["setpriv", "--bounding-set=-all", "--inh-caps=-all", "sleep", "300"], env=env)
     try:
         assert wait_for(lambda: survivors(helper_token), 5)
-        c = seal_run()
+        c = contain_runs()
         attempt = (f"echo $$ > /proc/{helper.pid}/root{PROCS}; "
                    f"{sys.executable} {HELPER} /proc/{helper.pid}/root{BASE} sleep 300")
         where = _attempt(c, ["--seal"], attempt, str(tmp_path))
@@ -151,10 +139,10 @@ def test_sealed_root_worker_cannot_leave_through_capless_root_process(seal_run, 
         kill_survivors(helper_token)
 
 
-def test_unprivileged_worker_cannot_move(seal_run, tmp_path):
+def test_unprivileged_worker_cannot_move(contain_runs, tmp_path):
     """--user nobody: nobody owns no cgroup.procs above the run, so the
     write is refused by the kernel; that is a seal without namespaces."""
-    c = seal_run()
+    c = contain_runs()
     where = _attempt(c, ["--user", "nobody"], ATTEMPTS["write_parent_procs"], str(tmp_path))
     assert all(_inside(c, w) for w in where.values()), where
     rec = _finish(c)
@@ -163,16 +151,16 @@ def test_unprivileged_worker_cannot_move(seal_run, tmp_path):
     assert rec["state"] == "REAPED" and rec["_left"] == []
 
 
-def test_unprivileged_worker_cannot_move_by_clone3(seal_run, tmp_path):
-    c = seal_run()
+def test_unprivileged_worker_cannot_move_by_clone3(contain_runs, tmp_path):
+    c = contain_runs()
     where = _attempt(c, ["--user", "nobody"], ATTEMPTS["clone3_into_parent"], str(tmp_path))
     assert all(_inside(c, w) for w in where.values()), where
     rec = _finish(c)
     assert rec["containment"]["sealed"] is True and rec["state"] == "REAPED" and rec["_left"] == []
 
 
-def test_seal_with_user_nobody(seal_run, tmp_path):
-    c = seal_run()
+def test_seal_with_user_nobody(contain_runs, tmp_path):
+    c = contain_runs()
     where = _attempt(c, ["--seal", "--user", "nobody"], ATTEMPTS["write_parent_procs"], str(tmp_path))
     assert all(_inside(c, w) for w in where.values()), where
     rec = _finish(c)
@@ -180,8 +168,8 @@ def test_seal_with_user_nobody(seal_run, tmp_path):
     assert rec["state"] == "REAPED" and rec["_left"] == []
 
 
-def test_unsealed_root_worker_is_not_called_sealed(seal_run, tmp_path):
-    c = seal_run()
+def test_unsealed_root_worker_is_not_called_sealed(contain_runs, tmp_path):
+    c = contain_runs()
     rc = c.run([], ["true"])
     assert rc == 0
     rec = c.record()
@@ -190,10 +178,10 @@ def test_unsealed_root_worker_is_not_called_sealed(seal_run, tmp_path):
     assert rec["containment"]["seal"] is None
 
 
-def test_sealed_worker_keeps_root_file_access_and_sees_its_own_cgroup(seal_run, tmp_path):
+def test_sealed_worker_keeps_root_file_access_and_sees_its_own_cgroup(contain_runs, tmp_path):
     """What the seal keeps: uid 0 file access (identity map), a view of its
     own cgroup; what it takes: writing to it."""
-    c = seal_run()
+    c = contain_runs()
     out = tmp_path / "seen"
     script = (f"id -u > {out}; cat /proc/self/cgroup | tail -1 >> {out}; "
               f"test -r /etc/shadow && echo shadow-readable >> {out}; "
