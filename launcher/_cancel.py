@@ -160,3 +160,19 @@ def _adopt(layout: RunDir, op: str, wait: bool) -> CancelRecord | None:
     if ack is None:
         raise LauncherError(f"run {layout.id}: adopted, but operation {op} was not acknowledged")
     return CancelRecord(ack)
+
+
+def adopt_quietly(layout: RunDir, op: str, run_uid: str | None, by: dict[str, Any]) -> None:
+    """Finish a run whose owner is gone and whose record is not terminal:
+    record the intent durably, then adopt. Does nothing if the run has an
+    owner, has ended, or is another run now (run uid)."""
+    rec = layout.read_record() or {}
+    info = layout.read_run() or {}
+    if rec.get("state") in TERMINAL_STATES or layout.owner_alive():
+        return
+    if run_uid is not None and info.get("run_uid") != run_uid:
+        return
+    if layout.read_ack(op) is None:
+        layout.append_request({"op_id": op, "run_uid": info.get("run_uid"), "requested_at": now_iso(),
+                               "by": by})
+    _adopt(layout, op, wait=False)

@@ -107,6 +107,11 @@ def describe(seen: list[dict[str, Any]], lead_run_dir: str | None) -> list[dict[
     return out
 
 
+def registered(lead_run_dir: str, limit: int = 10_000) -> list[dict[str, Any]]:
+    """Every run registered as nested in this one (at any depth)."""
+    return list(_registry(lead_run_dir, limit).values())
+
+
 def _registry(lead_run_dir: str | None, limit: int) -> dict[str, dict[str, Any]]:
     """cgroup path -> registration, from the lead's registry and those of the
     nested runs it names (a run nested two deep registers with its own lead)."""

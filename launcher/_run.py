@@ -722,6 +722,8 @@ class Run:
             if self.snap.terminal:
                 problem = self.container.remove()
                 self.cleanup = {"container_removed": problem is None, "detail": problem}
+        if self.snap.phase is S.Phase.REAPED and self._nested_seen:
+            self._finish_nested()
         if self._watch is not None:                      # seal/ledger hook (issue 4)
             self._watch.close()
         if self.pidfd >= 0 and self.snap.terminal:
@@ -856,6 +858,24 @@ class Run:
                                          "run_dir": self.layout.path})
         if problem is not None:
             self.notes.append(problem)
+
+    def _finish_nested(self) -> None:
+        """Runs nested in this one died with it (their owners lived in this
+        tree). This run observed its whole subtree empty, theirs included, so
+        each one left RUNNING is finished the way any orphan is: a durable
+        cancel from this run, then adoption (docs/protocol.md)."""
+        from ._cancel import adopt_quietly
+
+        assert self.layout is not None
+        for reg in _nested.registered(self.layout.path):
+            run_dir = reg.get("run_dir")
+            if not run_dir or not os.path.isdir(str(run_dir)):
+                continue
+            try:
+                adopt_quietly(RunDir(str(run_dir)), f"lead-{self.uid}", reg.get("run_uid"),
+                              {"pid": os.getpid(), "lead": self.id})
+            except (LauncherError, OSError) as e:
+                self.notes.append(f"nested run {reg.get('id')}: not finished: {e}")
 
     def _see_nested(self) -> None:
         """Remember the runs nested in this one while their containers exist:

@@ -90,13 +90,13 @@ def test_cancelling_a_lead_stops_its_subtree_while_a_sibling_finishes(contained:
         assert rec2.to_dict()["nested"] == [], "nested runs that ended first did not end with the lead"
         assert pids_with_token(token2) == []
 
-        # Nested runs whose owner died with the lead: their own record may
-        # say RUNNING; a cancel adopts them and proves them empty.
+        # Nested runs end with their lead, and their own records say so: the
+        # lead observed its whole subtree empty (theirs included) and
+        # finished each run whose owner died with it, by a durable cancel
+        # and adoption. Nothing is left RUNNING for someone else to find.
         for n in NESTED:
-            rid = f"{p1}-{n}"
-            if _record(sd, rid)["state"] == "RUNNING":
-                ack = launcher.cancel(rid, op_id="after-lead", wait=True, timeout=20)
-                assert ack.state == "REAPED"
-            assert _record(sd, rid)["state"] == "REAPED"
+            r = _record(sd, f"{p1}-{n}")
+            assert (r["state"], r["outcome"]) == ("REAPED", "cancelled"), (n, r["state"], r["outcome"])
+            assert named[f"{p1}-{n}"]["state_at_lead_end"] == "REAPED", named[f"{p1}-{n}"]
     finally:
         kill_token(token2)
