@@ -96,7 +96,11 @@ def test_cancelling_a_lead_stops_its_subtree_while_a_sibling_finishes(contained:
         # and adoption. Nothing is left RUNNING for someone else to find.
         for n in NESTED:
             r = _record(sd, f"{p1}-{n}")
-            assert (r["state"], r["outcome"]) == ("REAPED", "cancelled"), (n, r["state"], r["outcome"])
+            # cancelled: finished by the lead, or by its own supervisor turning
+            # the lead's SIGTERM into a cancel; signaled: that SIGTERM reached
+            # the nested worker first and its supervisor saw it die. Either
+            # way the run ended, observed empty, and is not left RUNNING.
+            assert r["state"] == "REAPED" and r["outcome"] in ("cancelled", "signaled"), (n, r["state"], r["outcome"])
             assert named[f"{p1}-{n}"]["state_at_lead_end"] == "REAPED", named[f"{p1}-{n}"]
     finally:
         kill_token(token2)
