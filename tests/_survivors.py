@@ -17,6 +17,8 @@ import time
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _proc import cgroup2_mount as cgroup2_mount, holders  # noqa: E402
+
 IS_ROOT = os.geteuid() == 0
 
 
@@ -24,35 +26,9 @@ def new_token() -> str:
     return f"CONTAIN_SEALTEST_{secrets.token_hex(6)}"
 
 
-def _environ_has(pid: int, needle: bytes) -> bool:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return needle in f.read()
-    except OSError:
-        return False
-
-
-def _state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-        return data[data.rindex(b")") + 2:].split()[0].decode()
-    except (OSError, ValueError):
-        return None
-
-
 def survivors(token: str) -> list[int]:
     """Live (non-zombie) processes whose environment holds `token`."""
-    needle = f"SEALTEST_TOKEN={token}".encode()
-    me = os.getpid()
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
-            continue
-        pid = int(name)
-        if _environ_has(pid, needle) and _state(pid) not in (None, "Z", "X"):
-            out.append(pid)
-    return sorted(out)
+    return sorted(holders(token, "SEALTEST_TOKEN"))
 
 
 def cgroup_of(pid: int) -> str | None:
@@ -81,7 +57,10 @@ def kill_survivors(token: str) -> list[int]:
             except OSError:
                 continue
             try:
-                if _environ_has(pid, needle):
+                # Pinned by the pidfd: re-read that it is still ours.
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    ours = needle in f.read().split(b"\0")
+                if ours:
                     signal.pidfd_send_signal(fd, signal.SIGKILL)
                     killed.append(pid)
             except OSError:
@@ -99,15 +78,6 @@ def wait_for(pred: Any, timeout: float, step: float = 0.02) -> Any:
         if v or time.monotonic() > deadline:
             return v
         time.sleep(step)
-
-
-def cgroup2_mount() -> str | None:
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            if right.split()[:1] == ["cgroup2"]:
-                return left.split()[4]
-    return None
 
 
 def cgroup2_nsdelegate() -> bool | None:

@@ -42,22 +42,11 @@ def pytest_configure(config: pytest.Config) -> None:
 # -- the test's own view of processes -------------------------------------------
 
 def pids_with_token(token: str) -> list[int]:
-    """Live processes whose environment carries `token` (zombies have no
-    environment and are counted by `children_of` instead)."""
-    needle = f"{TOKEN_VAR}={token}".encode()
-    me = os.getpid()
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                env = f.read()
-        except OSError:
-            continue
-        if needle in env.split(b"\0"):
-            found.append(int(name))
-    return found
+    """Live processes whose environment carries `token` (zombies are counted
+    by `children_of` instead)."""
+    from _proc import holders
+
+    return holders(token, TOKEN_VAR)
 
 
 def children_of(pid: int) -> list[int]:
