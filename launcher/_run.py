@@ -666,8 +666,11 @@ class Run:
         self.times["empty_at"] = now_iso(t)
         if self.container.backend == "none":
             self.ev["container_empty"] = not_measured("no kernel container (degraded mode)")
-            self.ev["descendants_exit"] = evidence(True, self.container.empty_via,
-                                                   self.container.seen_summary(), at=t)
+            # Everything the scan saw is gone, but nothing held the tree: that
+            # every descendant exited cannot be observed here (null, with
+            # what was seen), and never reads as true.
+            self.ev["descendants_exit"] = {"observed": None, "at": now_iso(t), "via": self.container.empty_via,
+                                           "detail": self.container.seen_summary()}
             self._event(S.Event.TREE_GONE)
             return True
         self.ev["container_empty"] = evidence(True, self.container.empty_proof, {"path": self.container.path}, at=t)

@@ -46,6 +46,7 @@ def test_degraded_never_reaped(contain_runs, name, ledger):
     r = _check(c, rc)
     rec = r["rec"]
     assert rec["state"] == "EXITED" and rec["outcome"] == "exited" and rc == 0, (rec["state"], c.stderr)
+    assert rec["evidence"]["descendants_exit"]["observed"] is None, "no container: not provable"
     d = rec["evidence"]["descendants_exit"]["detail"]
     assert d["seen_count"] >= 2, d           # the worker and what it left behind
     assert d["unprovable"], d                # and what it cannot prove
@@ -58,6 +59,7 @@ def test_degraded_with_ledger_finds_by_ledger(contain_runs):
     c = contain_runs()
     rc = c.run(["--backend", "none", "--grace", "0.3"], ["sh", "-c", SCENARIOS["setsid_daemon"]])
     rec = _check(c, rc)["rec"]
+    assert rec["evidence"]["descendants_exit"]["observed"] is None, "no container: not provable"
     d = rec["evidence"]["descendants_exit"]["detail"]
     if d["fork_ledger"] is None:
         pytest.skip("process connector unavailable here")
