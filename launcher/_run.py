@@ -679,6 +679,14 @@ class Run:
         if self._watch is not None:                      # seal/ledger hook (issue 4)
             self.escapes.extend(self._watch.at_empty(self.container, self.opts.kill_timeout))
         alive = self._escapers_alive()
+        if alive is not False:
+            # The container is empty, but a process that left it is alive or
+            # not proven gone: the tree's descendants did not all exit.
+            seen_alive = any(e.get("alive_at_end") is True for e in self.escapes)
+            self.ev["descendants_exit"] = {
+                "observed": False if seen_alive else None, "at": now_iso(t),
+                "via": "cgroup.events populated 0, and the escapers' identities re-read",
+                "detail": "the container emptied; escaper(s) " + ("alive" if seen_alive else "not proven gone")}
         self._event(S.Event.EMPTY if alive is False else S.Event.EMPTY_ESCAPED)
         return True
 
