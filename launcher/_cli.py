@@ -225,7 +225,9 @@ def _say(msg: str) -> None:
 
 def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
     from ._errors import ContainmentUnavailable, RunConflict, SpawnFailed
-    from ._run import Options, Run
+    from ._adopt import finish_nested
+    from ._options import Options
+    from ._run import Run
 
     cmd = list(args.command)
     if cmd and cmd[0] == "--":
@@ -243,6 +245,7 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
                        record_file=args.record, subreaper=True,
                        check_sockets=args.check_sockets)
         run = Run(cmd, id=args.id, options=opts)
+        run.end_hooks.append(finish_nested)
     except ValueError as e:
         _say(f"run: {e}")
         return EXIT_USAGE

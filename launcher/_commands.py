@@ -10,9 +10,9 @@ from typing import Any
 
 from ._errors import LauncherError, RunConflict, RunNotFound
 from ._layout import RunDir
+from ._state import TERMINAL_STATES as TERMINAL
 
 EXIT_OK, EXIT_DID_NOT_HOLD, EXIT_USAGE, EXIT_NOT_FOUND = 0, 1, 2, 3
-TERMINAL = ("REAPED", "EXITED", "BREACHED")
 
 
 def _err(msg: str) -> None:
@@ -161,7 +161,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_wait(args: argparse.Namespace) -> int:
-    from ._cancel import _Watch
+    from ._cancel import Watcher
 
     try:
         d = RunDir.find(args.id)
@@ -169,7 +169,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
         _err(str(e))
         return EXIT_NOT_FOUND
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
-    watch = _Watch(d, (d.read_run() or {}).get("supervisor"))
+    watch = Watcher(d, (d.read_run() or {}).get("supervisor"))
     try:
         while True:
             rec = d.read_record() or {}

@@ -14,6 +14,8 @@ import secrets
 import time
 from typing import Any, Callable
 
+from ._procfs import mounts
+
 _TRUE = "/bin/true"
 
 
@@ -90,13 +92,7 @@ def _cgroup2() -> dict[str, Any]:
     except OSError as e:
         out["error"] = f"/proc/self/mountinfo: {e}"
         return out
-    with open("/proc/self/mountinfo") as f:
-        opts = {}
-        for line in f:
-            left, _, right = line.partition(" - ")
-            rf = right.split()
-            if rf and rf[0] == "cgroup2":
-                opts[linux._unescape(left.split()[4])] = rf[2] if len(rf) > 2 else ""
+    opts = {m.point: ",".join(m.super_options) for m in mounts() if m.fstype == "cgroup2"}
     out["mounts"] = [{"mount": h.mount, "root": h.root, "nsdelegate": h.nsdelegate,
                       "super_options": opts.get(h.mount)} for h in hs]
     out["nsdelegate"] = any(h.nsdelegate for h in hs) if hs else None

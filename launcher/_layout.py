@@ -41,10 +41,10 @@ if TYPE_CHECKING:
 
 from ._errors import RunConflict, RunNotFound
 from ._record import fsync_dir, now_iso, read_json, write_json_atomic
+from ._state import LIVE_STATES
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _OP_SAFE = re.compile(r"[^A-Za-z0-9._-]")
-_LIVE_STATES = ("RUNNING", "UNCONFIRMED")
 
 
 def state_dir(env: dict[str, str] | os._Environ[str] = os.environ) -> str:
@@ -190,7 +190,7 @@ class RunDir:
         if self.owner_alive():
             return True
         rec = self.read_record()
-        return rec is None or rec.get("state") in _LIVE_STATES
+        return rec is None or rec.get("state") in LIVE_STATES
 
     # -- files -------------------------------------------------------------
 

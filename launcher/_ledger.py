@@ -38,7 +38,9 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any, Callable
 
-from ._identity import read_stat
+from ._identity import boot_id
+from ._procfs import cgroup_of, read_stat
+from ._record import now_iso
 
 
 NETLINK_CONNECTOR = 11
@@ -73,24 +75,6 @@ class LedgerUnavailable(Exception):
         self.reason = reason
 
 
-def _stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, ppid, start_time) of /proc/<pid>/stat, or None if it is gone."""
-    p = read_stat(pid)
-    return None if p is None else (p[0], p[1], p[4])
-
-
-def cgroup_of(pid: int) -> str | None:
-    """The v2 path of `pid` ("0::" line), or None if it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/cgroup") as f:
-            for line in f:
-                if line.startswith("0::"):
-                    return line[3:].rstrip("\n")
-    except OSError:
-        return None
-    return None
-
-
 class Tracked:
     """One process the tree made: its identity and what the ledger saw."""
 
@@ -109,15 +93,13 @@ class Tracked:
         """This very process exists and has not exited (a zombie has)."""
         if self.gone or self.start_time is None:
             return False
-        st = _stat(self.pid)
-        if st is None or st[2] != self.start_time or st[0] in ("Z", "X"):
+        st = read_stat(self.pid)
+        if st is None or st[4] != self.start_time or st[0] in ("Z", "X"):
             self.gone = True
             return False
         return True
 
     def identity(self) -> dict[str, Any]:
-        from ._identity import boot_id
-
         return {"pid": self.pid, "start_time": self.start_time, "boot_id": boot_id(), "pidns": None,
                 "pidfd_inode": None}
 
@@ -185,11 +167,11 @@ class Ledger:
     def track_root(self, pid: int) -> None:
         """The worker's pid, as soon as the spawn returns. Replays what was
         received before, so its first forks are not missed."""
-        st = _stat(pid)
+        st = read_stat(pid)
         with self._lock:
             self._drain()
             self._root = pid
-            root = Tracked(pid, os.getpid(), st[2] if st else None, time.monotonic_ns())
+            root = Tracked(pid, os.getpid(), st[4] if st else None, time.monotonic_ns())
             self._live[pid] = root
             self.tracked.append(root)
             pending, self._pending = self._pending, []
@@ -308,7 +290,7 @@ class Ledger:
             old.gone = True
         if ptgid not in self._live:
             return
-        st = _stat(child)
+        st = read_stat(child)
         t = Tracked(child, ptgid, None, ts)
         if st is None:
             t.note = "gone before its identity could be read"
@@ -316,10 +298,10 @@ class Ledger:
             # A start time later than the event is another process that got
             # the pid after ours exited (pid_max is small): ours is gone.
             limit = (ts + self._boot_offset_ns) * self._hz // 1_000_000_000 + 1
-            if st[2] > limit:
+            if st[4] > limit:
                 t.note = "pid reused before its identity could be read"
             else:
-                t.start_time = st[2]
+                t.start_time = st[4]
                 t.gone = False
         self._live[child] = t
         self.tracked.append(t)
@@ -394,8 +376,6 @@ def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float
     become readable. Repeats while the ledger finds more (an escaper's own
     children). Returns one entry per escaper, `gone` True only when its exit
     was observed."""
-    from ._record import now_iso
-
     known = known if known is not None else set()
     found: dict[tuple[int, int], dict[str, Any]] = {}
     fds: dict[int, tuple[int, int]] = {}
@@ -406,7 +386,7 @@ def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float
                 key = (t.pid, t.start_time or -1)
                 if key in found or key in known:
                     continue
-                where = cgroup_of(t.pid)
+                where = cgroup_of(t.pid, missing_ok=True)
                 if where is None or inside(where):
                     continue
                 entry = {"pid": t.pid, "ppid": t.ppid, "identity": t.identity(), "seen_in": where,
@@ -422,8 +402,8 @@ def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float
                     entry["detail"] = f"pidfd_open: {os.strerror(e.errno or 0)}"
                     continue
                 # The pidfd pins a process; it must still be the one tracked.
-                st = _stat(t.pid)
-                if st is None or st[2] != t.start_time or st[0] in ("Z", "X"):
+                st = read_stat(t.pid)
+                if st is None or st[4] != t.start_time or st[0] in ("Z", "X"):
                     os.close(fd)
                     entry["gone"] = True
                     continue
@@ -516,8 +496,6 @@ class EscapeWatch:
 
     def evidence(self, container: Any, terminal: bool) -> dict[str, Any]:
         """The `escapes` layer when no escape was recorded."""
-        from ._record import now_iso
-
         if self.ledger is None:
             detail = self.reason or "no fork ledger"
             if not detail.startswith("not watched"):

@@ -70,6 +70,18 @@ def merge(seen: list[dict[str, Any]], more: list[dict[str, Any]]) -> list[dict[s
     return seen + [m for m in more if m["cgroup"] not in have]
 
 
+def join_lead(container: Any, env: Any, info: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """If `container` was made inside the run named by `env`, this run is
+    nested: (the record's `lead`, None or why the lead was not told)."""
+    lead_dir = env.get(ENV_CGROUP)
+    if container is None or container.backend != "cgroup2" or not lead_dir:
+        return None, None
+    if os.path.dirname(container.dir) != os.path.normpath(lead_dir):
+        return None, None
+    lead = {"run_id": env.get("CONTAIN_RUN_ID"), "cgroup": container.hierarchy.cg_path(os.path.dirname(container.dir))}
+    return lead, register(env, dict(info, cgroup=container.path))
+
+
 def register(env: Any, info: dict[str, Any]) -> str | None:
     """Tell the lead (from `env`) about this nested run. None, or why not."""
     lead_dir = env.get(ENV_DIR)

@@ -62,6 +62,13 @@ class Event(enum.StrEnum):
 
 TERMINAL = frozenset({Phase.REAPED, Phase.EXITED, Phase.BREACHED})
 
+# The one definition of which contract states are final (and which are not):
+# every reader of a record (ls, status, wait, cancel, adoption, the layout's
+# liveness check) asks these. StrEnum members hash as their strings, so a
+# state read from JSON is looked up as it is.
+TERMINAL_STATES = frozenset({State.REAPED, State.EXITED, State.BREACHED})
+LIVE_STATES = frozenset({State.RUNNING, State.UNCONFIRMED})
+
 _STATE_OF = {
     Phase.RUNNING: State.RUNNING,
     Phase.STOPPING: State.RUNNING,
@@ -185,3 +192,16 @@ def effect_at_end(first: Effect, final: Snapshot) -> Effect:
     # Still stopping, or ended without an observed-empty kernel container
     # (degraded mode, a breach): the stop was issued, not proven.
     return Effect.CANCEL_REQUESTED
+
+
+def exit_status(snap: Snapshot, exit_code: int | None, signal: int | None) -> int:
+    """What `contain run` exits with (CONTRACT.md, "Exit status")."""
+    if snap.outcome is Outcome.SPAWN_FAILED:
+        return exit_code if exit_code is not None else 125
+    if snap.outcome is Outcome.TIMED_OUT:
+        return 124
+    if snap.phase in (Phase.UNCONFIRMED, Phase.BREACHED):
+        return 125
+    if signal is not None:
+        return 128 + signal
+    return exit_code if exit_code is not None else 125

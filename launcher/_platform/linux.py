@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from typing import Any, NamedTuple
 
 from .._errors import ContainmentUnavailable
+from .._procfs import cgroup_of, mounts
 from . import posix
 
 KIND = "cgroup2"
@@ -61,47 +62,19 @@ class Hierarchy(_HierarchyFields):
         return os.path.normpath(os.path.join(self.root, rel))
 
 
-def _unescape(field: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as octal (proc(5)).
-    return field.encode().decode("unicode_escape") if "\\" in field else field
-
-
 def hierarchies() -> list[Hierarchy]:
     """Every cgroup2 mount visible here, read from /proc/self/mountinfo."""
-    found = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            rf = right.split()
-            if not rf or rf[0] != "cgroup2":
-                continue
-            lf = left.split()
-            opts = set(rf[2].split(",")) if len(rf) > 2 else set()
-            found.append(Hierarchy(_unescape(lf[4]), _unescape(lf[3]), "nsdelegate" in opts))
-    return found
-
-
-def cgroup_of(pid: int | str) -> str | None:
-    """The v2 path of a process ("0::" line of /proc/<pid>/cgroup)."""
-    with open(f"/proc/{pid}/cgroup") as f:
-        for line in f:
-            if line.startswith("0::"):
-                return line[3:].rstrip("\n")
-    return None
+    return [Hierarchy(m.point, m.root, "nsdelegate" in m.super_options)
+            for m in mounts() if m.fstype == "cgroup2"]
 
 
 def cgroup_mounts() -> tuple[list[str], list[str]]:
     """(cgroup2 mount points, cgroup v1 mount points) from /proc/self/mountinfo,
     each without the points that sit below another of its kind (detaching
     or re-binding the upper one covers them)."""
-    v2: list[str] = []
-    v1: list[str] = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            rf = right.split()
-            if rf and rf[0] in ("cgroup2", "cgroup"):
-                (v2 if rf[0] == "cgroup2" else v1).append(_unescape(left.split()[4]))
+    all_mounts = mounts()
+    v2 = [m.point for m in all_mounts if m.fstype == "cgroup2"]
+    v1 = [m.point for m in all_mounts if m.fstype == "cgroup"]
 
     def top(paths: list[str], above: list[str]) -> list[str]:
         out: list[str] = []
@@ -388,6 +361,22 @@ class Container:
     def events_fd(self) -> int:
         return self._events_fd
 
+    def source(self) -> tuple[int, int] | None:
+        """What the owner loop waits on for a change of `populated`."""
+        return (self._events_fd, select.POLLPRI | select.POLLERR) if self._events_fd >= 0 else None
+
+    def drain(self, ready: Any) -> None:
+        # kernfs keeps POLLPRI|POLLERR raised on this open file until it is
+        # read again (kernfs_generic_poll compares the file's event count with
+        # the node's; kernfs_seq_show updates it). Unread, the populated 0 -> 1
+        # at spawn made every poll return at once for the worker's whole life:
+        # the owner spun at 80% of a CPU (docs/performance.md).
+        if self._events_fd >= 0 and self._events_fd in ready:
+            try:
+                os.pread(self._events_fd, 4096, 0)
+            except OSError:
+                pass
+
     def populated(self) -> bool:
         """`populated` of the run's cgroup.events. Only this (or rmdir) is
         authoritative: cgroup.procs can list exiting tasks (cgroup-v2.rst).
@@ -497,10 +486,6 @@ class Container:
                     problem = f"rmdir {d}: {os.strerror(e.errno or 0)}"
                     break
         return problem
-
-    def describe(self) -> dict[str, Any]:
-        return {"backend": KIND, "path": self.path, "dir": self.dir,
-                "nsdelegate": self.hierarchy.nsdelegate}
 
 
 def _gids_of(req: posix.SpawnRequest) -> list[int]:
