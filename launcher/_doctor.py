@@ -84,11 +84,11 @@ def _spawn_true(leaf: str, **req_kw: Any) -> dict[str, Any]:
 
 
 def _cgroup2() -> dict[str, Any]:
-    from ._platform import linux
+    from ._platform import cgroups
 
     out: dict[str, Any] = {"mounts": [], "base": None, "usable": False}
     try:
-        hs = linux.hierarchies()
+        hs = cgroups.hierarchies()
     except OSError as e:
         out["error"] = f"/proc/self/mountinfo: {e}"
         return out
@@ -96,13 +96,13 @@ def _cgroup2() -> dict[str, Any]:
     out["mounts"] = [{"mount": h.mount, "root": h.root, "nsdelegate": h.nsdelegate,
                       "super_options": opts.get(h.mount)} for h in hs]
     out["nsdelegate"] = any(h.nsdelegate for h in hs) if hs else None
-    v1 = linux.cgroup_mounts()[1]
+    v1 = cgroups.cgroup_mounts()[1]
     out["cgroup1_mounts"] = v1
     if not hs:
         out["error"] = "no cgroup v2 hierarchy is mounted"
         return out
     try:
-        h, base = linux.resolve_base()
+        h, base = cgroups.resolve_base()
     except Exception as e:
         out["error"] = getattr(e, "reason", str(e))
         return out
@@ -123,7 +123,7 @@ def _cgroup2() -> dict[str, Any]:
         import pwd
 
         nobody = pwd.getpwnam("nobody")
-        above = linux.writable_procs_above(nobody.pw_uid, [nobody.pw_gid], os.path.join(base, "run-x"))
+        above = cgroups.writable_procs_above(nobody.pw_uid, [nobody.pw_gid], os.path.join(base, "run-x"))
         out["nobody_sealed_by_uid"] = above is None
     except (KeyError, OSError):
         out["nobody_sealed_by_uid"] = None
@@ -154,9 +154,9 @@ def _kill_bug(base: str) -> dict[str, Any]:
 
 def _sealed_spawn(base: str) -> dict[str, Any]:
     """The whole seal, as a run gets it, around /bin/true."""
-    from ._platform import linux
+    from ._platform import cgroups, linux
 
-    cg2, v1 = linux.cgroup_mounts()
+    cg2, v1 = cgroups.cgroup_mounts()
     with _Scratch(base, "seal") as s:
         r = _spawn_true(s.dir, seal_ro_paths=v1, seal_cg2_paths=cg2, seal_userns=True,
                         drop_caps=linux.SEAL_DROP_CAPS, no_new_privs=True)

@@ -17,11 +17,11 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any
 
-    from ._ledger import EscapeWatch
+    from ._escapes import EscapeWatch
     from ._state import Snapshot
 
 from . import _nested
-from ._identity import ProcessIdentity
+from ._identity import ProcessIdentity, boot_id
 from ._record import LAYERS, SCHEMA, evidence, not_measured, now_iso
 
 
@@ -77,6 +77,37 @@ class RunEvidence:
         self.exit_code, self.signal = exit_code, signal
         self.layers["root_exit"] = layer
         self.times["root_exit_at"] = self.times.get("root_exit_at") or now_iso()
+
+    def spawned(self, sp: Any, container: Any, req: Any, t0: float) -> None:
+        """What is known right after the spawn: when, who (identity), where
+        the kernel put it, and whether the tree's credentials are sealed."""
+        self.times["spawned_at"] = now_iso(t0)
+        try:
+            self.identity = ProcessIdentity.read(sp.pid, sp.pidfd)
+        except OSError as e:
+            # Our unreaped child's /proc entry exists even if it already
+            # exited: failing here is an observation failure.
+            self.notes.append(f"identity not read: {e}")
+        self.placement = container.placed(sp.pid)
+        if container.backend != "none":
+            expected = container.hierarchy.cg_path(container.leaf)
+            if self.placement is not None and self.placement != expected:
+                self.escapes.append({"pid": sp.pid, "seen_in": self.placement, "at": now_iso(),
+                                     "via": "/proc/<pid>/cgroup right after spawn"})
+        self.sealed = container.seal_status(req)
+
+    def run_info(self, run: Any, via: str | None) -> dict[str, Any]:
+        """run.json: what another process needs to find, watch and adopt the run."""
+        c, ident = run.container, self.identity
+        return {
+            "run_id": run.id, "run_uid": run.uid, "argv": run.argv,
+            "started_at": self.times["spawned_at"],
+            "worker": ident.to_dict() if ident else ({"pid": run.pid} if run.pid > 0 else None),
+            "supervisor": ProcessIdentity.read(os.getpid()).to_dict(),
+            "backend": c.backend, "cgroup": c.path, "cgroup_dir": getattr(c, "dir", None),
+            "spawn_via": via, "state_dir": run.layout.path if run.layout else None,
+            "boot_id": boot_id(), "grace": run.opts.grace, "kill_timeout": run.opts.kill_timeout,
+        }
 
     # -- the record ------------------------------------------------------------
 

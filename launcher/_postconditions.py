@@ -168,3 +168,20 @@ def _drain(fd: int, window: float) -> int:
     finally:
         os.close(fd)
     return events
+
+
+def measure(workspace: str | None, check_sockets: bool,
+            sockets_at_stop: tuple[set[int], list[str]] | None) -> dict[str, dict[str, Any]]:
+    """The postcondition layers a run asked for, measured once its tree is
+    gone. `sockets_at_stop`: what the members held when the stop began
+    (None if the container was already empty then)."""
+    layers: dict[str, dict[str, Any]] = {}
+    if workspace:
+        layers["workspace_quiescent"] = workspace_quiescent(workspace)
+    if check_sockets:
+        held, problems = sockets_at_stop if sockets_at_stop is not None else (set(), [])
+        layers["sockets_closed"] = layer = sockets_closed(held, problems)
+        if sockets_at_stop is None:
+            layer["detail"] = {"held_at_stop": 0, "note": "the container was already empty when the stop "
+                               "began: sockets handed to other processes before that are not known"}
+    return layers

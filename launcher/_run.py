@@ -28,15 +28,12 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any, Callable, Sequence
 
-from . import _nested
+from . import _launch, _nested
 from . import _state as S
-from ._containers import make_container, spawn_request
-from ._errors import ContainmentUnavailable, LauncherError, SpawnFailed
 from ._evidence import RunEvidence
-from ._identity import ProcessIdentity, boot_id
 from ._inbox import Inbox
 from ._layout import RunDir, new_id, new_uid
-from ._ledger import EscapeWatch
+from ._escapes import EscapeWatch
 from ._options import Options
 from ._platform import host
 from ._record import StopRecord, now_iso, write_json_atomic
@@ -65,7 +62,7 @@ class Run:
         self.facts = facts or RunEvidence()
         self.inbox = Inbox(None, self.id, self.uid, self.facts)
         self.watch: EscapeWatch | None = None
-        self.stop = StopSequence(None, self.facts, kill_timeout=self.opts.kill_timeout, journal=self._journal)
+        self.stop = StopSequence(None, self.facts, kill_timeout=self.opts.kill_timeout, journal=self.journal)
         self.on_change: Callable[[], None] | None = None
         self.end_hooks: list[Callable[[Run], None]] = []   # called once a run ended REAPED
         self._cancel_grace: float | None = None
@@ -79,56 +76,13 @@ class Run:
     # -- start -------------------------------------------------------------
 
     def start(self) -> None:
-        """Claim the id, make the container, spawn the worker inside it.
-        Raises RunConflict, ContainmentUnavailable or SpawnFailed; in the
-        last two cases a final record with outcome `spawn_failed` exists."""
-        self.attach(RunDir.claim(self.id, self.opts.state_dir))
-        assert self.layout is not None
-        self.layout.journal("claimed", run_uid=self.uid)
-        try:
-            self.set_container(make_container(self.id, self.opts))
-        except ContainmentUnavailable as e:
-            self._spawn_failed(e)
-            raise
-        env = self.opts.env if self.opts.env is not None else os.environ
-        self.facts.lead, problem = _nested.join_lead(self.container, env, {
-            "id": self.id, "run_uid": self.uid, "run_dir": self.layout.path})
-        if problem is not None:
-            self.facts.notes.append(problem)
-        self.open_channels()
-        req = spawn_request(self.argv, self.opts, self.container, self.id, self.layout.path)
-        self.watch = self.stop.watch = EscapeWatch.before_spawn(self.container, req, self.opts.env)
-        # Described before anything runs in it: an owner killed right after
-        # the spawn still leaves a run that `ls` shows and `cancel` can adopt.
-        self.layout.write_run(self._run_info(None))
-        t0 = time.time()
-        try:
-            sp = self.container.spawn(req)
-        except (SpawnFailed, ContainmentUnavailable, OSError) as e:
-            err = e if isinstance(e, LauncherError) else ContainmentUnavailable(f"spawn: {e}")
-            self._spawn_failed(err)
-            raise err from (None if err is e else e)
-        self.pid, self.root = sp.pid, host.Root(sp.pid, sp.pidfd)
-        self.watch.after_spawn(sp.pid)
-        self.facts.times["spawned_at"] = now_iso(t0)
-        try:
-            self.facts.identity = ProcessIdentity.read(sp.pid, sp.pidfd)
-        except OSError as e:
-            # Our unreaped child's /proc entry exists even if it already
-            # exited: failing here is an observation failure.
-            self.facts.notes.append(f"identity not read: {e}")
-        self.facts.placement = self.container.placed(sp.pid)
-        if self.container.backend != "none":
-            expected = self.container.hierarchy.cg_path(self.container.leaf)
-            if self.facts.placement is not None and self.facts.placement != expected:
-                self.facts.escapes.append({"pid": sp.pid, "seen_in": self.facts.placement, "at": now_iso(),
-                                           "via": "/proc/<pid>/cgroup right after spawn"})
-        self.facts.sealed = self.container.seal_status(req)
+        """Claim the id, make the container, spawn the worker inside it
+        (_launch.py). Raises RunConflict, ContainmentUnavailable or
+        SpawnFailed; in the last two cases a final record with outcome
+        `spawn_failed` exists."""
+        _launch.start(self)
         if self.opts.timeout is not None:
             self._deadline_timeout = time.monotonic() + self.opts.timeout
-        self.layout.write_run(self._run_info(sp.via))
-        self.layout.journal("spawned", pid=sp.pid, via=sp.via)
-        self.publish()
 
     def attach(self, layout: RunDir) -> None:
         self.layout = layout
@@ -138,38 +92,10 @@ class Run:
         self.container = self.stop.container = container
         self.stop.check_sockets = self.opts.check_sockets
 
-    def _spawn_failed(self, err: LauncherError) -> None:
-        """A failed spawn is stopped like any run: the leaf may hold the
-        dying child, and REAPED still needs an observed populated 0."""
-        self._event(S.Event.SPAWN_FAILED)
-        self.facts.notes.append(str(err))
-        self.facts.set("root_exit", False, "spawn", {"error": str(err), "stage": getattr(err, "stage", None)})
-        self.facts.exit_code = getattr(err, "exit_code", 125)
-        if self.container is None:
-            self._event(S.Event.TREE_GONE)
-        else:
-            ev = self.stop.begin(time.monotonic(), 0.0)
-            if ev is None or ev is S.Event.OBSERVE_FAILED:
-                ev = self.stop.wait_empty(self.stop.deadline)
-            self._event(ev)
-        self.finish()
-
     def open_channels(self) -> None:
         self.wakeups = host.Wakeups(self.layout)
         if self.wakeups.problem is not None:
             self.facts.notes.append(f"{self.wakeups.problem}: inbox read every {_INBOX_FALLBACK_S} s")
-
-    def _run_info(self, via: str | None) -> dict[str, Any]:
-        c, ident = self.container, self.facts.identity
-        return {
-            "run_id": self.id, "run_uid": self.uid, "argv": self.argv,
-            "started_at": self.facts.times["spawned_at"],
-            "worker": ident.to_dict() if ident else ({"pid": self.pid} if self.pid > 0 else None),
-            "supervisor": ProcessIdentity.read(os.getpid()).to_dict(),
-            "backend": c.backend, "cgroup": c.path, "cgroup_dir": getattr(c, "dir", None),
-            "spawn_via": via, "state_dir": self.layout.path if self.layout else None,
-            "boot_id": boot_id(), "grace": self.opts.grace, "kill_timeout": self.opts.kill_timeout,
-        }
 
     # -- the owner loop ----------------------------------------------------
 
@@ -242,14 +168,14 @@ class Run:
             if self.opts.subreaper:
                 self._root_ended(host.reap_orphans(self.root))
             if self._deadline_timeout and self.snap.phase is S.Phase.RUNNING and now >= self._deadline_timeout:
-                self._event(S.Event.TIMEOUT)
-                self._journal("timeout", after=self.opts.timeout)
+                self.feed(S.Event.TIMEOUT)
+                self.journal("timeout", after=self.opts.timeout)
                 self._begin_stop(now)
             if self.snap.stopping:
                 self._check_root()
                 ev = self.stop.observe() if self.stop.stage is not None else None
                 if ev is not None:
-                    self._event(ev)
+                    self.feed(ev)
                 if not self.snap.terminal:
                     self._advance(now)
         if self.on_change is not None:
@@ -265,8 +191,8 @@ class Run:
             return
         self.facts.root_exited(ex.exit_code, ex.signal, ex.layer)
         was_stopping = self.snap.stopping
-        self._event(S.Event.ROOT_EXITED, S.Outcome(ex.how) if ex.how else None)
-        self._journal("root_exited", exit_code=self.facts.exit_code, signal=self.facts.signal)
+        self.feed(S.Event.ROOT_EXITED, S.Outcome(ex.how) if ex.how else None)
+        self.journal("root_exited", exit_code=self.facts.exit_code, signal=self.facts.signal)
         if not was_stopping:
             self._begin_stop(time.monotonic())
 
@@ -280,9 +206,9 @@ class Run:
                 if req.get("grace") is not None:
                     self._cancel_grace = float(req["grace"])
             before = self.snap
-            self._event(S.Event.CANCEL)
+            self.feed(S.Event.CANCEL)
             self.inbox.acknowledge(arrival, self.snap)
-            self._journal("cancel", op_id=arrival.op, effect=arrival.effect.value)
+            self.journal("cancel", op_id=arrival.op, effect=arrival.effect.value)
             if self.snap.stopping and not before.stopping:
                 self._begin_stop(time.monotonic(), grace=self._cancel_grace)
             elif before.phase is S.Phase.UNCONFIRMED:
@@ -299,7 +225,7 @@ class Run:
             return
         ev = self.stop.begin(now, self.opts.grace if grace is None else grace)
         if ev is not None:
-            self._event(ev)
+            self.feed(ev)
 
     def _advance(self, now: float) -> None:
         if self.stop.stage is None:
@@ -307,15 +233,15 @@ class Run:
             return
         ev = self.stop.advance(now)
         if ev is S.Event.DEADLINE:
-            self._event(ev)
-            self._journal("deadline", after=self.opts.kill_timeout)
+            self.feed(ev)
+            self.journal("deadline", after=self.opts.kill_timeout)
             self.publish()
             self.stop.retry(now)
 
-    def _event(self, ev: S.Event, how: S.Outcome | None = None) -> None:
+    def feed(self, ev: S.Event, how: S.Outcome | None = None) -> None:
         self.snap = S.step(self.snap, ev, how)
 
-    def _journal(self, event: str, **fields: Any) -> None:
+    def journal(self, event: str, **fields: Any) -> None:
         if self.layout is not None:
             self.layout.journal(event, **fields)
 
@@ -344,8 +270,10 @@ class Run:
         if self._final is not None and self._final.terminal:
             return
         terminal = self.snap.terminal
-        if terminal:
-            self._postconditions()
+        if terminal and (self.opts.workspace or self.opts.check_sockets):
+            from ._postconditions import measure   # lazy: only runs that asked for it
+
+            self.facts.layers.update(measure(self.opts.workspace, self.opts.check_sockets, self.stop.sockets))
         if self.container is not None:
             self.facts.cpu = self.container.cpu_stat() or self.facts.cpu
             self._see_nested()
@@ -365,28 +293,13 @@ class Run:
         # settled by the next adopter, never the reverse).
         rec = self.publish()
         self.inbox.settle(self.snap)
-        self._journal("ended" if terminal else "unconfirmed", state=self.snap.state.value)
+        self.journal("ended" if terminal else "unconfirmed", state=self.snap.state.value)
         if self.layout is not None:
             self.layout.release()
         if self.wakeups is not None:
             self.wakeups.close()
         self._final = rec
         self._done.set()
-
-    def _postconditions(self) -> None:
-        """Measured only where asked for, and only once the tree is gone."""
-        if self.opts.workspace:
-            from ._postconditions import workspace_quiescent   # lazy: only runs that asked for it
-
-            self.facts.layers["workspace_quiescent"] = workspace_quiescent(self.opts.workspace)
-        if self.opts.check_sockets:
-            from ._postconditions import sockets_closed
-
-            held, problems = self.stop.sockets if self.stop.sockets is not None else (set(), [])
-            self.facts.layers["sockets_closed"] = layer = sockets_closed(held, problems)
-            if self.stop.sockets is None:
-                layer["detail"] = {"held_at_stop": 0, "note": "the container was already empty when the stop "
-                                   "began: sockets handed to other processes before that are not known"}
 
     def record_dict(self) -> dict[str, Any]:
         return self.facts.record(run_id=self.id, run_uid=self.uid, argv=self.argv, snap=self.snap,

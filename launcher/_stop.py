@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from typing import Any, Callable
 
     from ._evidence import RunEvidence
-    from ._ledger import EscapeWatch
+    from ._escapes import EscapeWatch
 
 from . import _state as S
 from ._identity import ProcessIdentity

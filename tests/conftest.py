@@ -124,9 +124,9 @@ def state_dir(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def _cgroup2_mount() -> str:
-    from launcher._platform import linux
+    from launcher._platform import cgroups
 
-    hs = linux.hierarchies()
+    hs = cgroups.hierarchies()
     if not hs:
         pytest.skip("no cgroup v2 hierarchy")
     return hs[0].mount
