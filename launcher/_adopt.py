@@ -18,7 +18,9 @@ re-read); the container by what run.json names. See docs/protocol.md.
 from __future__ import annotations
 
 import os
-from typing import Any
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any
 
 from . import _nested
 from . import _state as S
