@@ -132,9 +132,21 @@ class EscapeWatch:
             container.ledger = w.ledger
         return w
 
-    def after_spawn(self, pid: int) -> None:
+    def after_spawn(self, pid: int, container: Any = None) -> None:
         if self.ledger is not None:
+            path = getattr(container, "path", None)
+            if path:
+                self.ledger.inside = lambda where: where == path or where.startswith(path.rstrip("/") + "/")
             self.ledger.track_root(pid)
+
+    def saw_whole_run(self) -> str | None:
+        """None if the ledger watched every fork of the run from before the
+        spawn, lost nothing and attributed every fork; else why not."""
+        if self.ledger is None:
+            return self.reason or "no fork ledger"
+        if not self.ledger.complete():
+            return f"the fork ledger is incomplete ({self.ledger.summary()})"
+        return None
 
     def at_empty(self, container: Any, timeout: float) -> list[dict[str, Any]]:
         """The container was observed empty: stop whatever left it."""
@@ -155,13 +167,16 @@ class EscapeWatch:
             if not detail.startswith("not watched"):
                 detail += ": a process that left the container would not be seen"
             return {"observed": None, "at": None, "via": "none", "detail": detail}
+        complete = self.ledger.complete()
         info = dict(self.ledger.summary(), ledger_start_ms=self.start_ms)
         if container.backend == "none":
             info["reason"] = ("no kernel container: nothing to leave; every process the ledger saw was "
                               "stopped as a member")
             return {"observed": None, "at": None, "via": VIA, "detail": info}
-        if not self.ledger.complete():
-            info["reason"] = "the ledger lost events: an escape could have been missed"
+        if not complete:
+            info["reason"] = ("the ledger lost events" if self.ledger.lost or self.ledger.failed else
+                              "forks reported as children of a process outside the tree could not be "
+                              "attributed") + ": an escape could have been missed"
             return {"observed": None, "at": None, "via": VIA, "detail": info}
         if not (terminal and self.checked):
             info["reason"] = "checked when the container is observed empty"

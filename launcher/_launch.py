@@ -23,6 +23,7 @@ from ._containers import make_container, spawn_request
 from ._errors import ContainmentUnavailable, LauncherError, SpawnFailed
 from ._layout import RunDir
 from ._escapes import EscapeWatch
+from ._ledger import note_spawn
 from ._platform import host
 
 
@@ -57,8 +58,10 @@ def start(run: Run) -> None:
         spawn_failed(run, err)
         raise err from (None if err is e else e)
     run.pid, run.root = sp.pid, host.Root(sp.pid, sp.pidfd)
-    run.watch.after_spawn(sp.pid)
     run.facts.spawned(sp, run.container, req, t0)
+    if run.facts.identity is not None:
+        note_spawn(sp.pid, run.facts.identity.start_time)
+    run.watch.after_spawn(sp.pid, run.container)
     layout.write_run(run.facts.run_info(run, sp.via))
     layout.journal("spawned", pid=sp.pid, via=sp.via)
     run.publish()

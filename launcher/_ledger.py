@@ -35,10 +35,10 @@ import threading
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Callable
 
 from ._identity import boot_id
-from ._procfs import read_stat
+from ._procfs import cgroup_of, read_stat
 
 
 NETLINK_CONNECTOR = 11
@@ -63,6 +63,15 @@ _DATA = _HDR + _EVENT.size                # 52: where the event's data starts
 
 VIA = "fork ledger (netlink process connector)"
 _COALESCE_S = 0.002
+
+# Every worker this process spawned, as (pid, start time): a fork reported as
+# a child of this process is one of these, or it is not ours to explain.
+_OUR_SPAWNS: set[tuple[int, int]] = set()
+
+
+def note_spawn(pid: int, start_time: int) -> None:
+    """Called right after each spawn of this process (any run)."""
+    _OUR_SPAWNS.add((pid, start_time))
 
 
 class LedgerUnavailable(Exception):
@@ -118,6 +127,20 @@ class Ledger:
         self.tracked: list[Tracked] = []                      # everything ever tracked, in fork order
         self.lost = 0                                         # ENOBUFS seen: events were dropped
         self.failed: str | None = None                        # the socket broke
+        # The process connector reports task->real_parent: a child made with
+        # clone(CLONE_PARENT) shows up as a child of its creator's parent
+        # (KERNEL-NOTES.md). Membership must not hang on that link, so forks
+        # reported as children of a process *outside* the tree that is a
+        # parent of a tracked process (the supervisor, or whoever adopted a
+        # tracked orphan) are attributed by where the kernel put them: a
+        # child is born in its creator's cgroup.
+        self.inside: Callable[[str], bool] | None = None       # the run's cgroup subtree, set by the run
+        self._suspects: set[int] = {os.getpid()}
+        self._kids: dict[int, list[Tracked]] = {}             # ppid -> tracked children, for reparenting
+        self._unresolved: list[tuple[int, int | None, int, str | None]] = []   # (pid, start, parent, cgroup)
+        self.unattributed: list[dict[str, Any]] = []          # forks of suspects that may have been ours
+        self.attributed = 0                                   # members found by their cgroup, not their parent
+        self._closed = False
         self._hz = os.sysconf("SC_CLK_TCK")
         # /proc start times count from boot including suspend; event stamps
         # are CLOCK_MONOTONIC. The offset turns one into the other.
@@ -190,9 +213,27 @@ class Ledger:
         return [t for t in list(self.tracked) if t.alive()]
 
     def complete(self) -> bool:
-        return not self.lost and self.failed is None
+        """Nothing lost, nothing broken, and every fork that could have been
+        the tree's accounted for."""
+        self._resolve()
+        return not self.lost and self.failed is None and not self.unattributed
+
+    def _resolve(self) -> None:
+        """Forks of a suspect parent that were not born inside the run:
+        another spawn of this process, or a fork the ledger cannot rule out
+        as the tree's (its child left at once, or was gone before it could
+        be read)."""
+        with self._lock:
+            self._drain()
+            todo, self._unresolved = self._unresolved, []
+        for pid, start, parent, where in todo:
+            if start is not None and (pid, start) in _OUR_SPAWNS:
+                continue
+            self.unattributed.append({"pid": pid, "reported_parent": parent, "seen_in": where,
+                                      "start_time": start})
 
     def close(self) -> None:
+        self._closed = True
         if self._stop_w >= 0:
             try:
                 os.write(self._stop_w, b"x")
@@ -208,7 +249,13 @@ class Ledger:
             pass
 
     def summary(self) -> dict[str, Any]:
-        return {"tracked": len(self.tracked), "lost_events": self.lost, "failed": self.failed}
+        out: dict[str, Any] = {"tracked": len(self.tracked), "lost_events": self.lost, "failed": self.failed}
+        if self.attributed:
+            out["attributed_by_cgroup"] = self.attributed
+        if self.unattributed:
+            out["unattributed_forks"] = self.unattributed[:20]
+            out["unattributed_count"] = len(self.unattributed)
+        return out
 
     # -- the thread --------------------------------------------------------
 
@@ -237,7 +284,7 @@ class Ledger:
 
     def _drain(self) -> None:
         """Read until EAGAIN. Caller holds the lock."""
-        if self.failed:
+        if self.failed or self._closed:
             return
         buf = self._buf
         while True:
@@ -286,10 +333,22 @@ class Ledger:
         old = self._live.pop(child, None)
         if old is not None:
             old.gone = True
+        note = None
         if ptgid not in self._live:
-            return
+            if ptgid not in self._suspects:
+                return
+            # Perhaps a CLONE_PARENT child of a tracked process: ours if the
+            # kernel put it inside the run (it is born in its creator's cgroup).
+            where = cgroup_of(child, missing_ok=True)
+            if where is None or self.inside is None or not self.inside(where):
+                st0 = read_stat(child)
+                self._unresolved.append((child, st0[4] if st0 else None, ptgid, where))
+                return
+            self.attributed += 1
+            note = f"born in the run's cgroup; reported parent {ptgid} is outside the tree (CLONE_PARENT)"
         st = read_stat(child)
         t = Tracked(child, ptgid, None, ts)
+        t.note = note
         if st is None:
             t.note = "gone before its identity could be read"
         else:
@@ -303,6 +362,7 @@ class Ledger:
                 t.gone = False
         self._live[child] = t
         self.tracked.append(t)
+        self._kids.setdefault(ptgid, []).append(t)
 
     def _on_exit(self, tgid: int, ts: int) -> None:
         t = self._live.get(tgid)
@@ -310,6 +370,17 @@ class Ledger:
             # Kept in _live: other threads of the process may still fork
             # (the leader can exit first). A reuse of the pid drops it.
             t.exit_seen = True
+            # The exit event follows exit_notify (kernel/exit.c do_exit), so
+            # its children have their new parent already: if that one is
+            # outside the tree, its forks become suspects too.
+            for kid in self._kids.pop(tgid, []):
+                st = read_stat(kid.pid) if not kid.gone else None
+                if st is None or st[4] != kid.start_time:
+                    continue
+                kid.ppid = st[1]
+                self._kids.setdefault(st[1], []).append(kid)
+                if st[1] not in self._live:
+                    self._suspects.add(st[1])
 
 
 def _bigger_buffer(sock: _socket.socket) -> None:

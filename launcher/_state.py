@@ -8,8 +8,11 @@ one place and can be tested without a process (tests/test_state.py).
 Rules the table encodes (CONTRACT.md):
 - The first event that decides *why* the run ends fixes `outcome`; later
   events never change it ("one result").
-- `REAPED` is reachable only through `Event.EMPTY`, which the driver emits
-  only on an observed `populated 0` of a kernel container.
+- `REAPED` is reachable only through `Event.EMPTY`, which the stop sequence
+  emits only on an observed `populated 0` of a kernel container that no
+  member could have left unseen (a wall that cannot be left, a seal, or a
+  fork ledger that saw the whole run), with every escaper proven gone.
+  A container that could have been left gives `EMPTY_LEAVABLE`: `EXITED`.
 - `UNCONFIRMED` is not terminal: a new cancel reopens the stop.
 - Terminal states absorb every event.
 """
@@ -54,6 +57,7 @@ class Event(enum.StrEnum):
     TIMEOUT = "timeout"
     EMPTY = "empty"                  # kernel container observed empty, no escaper alive
     EMPTY_ESCAPED = "empty_escaped"  # container empty, but an escaper is not proven gone
+    EMPTY_LEAVABLE = "empty_leavable"  # container empty, but a member could have left it unseen
     TREE_GONE = "tree_gone"          # degraded mode: every process it saw is gone
     DEADLINE = "deadline"            # the stop deadline passed without emptiness
     OBSERVE_FAILED = "observe_failed"
@@ -88,6 +92,7 @@ _NEXT: dict[tuple[Phase, Event], Phase] = {
     (Phase.RUNNING, Event.SPAWN_FAILED): Phase.STOPPING,
     (Phase.STOPPING, Event.EMPTY): Phase.REAPED,
     (Phase.STOPPING, Event.EMPTY_ESCAPED): Phase.BREACHED,
+    (Phase.STOPPING, Event.EMPTY_LEAVABLE): Phase.EXITED,
     (Phase.STOPPING, Event.TREE_GONE): Phase.EXITED,
     (Phase.STOPPING, Event.DEADLINE): Phase.UNCONFIRMED,
     (Phase.STOPPING, Event.OBSERVE_FAILED): Phase.UNCONFIRMED,
@@ -95,6 +100,7 @@ _NEXT: dict[tuple[Phase, Event], Phase] = {
     (Phase.UNCONFIRMED, Event.TIMEOUT): Phase.STOPPING,
     (Phase.UNCONFIRMED, Event.EMPTY): Phase.REAPED,
     (Phase.UNCONFIRMED, Event.EMPTY_ESCAPED): Phase.BREACHED,
+    (Phase.UNCONFIRMED, Event.EMPTY_LEAVABLE): Phase.EXITED,
     (Phase.UNCONFIRMED, Event.TREE_GONE): Phase.EXITED,
 }
 

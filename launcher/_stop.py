@@ -125,7 +125,17 @@ class StopSequence:
                                                 "detail": c.seen_summary()}
             return S.Event.TREE_GONE
         facts.set("container_empty", True, c.empty_proof, {"path": c.path}, at=t)
-        facts.set("descendants_exit", True, f"{c.empty_proof} (no member left in the subtree)", None, at=t)
+        how, why_not = self._unleavable()
+        if how is None:
+            # Empty is not "every descendant exited" when a member could have
+            # walked out unseen: one layer never signs for another.
+            facts.layers["descendants_exit"] = {
+                "observed": None, "at": None, "via": c.empty_proof,
+                "detail": f"the container emptied, but a member could have left it unseen: {why_not}"}
+            if self.watch is not None:
+                facts.escapes.extend(self.watch.at_empty(c, self.kill_timeout))
+            return S.Event.EMPTY_ESCAPED if escapers_alive(facts.escapes) is not False else S.Event.EMPTY_LEAVABLE
+        facts.set("descendants_exit", True, f"{c.empty_proof}, and no member could leave unseen ({how})", None, at=t)
         if self.watch is not None:
             facts.escapes.extend(self.watch.at_empty(c, self.kill_timeout))
         alive = escapers_alive(facts.escapes)
@@ -139,6 +149,18 @@ class StopSequence:
                 "detail": "the container emptied; escaper(s) " + ("alive" if seen_alive else "not proven gone")}
             return S.Event.EMPTY_ESCAPED
         return S.Event.EMPTY
+
+    def _unleavable(self) -> tuple[str | None, str]:
+        """(how the run proves no member left the container unseen, or None;
+        and if None, why not)."""
+        sealed, sealed_reason = self.facts.sealed
+        if sealed:
+            method = (getattr(self.container, "seal_detail", None) or {}).get("method", "sealed")
+            return f"sealed: {method}", ""
+        missing = self.watch.saw_whole_run() if self.watch is not None else "no fork ledger"
+        if missing is None:
+            return "the fork ledger saw every fork of the run", ""
+        return None, f"not sealed ({sealed_reason}), and {missing}"
 
     def wait_empty(self, deadline: float) -> S.Event:
         """Block until the container is observed empty or `deadline`
