@@ -233,21 +233,26 @@ def v1_hierarchies(mountinfo: str = "/proc/self/mountinfo") -> list[V1Hierarchy]
     return sorted(found.values(), key=lambda h: h.name)
 
 
-def proc_cgroup(pid: int | str) -> dict[str, str]:
+def parse_proc_cgroup(text: str) -> dict[str, str]:
     """/proc/<pid>/cgroup as {hierarchy name: path}; the v2 line is "" (its
-    "0::" prefix has no controller list). Raises OSError."""
+    "0::" prefix has no controller list); named hierarchies are skipped."""
     out: dict[str, str] = {}
-    with open(f"/proc/{pid}/cgroup") as f:
-        for line in f:
-            hid, _, rest = line.rstrip("\n").partition(":")
-            ctrls, _, path = rest.partition(":")
-            if not hid.isdigit():
-                continue
-            if hid == "0" and ctrls == "":
-                out[""] = path
-            elif ctrls and not ctrls.startswith("name="):
-                out[",".join(sorted(ctrls.split(",")))] = path
+    for line in text.splitlines():
+        hid, _, rest = line.partition(":")
+        ctrls, _, path = rest.partition(":")
+        if not hid.isdigit():
+            continue
+        if hid == "0" and ctrls == "":
+            out[""] = path
+        elif ctrls and not ctrls.startswith("name="):
+            out[",".join(sorted(ctrls.split(",")))] = path
     return out
+
+
+def proc_cgroup(pid: int | str) -> dict[str, str]:
+    """parse_proc_cgroup of a live process. Raises OSError."""
+    with open(f"/proc/{pid}/cgroup") as f:
+        return parse_proc_cgroup(f.read())
 
 
 def _read(path: str) -> str | None:
