@@ -173,6 +173,18 @@ def one(mode: str, hold: float, grace: float, big: int, small: int) -> dict[str,
         B.reap_children(5.0)                       # the orphans came to us (subreaper)
         after_reap = resource.getrusage(resource.RUSAGE_CHILDREN)
         res["snapshot"] = snap
+        # The record fields the driver will fill, assembled the same way, and
+        # the --stats-json line made from them.
+        from launcher._redispatch import redispatch_eligible
+        from launcher._stats import stats_line
+
+        rec = {"run_id": f"bench-{mode}", "state": "REAPED", "outcome": "exited",
+               "exit_code": p.returncode, "signal": None, "accounting": snap,
+               "limits": dict(rc.limits_record(), hit=A.limit_hits(snap)),
+               "evidence": {"container_empty": {"observed": True, "at": snap["taken_at"], "via": "cgroup.events",
+                                                "detail": None}}}
+        rec["evidence"]["redispatch_eligible"] = redispatch_eligible(rec)
+        res["stats_line"] = stats_line(rec)
         res["time_v"] = _time_v(os.path.join(out_dir, "time-v"))
         res["rusage_after_wait"] = {"user_s": after_wait.ru_utime - before.ru_utime,
                                     "sys_s": after_wait.ru_stime - before.ru_stime,
@@ -278,7 +290,7 @@ def cost_table(res: dict[str, Any]) -> str:
 
 
 def _mb(x: Any) -> str:
-    return "-" if x is None else f"{x / 2**20:7.0f} MB"
+    return "-" if x is None else f"{x / 2**20:7.0f} MiB"
 
 
 def _s(x: Any) -> str:
@@ -315,6 +327,7 @@ def table(res: dict[str, Any]) -> str:
                  " charged memory, not RSS); on v1 hosts no I/O bytes")
     lines.append("  tree's own report: A+B is the sum of two high-water RSS (shared pages counted twice, not"
                  " necessarily at the same moment); CPU misses time(1) and the two middle processes")
+    lines.append(f"--stats-json line: {res['stats_line']}")
     lines.append(f"survivors after the run: {len(res['survivors'])}; placement verified: {res['placement']};"
                  f" cleanup problems: {res['cleanup_problems'] or 'none'}")
     return "\n".join(lines)
