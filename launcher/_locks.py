@@ -181,6 +181,16 @@ def held_by(pids: Iterable[int]) -> HeldLocks:
     return held
 
 
+def _live_process(pid: int) -> bool:
+    """A process with this pid exists and is not a zombie (an unreaped
+    member is still that member)."""
+    try:
+        st = _read(f"/proc/{pid}/stat")
+    except OSError:
+        return False
+    return st[st.rfind(")") + 2:st.rfind(")") + 3] not in ("Z", "X")
+
+
 def _comm(pid: int) -> str | None:
     try:
         return _read(f"/proc/{pid}/comm").strip()
@@ -249,11 +259,17 @@ def locks_released(held: HeldLocks | None, *, exited_pids: Iterable[int] = ()) -
     except OSError as e:
         return evidence(None, VIA, f"{LOCKS} not readable: {os.strerror(e.errno or 0)}")
     note = None
+    reused: list[int] = []
     if held is None:
         held = HeldLocks()
         held.pids = set(exited_pids)
         for lk in now:
             if lk.pid in held.pids and lk.kind != "OFDLCK":
+                if _live_process(lk.pid):
+                    # The member is gone (the container is empty), so a live
+                    # process with its number is another one: its lock may be its own.
+                    reused.append(lk.pid)
+                    continue
                 held.add(lk, None)
         note = ("the container was already empty when the stop began: only locks taken by pids known to have "
                 "been members are checked, not locks handed out before that")
@@ -262,6 +278,9 @@ def locks_released(held: HeldLocks | None, *, exited_pids: Iterable[int] = ()) -
     detail: dict[str, Any] = {"held_at_stop": len(held.locks)}
     if note:
         detail["note"] = note
+    if reused:
+        detail["pid_reused"] = sorted(set(reused))
+        held.problems.append(f"pid(s) {sorted(set(reused))} now belong to other processes: their locks were not judged")
     if survivors:
         holders, denied = holders_of(survivors)
         detail["still_held"] = [

@@ -213,3 +213,20 @@ def test_fdinfo_lock_lines_parse():
     (lk,) = L.fdinfo_locks(txt)
     assert (lk.kind, lk.access, lk.pid, lk.ino) == ("FLOCK", "WRITE", 8545, 2892851)
     assert L.fdinfo_locks("pos:\t0\n") == []
+
+
+def test_a_reused_member_pid_is_not_judged(tmp_path, env):
+    """Already empty at the stop: a lock whose pid now belongs to a live
+    process (a reused number) is that process's business, not the run's."""
+    path = str(tmp_path / "own.lock")
+    own = subprocess.Popen([sys.executable, "-c", "import fcntl, sys\nf = open(sys.argv[1], 'w')\n"
+                            "fcntl.flock(f, fcntl.LOCK_EX)\nprint('ok', flush=True)\nsys.stdin.read()\n", path],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    try:
+        assert wait_line(own) == b"ok"
+        layer = L.locks_released(None, exited_pids=[own.pid])
+        assert layer["observed"] is None, layer
+        assert layer["detail"]["pid_reused"] == [own.pid]
+    finally:
+        own.stdin.close()
+        own.wait(10)
