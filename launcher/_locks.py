@@ -122,8 +122,13 @@ def _read(path: str) -> str:
 
 
 class HeldLocks:
-    """The locks members held at the stop: {key: {"lock", "held_via": [...]}},
-    the member pids, and what could not be read."""
+    """The locks members held at the stop: {key: {"lock", "held_via": [...],
+    "origin"}}, the member pids, and what could not be read. `origin`:
+    "member" (the lock's pid is a member), "outside" (its pid is a live
+    process outside the container at the stop: a lock the tree inherited a
+    descriptor of, e.g. a stdin the caller had flocked; not the run's), or
+    "unknown" (OFD locks show no pid; a taker that already exited may have
+    been a member): counted as the run's."""
 
     __slots__ = ("locks", "pids", "problems")
 
@@ -133,7 +138,15 @@ class HeldLocks:
         self.problems: list[str] = []
 
     def add(self, lk: Lock, via: dict[str, Any] | None) -> None:
-        ent = self.locks.setdefault(lk.key, {"lock": lk, "held_via": []})
+        ent = self.locks.get(lk.key)
+        if ent is None:
+            if lk.pid in self.pids:
+                origin = "member"
+            elif lk.pid > 0 and _live_process(lk.pid):
+                origin = "outside"
+            else:
+                origin = "unknown"
+            ent = self.locks[lk.key] = {"lock": lk, "held_via": [], "origin": origin}
         if via is not None:
             ent["held_via"].append(via)
 
@@ -143,41 +156,49 @@ def held_by(pids: Iterable[int]) -> HeldLocks:
     member's fdinfo (flock, OFD, lease: through the descriptor; POSIX: the
     files table) and from /proc/locks (a POSIX or flock lock whose pid is a
     member, e.g. taken on an fd since closed in this member but open
-    elsewhere)."""
+    elsewhere). Only fds on a locked file are read: /proc/locks first, then
+    one stat per member fd against its (dev, inode) set."""
     held = HeldLocks()
     held.pids = set(pids)
-    for pid in sorted(held.pids):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fdinfo")
-        except FileNotFoundError:
-            continue                       # exited meanwhile: its locks went with it or stay on a shared fd
-        except OSError as e:
-            held.problems.append(f"pid {pid}: fdinfo not listable: {os.strerror(e.errno or 0)}")
-            continue
-        for fd in fds:
-            try:
-                txt = _read(f"/proc/{pid}/fdinfo/{fd}")
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                held.problems.append(f"pid {pid} fd {fd}: {os.strerror(e.errno or 0)}")
-                continue
-            if "lock:" not in txt:
-                continue
-            try:
-                path = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                path = None
-            for lk in fdinfo_locks(txt):
-                held.add(lk, {"pid": pid, "fd": int(fd), "path": path})
     try:
         table = parse_proc_locks(_read(LOCKS))
     except OSError as e:
         held.problems.append(f"{LOCKS}: {os.strerror(e.errno or 0)}")
         return held
+    locked = {(lk.dev, lk.ino) for lk in table}
     for lk in table:
         if lk.pid in held.pids and lk.kind != "OFDLCK":
             held.add(lk, None)
+    if not locked:
+        return held
+    for pid in sorted(held.pids):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except FileNotFoundError:
+            continue                       # exited meanwhile: its locks went with it or stay on a shared fd
+        except OSError as e:
+            held.problems.append(f"pid {pid}: fds not listable: {os.strerror(e.errno or 0)}")
+            continue
+        for fd in fds:
+            try:
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                held.problems.append(f"pid {pid} fd {fd}: {os.strerror(e.errno or 0)}")
+                continue
+            if (st.st_dev, st.st_ino) not in locked:
+                continue
+            try:
+                txt = _read(f"/proc/{pid}/fdinfo/{fd}")
+                path: str | None = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                held.problems.append(f"pid {pid} fd {fd}: {os.strerror(e.errno or 0)}")
+                continue
+            for lk in fdinfo_locks(txt):
+                held.add(lk, {"pid": pid, "fd": int(fd), "path": path})
     return held
 
 
@@ -274,8 +295,14 @@ def locks_released(held: HeldLocks | None, *, exited_pids: Iterable[int] = ()) -
         note = ("the container was already empty when the stop began: only locks taken by pids known to have "
                 "been members are checked, not locks handed out before that")
     current = {lk.key: lk for lk in now}
-    survivors = [current[k] for k in held.locks if k in current]
+    survivors = [current[k] for k, ent in held.locks.items() if k in current and ent["origin"] != "outside"]
+    inherited = [{"lock": current[k].to_dict(), "held_at_stop_via": ent["held_via"]}
+                 for k, ent in held.locks.items() if k in current and ent["origin"] == "outside"]
     detail: dict[str, Any] = {"held_at_stop": len(held.locks)}
+    if inherited:
+        # Taken by a live process outside the tree: the tree only held a
+        # descriptor of it (an inherited stdin, say). Not the run's lock.
+        detail["inherited"] = inherited
     if note:
         detail["note"] = note
     if reused:
@@ -284,7 +311,8 @@ def locks_released(held: HeldLocks | None, *, exited_pids: Iterable[int] = ()) -
     if survivors:
         holders, denied = holders_of(survivors)
         detail["still_held"] = [
-            {"lock": lk.to_dict(), "held_at_stop_via": held.locks[lk.key]["held_via"],
+            {"lock": lk.to_dict(), "origin": held.locks[lk.key]["origin"],
+             "held_at_stop_via": held.locks[lk.key]["held_via"],
              "holders": [h for h in holders if _same(h["lock"], lk)]} for lk in survivors]
         if denied:
             detail["not_inspected"] = denied

@@ -230,3 +230,26 @@ def test_a_reused_member_pid_is_not_judged(tmp_path, env):
     finally:
         own.stdin.close()
         own.wait(10)
+
+
+def test_a_lock_the_caller_took_and_the_worker_inherited_is_not_the_runs(world, tmp_path):
+    """The worker's stdin is a file its caller (this test) flocked: the lock
+    outlives the tree, but the tree never took it."""
+    path = str(tmp_path / "caller.lock")
+    mine = open(path, "w")
+    fcntl.flock(mine, fcntl.LOCK_EX)
+    try:
+        c, _rc = world.run()
+        # The same open file description as the caller's (a fresh open() would
+        # be another description, which holds no lock).
+        w = world.python(c, None, "import time\nprint('ok', flush=True)\ntime.sleep(300)\n", stdin=mine,
+                         stdout=subprocess.PIPE)
+        assert wait_line(w) == b"ok"
+        held = L.held_by(c.members())
+        assert [e["origin"] for e in held.locks.values()] == ["outside"]
+        world.stop(c)
+        layer = L.locks_released(held)
+        assert layer["observed"] is True, layer
+        assert layer["detail"]["inherited"][0]["lock"]["pid"] == os.getpid()
+    finally:
+        mine.close()
