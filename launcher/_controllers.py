@@ -526,6 +526,12 @@ class RunCgroups:
                     self.made.append(d)
                     self.v1[h.name] = d
                     self.v1_hier[h.name] = h
+                    mine = own.get(h.name)
+                    if mine not in (None, "/") and not (parent == mine or parent.startswith(str(mine).rstrip("/") + "/")):
+                        # Root puts runs at the hierarchy's contain base, beside
+                        # whatever cgroup the host put the supervisor in.
+                        self.notes.append(f"cgroup v1 {h.name}: the run is under {parent}, outside the supervisor's own "
+                                          f"{mine}: a limit set there does not bind the run")
                     for cc in h.controllers:
                         if cc in self.routes and self.routes[cc].kind == "v1":
                             self.routes[cc].note = why
