@@ -1,9 +1,12 @@
-"""Postconditions beyond the container: the workspace and the sockets.
+"""Postconditions beyond the container: the workspace, the sockets, the locks.
 
 An empty container proves that no member process is left. It says nothing
 about a descriptor handed to a process outside (over a unix socket, or by an
-escaper), about a socket kept alive by such a holder, or about writes still
-in flight. These layers look at exactly that, each on its own.
+escaper), about a socket or a file lock kept alive by such a holder, or about
+writes still in flight. These layers look at exactly that, each on its own.
+The locks layer lives in _locks.py (its own parser of /proc/locks); it is
+re-exported here so the driver finds every postcondition in one place.
+`redispatch_eligible` (_redispatch.py) is derived from all of them.
 """
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ import socket
 import time
 from typing import Any, Iterable
 
+from ._locks import HeldLocks as HeldLocks, held_by as locks_held_by, locks_released as locks_released
 from ._record import evidence
+from ._redispatch import POSTCONDITIONS as POSTCONDITIONS
 
 
 def _links(pid: str) -> Iterable[tuple[str, str]]:
