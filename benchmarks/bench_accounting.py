@@ -20,7 +20,7 @@ killed between two writes).
 Until the run driver is wired to the accounting (issue 14), this benchmark
 drives the pieces directly, exactly as the driver will: a cgroup v2 run
 directory made by `launcher._platform.linux.Container`, the run's v1 cgroups
-by `launcher._controllers.RunCgroups`, the child placed by writing "0" to the
+by `launcher._runcgroups.RunCgroups`, the child placed by writing "0" to the
 v2 leaf's and each v1 `cgroup.procs` before exec (what the C spawn's join fds
 do; here a preexec function), and `launcher._accounting.final_snapshot` after
 `populated 0`. It needs root (scratch cgroups); everything it makes is
@@ -45,6 +45,8 @@ import _common as B  # noqa: E402
 sys.path.insert(0, B.ROOT)
 from launcher import _accounting as A  # noqa: E402
 from launcher import _controllers as C  # noqa: E402
+from launcher import _limits as L  # noqa: E402
+from launcher import _runcgroups as R  # noqa: E402
 from launcher._platform import linux  # noqa: E402
 
 WORKER = textwrap.dedent("""
@@ -135,7 +137,7 @@ def one(mode: str, hold: float, grace: float, big: int, small: int) -> dict[str,
                            "big_mb": big, "small_mb": small}
     try:
         c = linux.Container.create("bench", env)
-        rc = C.RunCgroups.create(os.path.basename(c.dir), None, v2_dir=c.dir, env=env)
+        rc = R.RunCgroups.create(os.path.basename(c.dir), None, v2_dir=c.dir, env=env)
         res["routes"] = {k: v.to_dict().get("via") for k, v in rc.routes.items()}
         fds = rc.join_fds()
         leaf = os.open(os.path.join(c.leaf, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
@@ -233,13 +235,13 @@ def cost(n: int) -> dict[str, Any]:
         for label, extra, limits in (("v2 leaf only (CONTAIN_CGROUP_V1=off)", {"CONTAIN_CGROUP_V1": "off"}, None),
                                      ("v2 leaf + v1 memory, pids", {}, None),
                                      ("v2 leaf + v1 memory, pids + --memory-max --pids-max", {},
-                                      C.Limits(memory_max=1 << 30, pids_max=1000))):
+                                      L.Limits(memory_max=1 << 30, pids_max=1000))):
             env = B.child_env(CONTAIN_CGROUP_BASE=v2_base, CONTAIN_CGROUP_V1_BASE=v1_base, **extra)
             t_make, t_spawn, t_snap, t_rm = [], [], [], []
             for _ in range(n):
                 c = linux.Container.create("cost", env)
                 t0 = time.perf_counter()
-                rc = C.RunCgroups.create(os.path.basename(c.dir), limits, v2_dir=c.dir, env=env)
+                rc = R.RunCgroups.create(os.path.basename(c.dir), limits, v2_dir=c.dir, env=env)
                 t1 = time.perf_counter()
                 fds = rc.join_fds()
                 leaf = os.open(os.path.join(c.leaf, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)

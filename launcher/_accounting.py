@@ -28,7 +28,7 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any, Mapping
 
-    from ._controllers import RunCgroups
+    from ._runcgroups import RunCgroups
 
 from ._record import now_iso
 

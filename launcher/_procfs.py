@@ -1,7 +1,7 @@
 """The one parser of each /proc file format we read (STYLE.md, "Rooms").
 
     /proc/<pid>/stat        stat_fields, read_stat, start_time
-    /proc/<pid>/cgroup      parse_cgroups, parse_cgroup, cgroup_of
+    /proc/<pid>/cgroup      parse_cgroups, cgroups_of (every hierarchy), parse_cgroup, cgroup_of (v2)
     /proc/self/mountinfo    mounts
 
 Everything read here is input: a malformed line is a ValueError (or None
@@ -49,25 +49,27 @@ def start_time(pid: int) -> int:
 # -- /proc/<pid>/cgroup -------------------------------------------------------
 
 def parse_cgroups(text: str) -> dict[str, str]:
-    """Every line of a /proc/<pid>/cgroup file: {"": v2 path} for the
-    "0::<path>" line, and {controller: path} for each v1 hierarchy (its
-    controllers are comma-separated; "name=systemd" stays as it is). Hybrid
-    hosts list v1 hierarchies first (cgroups(7))."""
+    """/proc/<pid>/cgroup as {hierarchy: path}: the v2 line ("0::<path>") is
+    "", each v1 hierarchy is named by its sorted controllers ("cpu,cpuacct",
+    as its mount shows them); named hierarchies (name=systemd) are skipped.
+    Hybrid hosts list v1 hierarchies first (cgroups(7))."""
     out: dict[str, str] = {}
-    for line in text.split("\n"):
-        hid, sep, rest = line.partition(":")
-        if not sep:
+    for line in text.splitlines():
+        hid, _, rest = line.partition(":")
+        ctrls, _, path = rest.partition(":")
+        if not hid.isdigit():
             continue
-        controllers, sep, path = rest.partition(":")
-        if not sep:
-            continue
-        if hid == "0" and controllers == "":
+        if hid == "0" and ctrls == "":
             out[""] = path
-        else:
-            for c in controllers.split(","):
-                if c:
-                    out[c] = path
+        elif ctrls and not ctrls.startswith("name="):
+            out[",".join(sorted(ctrls.split(",")))] = path
     return out
+
+
+def cgroups_of(pid: int | str) -> dict[str, str]:
+    """parse_cgroups of a live process. Raises OSError."""
+    with open(f"/proc/{pid}/cgroup") as f:
+        return parse_cgroups(f.read())
 
 
 def parse_cgroup(text: str) -> str | None:

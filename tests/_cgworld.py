@@ -24,6 +24,9 @@ from typing import Any
 from conftest import TOKEN_VAR, remove_cgroup_tree
 
 from launcher import _controllers as C
+from launcher import _runcgroups as R
+from launcher import _limits as L
+from launcher import _procfs as P
 from launcher._platform import linux
 
 
@@ -42,19 +45,19 @@ class World:
                          "CONTAIN_CGROUP_V1_BASE": self.v1_base})
         self.env.pop("CONTAIN_CGROUP_V1", None)
         self.containers: list[Any] = []
-        self.runs: list[C.RunCgroups] = []
+        self.runs: list[R.RunCgroups] = []
         self.procs: list[subprocess.Popen[bytes]] = []
 
     # -- making runs -----------------------------------------------------------
 
-    def run(self, limits: C.Limits | None = None, run_id: str = "t", **kw: Any) -> tuple[Any, C.RunCgroups]:
+    def run(self, limits: L.Limits | None = None, run_id: str = "t", **kw: Any) -> tuple[Any, R.RunCgroups]:
         c = linux.Container.create(run_id, self.env)
         self.containers.append(c)
-        rc = C.RunCgroups.create(os.path.basename(c.dir), limits, v2_dir=c.dir, env=self.env, **kw)
+        rc = R.RunCgroups.create(os.path.basename(c.dir), limits, v2_dir=c.dir, env=self.env, **kw)
         self.runs.append(rc)
         return c, rc
 
-    def spawn(self, c: Any, rc: C.RunCgroups | None, argv: list[str], **popen_kw: Any) -> subprocess.Popen[bytes]:
+    def spawn(self, c: Any, rc: R.RunCgroups | None, argv: list[str], **popen_kw: Any) -> subprocess.Popen[bytes]:
         """Start argv with the v2 leaf and every join fd written "0" by the
         child before exec (the join-fd protocol)."""
         fds = rc.join_fds() if rc is not None else []
@@ -75,7 +78,7 @@ class World:
         self.procs.append(p)
         return p
 
-    def python(self, c: Any, rc: C.RunCgroups | None, code: str, **kw: Any) -> subprocess.Popen[bytes]:
+    def python(self, c: Any, rc: R.RunCgroups | None, code: str, **kw: Any) -> subprocess.Popen[bytes]:
         return self.spawn(c, rc, [sys.executable, "-c", code], **kw)
 
     # -- stopping ----------------------------------------------------------------
@@ -136,7 +139,7 @@ def _kill_members(h: C.V1Hierarchy, d: str) -> None:
         except OSError:
             continue
         try:
-            if C.proc_cgroup(pid).get(h.name) == h.cg_path(d):
+            if P.cgroups_of(pid).get(h.name) == h.cg_path(d):
                 signal.pidfd_send_signal(pfd, signal.SIGKILL)
         except OSError:
             pass

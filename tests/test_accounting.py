@@ -22,6 +22,9 @@ from conftest import CGROUP_SKIP, pids_with_token
 
 from launcher import _accounting as A
 from launcher import _controllers as C
+from launcher import _runcgroups as R
+from launcher import _limits as L
+from launcher import _procfs as P
 from launcher._errors import ContainmentUnavailable
 
 pytestmark = pytest.mark.skipif(CGROUP_SKIP is not None, reason=CGROUP_SKIP or "")
@@ -139,7 +142,7 @@ def test_unreadable_numbers_are_null_with_the_reason_never_zero(world):
 
     c = linux.Container.create("n", env)
     world.containers.append(c)
-    rc = C.RunCgroups.create(os.path.basename(c.dir), None, v2_dir=c.dir, env=env)
+    rc = R.RunCgroups.create(os.path.basename(c.dir), None, v2_dir=c.dir, env=env)
     world.runs.append(rc)
     assert rc.v1 == {}
     p = world.spawn(c, rc, ["true"])
@@ -158,7 +161,7 @@ def test_unreadable_numbers_are_null_with_the_reason_never_zero(world):
 
 @needs_v1
 def test_fork_bomb_is_stopped_by_pids_max(world):
-    c, rc = world.run(C.Limits(pids_max=24))
+    c, rc = world.run(L.Limits(pids_max=24))
     assert rc.applied["pids_max"]["files"] == {"pids.max": "24"}
     bomb = world.spawn(c, rc, ["sh", "-c", "b() { b & b & wait; }; b"], stderr=subprocess.DEVNULL)
     pids_dir = rc.where("pids")[0]
@@ -185,7 +188,7 @@ def test_fork_bomb_is_stopped_by_pids_max(world):
 
 @needs_v1
 def test_memory_hog_is_oom_killed_and_recognised(world):
-    c, rc = world.run(C.Limits(memory_max=C.parse_bytes("64M")))
+    c, rc = world.run(L.Limits(memory_max=L.parse_bytes("64M")))
     files = rc.applied["memory_max_bytes"]["files"]
     assert files["memory.limit_in_bytes"] == str(64 << 20)
     hog = world.python(c, rc, "chunks = []\nwhile True:\n    chunks.append(b'\\x01' * (1 << 20))\n")
@@ -205,7 +208,7 @@ def test_memory_hog_is_oom_killed_and_recognised(world):
 
 @needs_v1
 def test_sigkill_from_another_process_is_not_an_oom_kill(world):
-    c, rc = world.run(C.Limits(memory_max=C.parse_bytes("64M")))
+    c, rc = world.run(L.Limits(memory_max=L.parse_bytes("64M")))
     p = world.spawn(c, rc, ["sleep", "30"])
     time.sleep(0.05)
     p.kill()                                     # "another process"
@@ -220,7 +223,7 @@ def test_sigkill_from_another_process_is_not_an_oom_kill(world):
 
 @pytest.mark.skipif(_v1("cpu") is None, reason="needs the cgroup v1 cpu hierarchy")
 def test_cpu_max_holds_a_setsid_burner(world):
-    c, rc = world.run(C.Limits(cpu_max=C.parse_cpu_max("0.2")))
+    c, rc = world.run(L.Limits(cpu_max=L.parse_cpu_max("0.2")))
     assert rc.applied["cpu_max"]["files"] == {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "20000"}
     t0 = time.monotonic()
     p = world.spawn(c, rc, [sys.executable, "-c", GRANDCHILD, "cpu", "0.3"])
@@ -260,11 +263,14 @@ def test_placement_is_verified_from_proc(world):
 @needs_v1
 def test_a_run_started_inside_a_run_nests_below_it(world):
     c, rc = world.run()
-    code = textwrap.dedent(f"""
+    code = textwrap.dedent("""
         import json, os
         from launcher import _controllers as C
+        from launcher import _runcgroups as R
+        from launcher import _limits as L
+        from launcher import _procfs as P
         env = dict(os.environ)
-        sub = C.RunCgroups.create("sub-n-0123abcd", None, v2_dir=None, env=env)
+        sub = R.RunCgroups.create("sub-n-0123abcd", None, v2_dir=None, env=env)
         print(json.dumps(sub.describe()), flush=True)
         print(sub.remove(), flush=True)
     """)
@@ -280,7 +286,7 @@ def test_a_run_started_inside_a_run_nests_below_it(world):
 def test_pids_limit_hit_in_a_nested_cgroup_is_counted_for_the_run(world):
     """v1 pids.events counts a fork failure in the forking task's own cgroup:
     the run's number sums its subtree."""
-    c, rc = world.run(C.Limits(pids_max=6))
+    c, rc = world.run(L.Limits(pids_max=6))
     pids_dir = rc.where("pids")[0]
     sub = os.path.join(pids_dir, "sub-x")
     os.mkdir(sub)
@@ -336,7 +342,7 @@ def test_limit_where_no_controller_exists_is_refused(world):
     c = linux.Container.create("r", env)
     world.containers.append(c)
     with pytest.raises(ContainmentUnavailable) as ei:
-        C.RunCgroups.create(os.path.basename(c.dir), C.Limits(memory_max=1 << 26, pids_max=10),
+        R.RunCgroups.create(os.path.basename(c.dir), L.Limits(memory_max=1 << 26, pids_max=10),
                             v2_dir=c.dir, env=env)
     msg = ei.value.reason
     assert "--memory-max cannot be applied" in msg and "--pids-max cannot be applied" in msg
@@ -354,7 +360,7 @@ def test_refusal_when_the_v1_cgroup_cannot_be_made_leaves_nothing(world):
     c = linux.Container.create("m", env)
     world.containers.append(c)
     with pytest.raises(ContainmentUnavailable) as ei:
-        C.RunCgroups.create(os.path.basename(c.dir), C.Limits(pids_max=10), v2_dir=c.dir, env=env)
+        R.RunCgroups.create(os.path.basename(c.dir), L.Limits(pids_max=10), v2_dir=c.dir, env=env)
     assert "--pids-max cannot be applied" in ei.value.reason
     for h in C.v1_hierarchies():
         top = h.fs_path(world.v1_base)
@@ -373,18 +379,18 @@ def test_host_report_names_a_route_or_a_reason_for_each_controller(world):
 def test_forged_run_info_cannot_point_at_another_cgroup(world):
     c, rc = world.run()
     desc = rc.describe()
-    back = C.RunCgroups.attach(desc, v2_dir=c.dir)
+    back = R.RunCgroups.attach(desc, v2_dir=c.dir)
     assert back.v1 == rc.v1
     forged = json.loads(json.dumps(desc))
-    forged["v1"]["memory"]["cgroup"] = C.proc_cgroup("self")["memory"]    # the session's own cgroup
+    forged["v1"]["memory"]["cgroup"] = P.cgroups_of("self")["memory"]    # the session's own cgroup
     with pytest.raises(ValueError):
-        C.RunCgroups.attach(forged, v2_dir=c.dir)
+        R.RunCgroups.attach(forged, v2_dir=c.dir)
     forged = json.loads(json.dumps(desc))
     forged["v1"]["memory"]["cgroup"] = "/" + rc.name + "/../" + rc.name
     with pytest.raises(ValueError):
-        C.RunCgroups.attach(forged, v2_dir=c.dir)
+        R.RunCgroups.attach(forged, v2_dir=c.dir)
     with pytest.raises(ValueError):
-        C.RunCgroups.attach(dict(desc, name="run-x-0123abcd"), v2_dir=c.dir)
+        R.RunCgroups.attach(dict(desc, name="run-x-0123abcd"), v2_dir=c.dir)
 
 
 @needs_v1

@@ -6,6 +6,9 @@ import os
 import pytest
 
 from launcher import _controllers as C
+from launcher import _runcgroups as R
+from launcher import _limits as L
+from launcher import _procfs as P
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "cgroup")
 
@@ -15,20 +18,20 @@ DATA = os.path.join(os.path.dirname(__file__), "data", "cgroup")
     ("64K", 64 << 10), ("2T", 2 << 40), ("256MiB", 256 << 20), ("100B", 100), (" 8M ", 8 << 20),
 ])
 def test_sizes(text, want):
-    assert C.parse_bytes(text) == want
+    assert L.parse_bytes(text) == want
 
 
 @pytest.mark.parametrize("text", ["", "0", "-1", "12Q", "M", "1e9", "max", "9999999T"])
 def test_bad_sizes_are_usage_errors(text):
     with pytest.raises(ValueError):
-        C.parse_bytes(text)
+        L.parse_bytes(text)
 
 
 def test_pids():
-    assert C.parse_pids("64") == 64
+    assert L.parse_pids("64") == 64
     for bad in ("0", "-3", "x", "1.5", str(1 << 31)):
         with pytest.raises(ValueError):
-            C.parse_pids(bad)
+            L.parse_pids(bad)
 
 
 @pytest.mark.parametrize("text, quota, period", [
@@ -36,7 +39,7 @@ def test_pids():
     ("50000 100000", 50_000, 100_000), ("20000 50000", 20_000, 50_000),
 ])
 def test_cpu_max_spellings(text, quota, period):
-    cm = C.parse_cpu_max(text)
+    cm = L.parse_cpu_max(text)
     assert (cm.quota_us, cm.period_us) == (quota, period)
     assert cm.to_dict()["spelled"] == text
 
@@ -45,15 +48,15 @@ def test_cpu_max_spellings(text, quota, period):
                                   "abc", "-1"])
 def test_bad_cpu_max(text):
     with pytest.raises(ValueError):
-        C.parse_cpu_max(text)
+        L.parse_cpu_max(text)
 
 
 def test_limits_say_what_was_asked():
-    lim = C.Limits(memory_max=1 << 20, cpu_max=C.parse_cpu_max("0.5"))
+    lim = L.Limits(memory_max=1 << 20, cpu_max=L.parse_cpu_max("0.5"))
     assert lim.controllers() == ["memory", "cpu"]
     assert lim.asked() == {"memory_max_bytes": 1 << 20, "cpu_max": {"quota_us": 50_000, "period_us": 100_000,
                                                                     "cpus": 0.5, "spelled": "0.5"}}
-    assert not C.Limits()
+    assert not L.Limits()
 
 
 def test_v1_hierarchies_from_a_hybrid_mountinfo():
@@ -76,7 +79,7 @@ def test_v1_hierarchies_co_mounted_and_mounted_below_the_root():
 
 
 def test_proc_cgroup_parse():
-    got = C.parse_proc_cgroup(open(os.path.join(DATA, "proc-cgroup.hybrid")).read())
+    got = P.parse_cgroups(open(os.path.join(DATA, "proc-cgroup.hybrid")).read())
     assert got == {"pids": "/", "memory": "/process_api/0ae91150b661f5aba44cdfd931b6f95f",
                    "cpu,cpuacct": "/x", "": "/"}
 
@@ -94,4 +97,4 @@ def test_v1_base_nests_a_run_started_inside_a_run():
 
 def test_run_names_are_checked():
     with pytest.raises(ValueError):
-        C.RunCgroups.create("../../process_api", None, v2_dir=None, env={"CONTAIN_CGROUP_V1": "off"})
+        R.RunCgroups.create("../../process_api", None, v2_dir=None, env={"CONTAIN_CGROUP_V1": "off"})

@@ -1,7 +1,6 @@
 """workspace_quiescent and sockets_closed: what an empty container does not prove."""
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
