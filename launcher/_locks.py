@@ -32,6 +32,7 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any, Iterable
 
+from ._procfs import read_stat
 from ._record import evidence
 
 LOCKS = "/proc/locks"
@@ -205,11 +206,8 @@ def held_by(pids: Iterable[int]) -> HeldLocks:
 def _live_process(pid: int) -> bool:
     """A process with this pid exists and is not a zombie (an unreaped
     member is still that member)."""
-    try:
-        st = _read(f"/proc/{pid}/stat")
-    except OSError:
-        return False
-    return st[st.rfind(")") + 2:st.rfind(")") + 3] not in ("Z", "X")
+    st = read_stat(pid)
+    return st is not None and st[0] not in ("Z", "X")
 
 
 def _comm(pid: int) -> str | None:
@@ -220,11 +218,8 @@ def _comm(pid: int) -> str | None:
 
 
 def _start_time(pid: int) -> int | None:
-    try:
-        st = _read(f"/proc/{pid}/stat")
-        return int(st[st.rfind(")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
+    st = read_stat(pid)
+    return None if st is None else st[4]
 
 
 def holders_of(survivors: list[Lock]) -> tuple[list[dict[str, Any]], int]:
