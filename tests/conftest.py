@@ -31,12 +31,11 @@ os.environ["PYTHONPATH"] = ROOT + (os.pathsep + os.environ["PYTHONPATH"] if os.e
 # The tests always exercise this tree's launcher/ (in this process and in
 # every `python -m launcher` they start, through PYTHONPATH above), never a
 # copy installed elsewhere: what is tested is what is in front of you. The
-# compiled extension is built in place here when it is missing or older
-# than its sources; `pip install .` builds it only into site-packages.
+# compiled extension is built in place (pytest_configure, before any test
+# module is collected) when it is missing or older than its sources; `pip
+# install .` builds it only into site-packages. `import launcher` itself
+# loads no extension (its names resolve on first use).
 import _native_build  # noqa: E402
-
-_native_build.ensure(ROOT)
-
 import launcher  # noqa: E402
 
 if os.path.dirname(launcher.__file__) != os.path.join(ROOT, "launcher"):
@@ -46,6 +45,7 @@ TOKEN_VAR = "CONTAIN_TEST_TOKEN"
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _native_build.ensure(ROOT)      # stops the session with one line when it cannot
     config.addinivalue_line("markers", "forked: run the test in a forked process (pytest-forked)")
     if not config.pluginmanager.hasplugin("timeout"):
         config.addinivalue_line("markers", "timeout: per-test timeout (pytest-timeout is not installed)")
