@@ -21,15 +21,12 @@ EXIT_NOT_FOUND = 3
 EXIT_CONTAIN_FAILED = 125
 
 
-def _seconds_value(text: str) -> float:
-    """Raises ValueError with the message argparse shows."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise ValueError(f"not a number of seconds: {text!r}") from None
-    if v != v or v < 0 or v == float("inf"):
-        raise ValueError(f"seconds must be a finite number >= 0: {text!r}")
-    return v
+def _seconds_value(text: str, positive: bool = False) -> float:
+    """Raises ValueError with the message argparse shows (launcher/_args.py
+    holds the rules, so the library and the command line agree)."""
+    from ._args import parse_seconds
+
+    return parse_seconds(text, positive=positive)
 
 
 def _seconds(text: str) -> float:
@@ -41,25 +38,71 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _positive_seconds(text: str) -> float:
+    """--timeout and --kill-timeout: 0 is refused, not read as "none" (it
+    would either cancel the run before it ran, or never see it empty)."""
+    import argparse
+
+    try:
+        return _seconds_value(text, positive=True)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _run_id(text: str) -> str:
+    """An ID argument. One that no run could have (CONTRACT: letters,
+    digits, '.', '_', '-'; at most 100) is a usage error, 2; a well-formed
+    ID that names no run is "no such run", 3, from the command itself."""
+    import argparse
+
+    from ._layout import check_id
+
+    try:
+        return check_id(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# What `contain` reads from its own environment (never the worker's), for
+# --help. Keep in step with README.md.
+_ENVIRONMENT = """environment:
+  CONTAIN_STATE_DIR     the state directory (default /run/contain for root,
+                        $XDG_RUNTIME_DIR/contain otherwise, else /tmp/contain-UID)
+  CONTAIN_CGROUP_BASE   the cgroup v2 directory runs are made under (default:
+                        contain/ under the mount for root, your own delegated
+                        cgroup otherwise)
+  CONTAIN_BACKEND       the default of --backend (auto, cgroup2, job-object, none)
+  CONTAIN_LEDGER        off (or 0, no, false): no fork ledger; escapes are
+                        then not watched
+  CONTAIN_RUN_CGROUP, CONTAIN_RUN_DIR, CONTAIN_RUN_ID
+                        set by contain in each worker's environment; a contain
+                        started inside a run reads them to nest under it
+  XDG_RUNTIME_DIR       where a non-root user's state directory goes
+
+`contain doctor` says what this host gives and what to do next."""
+
+
 # Every `contain run` option, once: both the argparse parser and the fast
 # path below are built from this table, so they cannot drift apart.
-# (flag, dest, kind, default, help); kind is "seconds", "text", "flag", or a
-# tuple of choices.
+# (flag, dest, kind, default, help); kind is "seconds" (>= 0), "positive"
+# (seconds > 0), "text", "flag", or a tuple of choices.
 _RUN_OPTIONS: tuple[tuple[str, str, Any, Any, str], ...] = (
     ("--id", "id", "text", None, "run id (default: generated); a live run's id cannot be reused"),
     ("--grace", "grace", "seconds", 5.0, "seconds between SIGTERM and SIGKILL (default 5)"),
-    ("--timeout", "timeout", "seconds", None, "cancel the run after this many seconds (exit 124)"),
-    ("--kill-timeout", "kill_timeout", "seconds", 10.0,
-     "seconds to wait for the container to empty after SIGKILL (default 10)"),
+    ("--timeout", "timeout", "positive", None, "cancel the run after this many seconds (exit 124); > 0"),
+    ("--kill-timeout", "kill_timeout", "positive", 10.0,
+     "seconds to wait for the container to empty after SIGKILL (default 10); > 0"),
     ("--record", "record", "text", None, "also write the stop record to FILE"),
     ("--backend", "backend", ("auto", "cgroup2", "job-object", "none"), None,
      "container kind (default auto, or CONTAIN_BACKEND)"),
-    ("--seal", "seal", "flag", False, "make leaving the container impossible (see docs/sealing.md)"),
+    ("--seal", "seal", "flag", False,
+     "make leaving the container impossible; needs a root supervisor (docs/sealing.md)"),
     ("--user", "user", "text", None, "run the worker as USER (name or uid)"),
     ("--workspace", "workspace", "text", None,
      "after the stop, check no process holds DIR and nothing writes under it"),
     ("--check-sockets", "check_sockets", "flag", False,
      "after the stop, check every socket the tree held at the stop is closed"),
+    ("--quiet", "quiet", "flag", False, "say nothing on stderr when the container is weaker than this host allows"),
 )
 _METAVARS = {"--record": "FILE", "--workspace": "DIR", "--user": "USER"}
 _RUN_BY_FLAG = {o[0]: o for o in _RUN_OPTIONS}
@@ -103,9 +146,9 @@ def _fast_run(argv: Sequence[str]) -> SimpleNamespace | None:
             if value not in kind:
                 return None
             vals[dest] = value
-        elif kind == "seconds":
+        elif kind in ("seconds", "positive"):
             try:
-                vals[dest] = _seconds_value(value)
+                vals[dest] = _seconds_value(value, positive=kind == "positive")
             except ValueError:
                 return None
         else:
@@ -125,21 +168,42 @@ def _make_parser_class() -> type[argparse.ArgumentParser]:
     return _Parser
 
 
+def _formatter() -> type[argparse.HelpFormatter]:
+    import argparse
+
+    class _Formatter(argparse.HelpFormatter):
+        """Descriptions wrap as usual; a text laid out in lines (the
+        environment table) is printed as written."""
+
+        def _fill_text(self, text: str, width: int, indent: str) -> str:
+            if "\n" in text:
+                return "".join(indent + line for line in text.splitlines(keepends=True))
+            return super()._fill_text(text, width, indent)
+
+    return _Formatter
+
+
 def _parser() -> argparse.ArgumentParser:
     import argparse
 
+    from . import __version__
+
     p = _make_parser_class()(prog="contain", description="Run a process tree inside a kernel container and "
-                "report exactly what was observed when it stopped.")
+                             "report exactly what was observed when it stopped.",
+                             epilog=_ENVIRONMENT, formatter_class=_formatter())
+    p.add_argument("--version", action="version", version=f"contain {__version__}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
     r = sub.add_parser("run", help="run CMD in a fresh container; exits with its status",
                        description="Run CMD in a fresh cgroup v2 leaf entered at clone time. stdin, "
                        "stdout and stderr are inherited. Exit status: the worker's own, 128+N for "
-                       "signal N, 124 on --timeout, 125 if contain failed, 126/127 if CMD cannot run.")
+                       "signal N, 124 on --timeout, 125 if contain failed, 126/127 if CMD cannot run, "
+                       "2 for a usage error.", epilog=_ENVIRONMENT, formatter_class=_formatter())
     for flag, dest, kind, default, help_text in _RUN_OPTIONS:
         if kind == "flag":
             r.add_argument(flag, dest=dest, action="store_true", help=help_text)
-        elif kind == "seconds":
-            r.add_argument(flag, dest=dest, type=_seconds, default=default, metavar="SECONDS", help=help_text)
+        elif kind in ("seconds", "positive"):
+            r.add_argument(flag, dest=dest, type=_seconds if kind == "seconds" else _positive_seconds,
+                           default=default, metavar="SECONDS", help=help_text)
         elif isinstance(kind, tuple):
             r.add_argument(flag, dest=dest, choices=kind, default=default, help=help_text)
         else:
@@ -150,11 +214,11 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true")
 
     st = sub.add_parser("status", help="show one run and every evidence layer")
-    st.add_argument("id")
+    st.add_argument("id", type=_run_id)
     st.add_argument("--json", action="store_true")
 
     c = sub.add_parser("cancel", help="cancel a run (durably, idempotently by --op-id)")
-    c.add_argument("id")
+    c.add_argument("id", type=_run_id)
     c.add_argument("--op-id", help="operation id; repeating it returns the same record")
     c.add_argument("--run-uid", help="refuse unless the run's uid is this one")
     c.add_argument("--grace", type=_seconds, help="seconds between SIGTERM and SIGKILL")
@@ -163,7 +227,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
 
     w = sub.add_parser("wait", help="wait until a run has ended")
-    w.add_argument("id")
+    w.add_argument("id", type=_run_id)
     w.add_argument("--timeout", type=_seconds, default=None)
     w.add_argument("--json", action="store_true")
 
@@ -198,6 +262,7 @@ def console() -> None:
     (docs/performance.md). In-process callers use main(), which returns."""
     import os
 
+    out_closed = _hold_closed_stdio()
     try:
         rc = main()
     except SystemExit as e:              # argparse's --help and usage errors
@@ -206,13 +271,69 @@ def console() -> None:
         else:                            # sys.exit("message"), as Python would print it
             sys.stderr.write(f"{e.code}\n")
             rc = 1
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            if rc == 0:
-                rc = 1
+    rc = _close_stdout(rc, out_closed)
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
     os._exit(rc)
+
+
+def _hold_closed_stdio() -> bool:
+    """Keep a descriptor 0-2 that the caller closed (`contain run ... 1>&-`)
+    closed for the worker, and out of contain's own hands. Unheld, the first
+    file contain opens becomes fd 1 (here, the run's cgroup.events) and
+    anything written to "stdout" lands in it. Each closed one gets a
+    placeholder on /dev/null opened the wrong way round (outputs read-only,
+    stdin write-only), so a write to it fails with EBADF as on a closed
+    descriptor, and close-on-exec, so the worker finds it closed again, as it
+    would under `env` or a plain exec. Python leaves sys.stdout None then;
+    what a command prints goes to memory, and _close_stdout reports it.
+    Returns whether stdout was closed."""
+    import io
+
+    for fd in (0, 1, 2):
+        try:
+            os.get_inheritable(fd)       # fcntl(F_GETFD): EBADF when closed
+            continue
+        except OSError:
+            pass
+        held = os.open(os.devnull, (os.O_WRONLY if fd == 0 else os.O_RDONLY) | os.O_CLOEXEC)
+        if held != fd:                   # cannot differ (lower ones are open or held by now): defensive
+            os.dup2(held, fd, inheritable=False)
+            os.close(held)
+    closed = sys.stdout is None
+    if sys.stdout is None:
+        sys.stdout = io.StringIO()
+    if sys.stderr is None:               # messages have nowhere to go, as with `2>&-` anywhere
+        sys.stderr = io.StringIO()
+    return closed
+
+
+def _close_stdout(rc: int, out_closed: bool) -> int:
+    """gnulib's close_stdout: output that could not be written is an error
+    of the command (one line, status 1 unless it already failed), so
+    `contain ls >&-` does not pass for a listing; a closed stdout that
+    nothing was written to is no error (`contain run -- true 1>&-` is the
+    worker's 0). A broken pipe (`contain ls | head -1`) is quietly 1."""
+    import errno
+    import io
+
+    if out_closed:
+        if isinstance(sys.stdout, io.StringIO) and sys.stdout.getvalue():
+            _say(f"write error: stdout: {os.strerror(errno.EBADF)}")
+            return rc or 1
+        return rc
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return rc or 1
+    except OSError as e:
+        _say(f"write error: stdout: {e.strerror or e}")
+        return rc or 1
+    except ValueError:                   # closed by someone: nothing more can be said
+        return rc or 1
+    return rc
 
 
 def _say(msg: str) -> None:
@@ -239,11 +360,15 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
     if backend not in ("auto", "cgroup2", "job-object", "none"):
         _say(f"run: CONTAIN_BACKEND={backend!r} is not auto, cgroup2, job-object or none")
         return EXIT_USAGE
+    # The parser has checked the numbers (launcher/_args.py): --timeout and
+    # --kill-timeout are > 0, so 0 never turns into "none" or the default.
+    kw: dict[str, Any] = dict(grace=args.grace, timeout=args.timeout, kill_timeout=args.kill_timeout,
+                              backend=backend, seal=args.seal or None, user=args.user, workspace=args.workspace,
+                              record_file=args.record, subreaper=True, check_sockets=args.check_sockets)
+    if "quiet" in Options.__slots__:     # the driver's "weaker container" line reads it (issue 12)
+        kw["quiet"] = args.quiet
     try:
-        opts = Options(grace=args.grace, timeout=args.timeout or None, kill_timeout=args.kill_timeout or 10.0,
-                       backend=backend, seal=args.seal or None, user=args.user, workspace=args.workspace,
-                       record_file=args.record, subreaper=True,
-                       check_sockets=args.check_sockets)
+        opts = Options(**kw)
         run = Run(cmd, id=args.id, options=opts)
         run.end_hooks.append(finish_nested)
     except ValueError as e:

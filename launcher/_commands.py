@@ -104,9 +104,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     try:
         d = RunDir.find(args.id)
-    except (RunNotFound, ValueError) as e:
+    except RunNotFound as e:
         _err(str(e))
         return EXIT_NOT_FOUND
+    except ValueError as e:               # a malformed ID is a usage error, as for cancel (README)
+        _err(str(e))
+        return EXIT_USAGE
     rec = d.read_record() or {}
     view = live_view(d)
     if args.json:
@@ -165,9 +168,12 @@ def cmd_wait(args: argparse.Namespace) -> int:
 
     try:
         d = RunDir.find(args.id)
-    except (RunNotFound, ValueError) as e:
+    except RunNotFound as e:
         _err(str(e))
         return EXIT_NOT_FOUND
+    except ValueError as e:               # a malformed ID is a usage error, as for cancel (README)
+        _err(str(e))
+        return EXIT_USAGE
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     watch = Watcher(d, (d.read_run() or {}).get("supervisor"))
     try:

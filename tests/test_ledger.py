@@ -85,7 +85,7 @@ def test_unsealed_escape_through_capless_root_process_is_caught(contain_runs, tm
         assert rec["_left"] == [] or rec["state"] == "BREACHED"
     finally:
         helper.kill()
-        helper.wait()
+        helper.wait(10)
         kill_survivors(helper_token)
 
 
@@ -138,7 +138,7 @@ def test_ledger_tracks_forks_made_before_the_root_is_registered():
     finally:
         led.close()
         p.kill()
-        p.wait()
+        p.wait(10)
         kill_survivors(token)
 
 
