@@ -108,9 +108,28 @@ def stamp_key() -> str:
 
 # -- fetch ----------------------------------------------------------------------
 
+def _cached(dest: pathlib.Path, sha: str) -> bool:
+    """A file with this sha256 is in `dest` already (a warm cache)."""
+    if not dest.is_dir():
+        return False
+    for p in dest.iterdir():
+        if p.is_file() and not p.name.startswith("."):
+            h = hashlib.sha256()
+            with open(p, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+            if h.hexdigest() == sha:
+                return True
+    return False
+
+
 def _pip_download(reqs: list[tuple[str, str]], dest: pathlib.Path, extra: list[str]) -> None:
     """pip download in hash-checking mode: a file that is not the pinned one
-    fails the lane rather than being tested."""
+    fails the lane rather than being tested. Files already cached with the
+    pinned hash are not asked for again."""
+    reqs = [(r, h) for r, h in reqs if not _cached(dest, h)]
+    if not reqs:
+        return
     dest.mkdir(parents=True, exist_ok=True)
     reqfile = dest / f".req-{os.getpid()}.txt"
     reqfile.write_text("".join(f"{r} --hash=sha256:{h}\n" for r, h in reqs))
