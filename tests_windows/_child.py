@@ -157,6 +157,14 @@ def role_lockhold(path: str) -> int:
     return 0
 
 
+def role_append(path: str, tag: str, n: str) -> int:
+    from launcher._platform import winfs
+
+    for i in range(int(n)):
+        winfs.append_line(path, f"{tag} {i} {'x' * 200}\n".encode())
+    return 0
+
+
 def role_poke(name: str, delay: str) -> int:
     from launcher._platform import winsync
 

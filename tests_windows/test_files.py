@@ -169,6 +169,36 @@ def test_readers_see_whole_versions_while_a_writer_replaces(tmp_path) -> None:  
     assert winfs.read_bytes(path) == b"9" * 4096
 
 
+def test_concurrent_appenders_never_overwrite_each_other(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The cancel inbox: four processes append 100 lines each at once."""
+    path = str(tmp_path / "requests.ndjson")
+    ps = [subprocess.Popen(child("append", path, f"p{i}", "100"), stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(4)]
+    assert [p.wait(120) for p in ps] == [0, 0, 0, 0]
+    lines = winfs.read_bytes(path).decode().splitlines()
+    assert len(lines) == 400
+    for i in range(4):
+        mine = [int(x.split()[1]) for x in lines if x.startswith(f"p{i} ")]
+        assert mine == list(range(100)), i
+    assert all(x.endswith("x" * 200) for x in lines)
+
+
+def test_append_line_with_fsync_and_no_link_followed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = str(tmp_path / "journal.ndjson")
+    winfs.append_line(path, b"one\n", fsync=True)
+    winfs.append_line(path, b"two\n")
+    assert winfs.read_bytes(path) == b"one\ntwo\n"
+
+
+def test_lock_wait_blocks_until_the_holder_dies(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = str(tmp_path / ".claim.lock")
+    p = _holder(path)
+    threading.Timer(0.5, p.kill).start()
+    lk = winfs.OwnerLock.acquire(path, wait=True)
+    assert lk is not None and p.wait(30) is not None
+    lk.release()
+
+
 def test_write_bytes_atomic_leaves_only_the_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = str(tmp_path / "record.json")
     winfs.write_bytes_atomic(path, b"one", fsync=True)

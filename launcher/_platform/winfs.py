@@ -41,6 +41,9 @@ from .winsync import SE_FILE_OBJECT, check, error, require_windows
 _GENERIC_READ = 0x80000000
 _GENERIC_WRITE = 0x40000000
 _READ_CONTROL = 0x00020000
+_SYNCHRONIZE = 0x00100000
+_FILE_APPEND_DATA = 0x0004
+_FILE_FLAG_WRITE_THROUGH = 0x80000000
 _FILE_SHARE_READ, _FILE_SHARE_WRITE, _FILE_SHARE_DELETE = 1, 2, 4
 _OPEN_EXISTING, _OPEN_ALWAYS = 3, 4
 _FILE_FLAG_BACKUP_SEMANTICS = 0x02000000    # needed to open a directory
@@ -90,9 +93,10 @@ class OwnerLock:
         self.fd = fd
 
     @classmethod
-    def acquire(cls, path: str) -> "OwnerLock | None":
+    def acquire(cls, path: str, *, wait: bool = False) -> "OwnerLock | None":
         """Take the lock, creating the file if needed. None: someone else
-        holds it. Raises OSError when the file cannot be opened."""
+        holds it (with `wait`, block until they are gone instead: the claim
+        guard). Raises OSError when the file cannot be opened."""
         if sys.platform != "win32":
             require_windows("OwnerLock")
             raise AssertionError
@@ -107,7 +111,7 @@ class OwnerLock:
         fd = msvcrt.open_osfhandle(h, os.O_RDWR)
         try:
             _refuse_reparse(fd, path)
-            rc = lib.ct_sync_lock(h, 1, 1)
+            rc = lib.ct_sync_lock(h, 1, 0 if wait else 1)
             if rc == _ERROR_LOCK_VIOLATION:
                 os.close(fd)
                 return None
@@ -180,6 +184,27 @@ def read_bytes(path: str) -> bytes:
     with os.fdopen(fd, "rb") as f:
         _refuse_reparse(f.fileno(), path)
         return f.read()
+
+
+def append_line(path: str, data: bytes, *, fsync: bool = False) -> None:
+    """Append `data` (one record, newline included) in one WriteFile on a
+    handle opened for FILE_APPEND_DATA only: the system puts each write at
+    the end of the file, so lines from concurrent appenders (the cancel
+    inbox) never overwrite each other. os.open(O_APPEND) does not give that
+    on Windows: the C runtime seeks to the end and then writes, two steps."""
+    if sys.platform != "win32":
+        require_windows("append_line")
+        raise AssertionError
+    import _winapi
+
+    h = _open_handle(path, _FILE_APPEND_DATA | _SYNCHRONIZE, _FILE_SHARE_READ | _FILE_SHARE_WRITE | _FILE_SHARE_DELETE,
+                     _OPEN_ALWAYS, _FILE_FLAG_OPEN_REPARSE_POINT | (_FILE_FLAG_WRITE_THROUGH if fsync else 0))
+    try:
+        written, err = _winapi.WriteFile(h, data)
+        if err or written != len(data):
+            raise OSError(errno.EIO, f"{path}: appended {written} of {len(data)} bytes (winerror {err})")
+    finally:
+        _close_handle(h)
 
 
 def replace(src: str, dst: str, *, timeout: float = REPLACE_TIMEOUT) -> int:
