@@ -1,11 +1,42 @@
-"""Spawning through the C extension, and the errors it reports."""
+"""Spawning through the C extension, and the errors it reports.
+
+What the worker inherits is decided here, not in C (spawn.c only does what
+the request says):
+
+- Signals. The worker starts with an empty signal mask, whatever the
+  calling thread blocks, and every disposition at SIG_DFL except the set
+  `SpawnRequest.keep_ignored`, which stays SIG_IGN. The rule the driver
+  follows to fill it: what the supervisor's own caller chose to ignore stays
+  ignored, as across any exec (`nohup contain run ...` keeps SIGHUP
+  ignored); what Python itself ignores (SIGPIPE, SIGXFSZ, set by the
+  interpreter at start-up) is restored, as `subprocess`'s
+  `restore_signals` does; and an ignored SIGCHLD is never handed on (a
+  library caller that ignores it for its own reasons would otherwise give
+  the worker auto-reaped children, and `wait` in a shell would fail).
+  `keep_ignored_now()` computes the set for a library caller from the
+  dispositions at the time of the spawn; the CLI calls
+  `caller_ignored_signals()` once at start-up, before it installs any
+  handler, and passes that set (and should not install a cancelling
+  handler over a signal its caller ignored).
+- Descriptors. Every descriptor >= 3 is closed at exec except
+  `SpawnRequest.pass_fds`, which stay open (made inheritable in the child,
+  even if close-on-exec here), like `subprocess`'s `pass_fds`. The CLI
+  calls `inherited_fds()` at start-up to pass on what its own caller handed
+  it without close-on-exec (`<(...)`, `3<file`, make's jobserver), as `env`
+  and `timeout` do.
+- Exec follows execvp: the candidates of a PATH search in order, a file
+  the kernel will not run (ENOEXEC) run by /bin/sh, and a file that exists
+  but whose interpreter does not is "bad interpreter" (126), not "command
+  not found".
+"""
 from __future__ import annotations
 
 import errno
 import os
+import signal as _signal
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
-    from typing import Any, Sequence
+    from typing import Any, Iterable, Sequence
 
 from .._errors import SpawnFailed
 from .._native import ffi, lib
@@ -13,36 +44,125 @@ from .._native import ffi, lib
 _STAGES = {
     lib.CT_STAGE_CLONE: "clone",
     lib.CT_STAGE_BIRTH: "birth",
-    lib.CT_STAGE_HOLD: "hold",
+    lib.CT_STAGE_START: "start",
+    lib.CT_STAGE_JOIN: "placement",
     lib.CT_STAGE_STDIO: "stdio",
     lib.CT_STAGE_CHDIR: "chdir",
     lib.CT_STAGE_PGROUP: "setsid/setpgid",
     lib.CT_STAGE_SEAL: "seal",
     lib.CT_STAGE_CAPS: "drop capabilities",
     lib.CT_STAGE_CREDS: "set credentials",
+    lib.CT_STAGE_FDS: "descriptors",
+    lib.CT_STAGE_SIGNALS: "signal mask",
     lib.CT_STAGE_EXEC: "exec",
+    lib.CT_STAGE_VERIFY: "exec check",
+    lib.CT_STAGE_USERNS: "user namespace",
+    lib.CT_STAGE_INIT: "pid namespace init",
+    lib.CT_STAGE_FORK: "fork in the pid namespace",
 }
+
+# Ignored by CPython itself at start-up (Python/pylifecycle.c), or never to
+# be handed on (see the module docstring).
+NEVER_KEPT = frozenset({_signal.SIGPIPE, _signal.SIGXFSZ, _signal.SIGCHLD})
+
+SHELL = "/bin/sh"
 
 
 class CloneUnsupported(Exception):
-    """clone3 or CLONE_INTO_CGROUP is not available: use the held fallback."""
+    """clone3 or CLONE_INTO_CGROUP is not available: use the join fallback."""
 
 
 class DiedAtBirth(Exception):
     """The child was killed before running any of our code."""
 
 
+class BadInterpreter(SpawnFailed):
+    """The file exists but execve says ENOENT: its #! interpreter (or ELF
+    loader) is missing. Found but not runnable: 126, as POSIX shells say
+    for a command that was found and cannot be executed."""
+
+    @property
+    def exit_code(self) -> int:
+        return 126
+
+
+class KilledBeforeExec(SpawnFailed):
+    """The child died of a signal after our code began and before execve
+    completed. `exit_code` is what a shell reports for a child killed by
+    that signal."""
+
+    def __init__(self, message: str, *, signal: int, stage: str, path: str = "") -> None:
+        super().__init__(message, errno=errno.ECANCELED, stage=stage, path=path)
+        self.signal = signal
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signal
+
+
+def _mask(signals: Iterable[int]) -> int:
+    m = 0
+    for s in signals:
+        if not 1 <= s <= 64:
+            raise ValueError(f"not a signal number: {s}")
+        m |= 1 << (s - 1)
+    return m
+
+
+def ignored_signals() -> frozenset[int]:
+    """Every signal whose disposition in this process is SIG_IGN now (as
+    the kernel has it, whoever set it)."""
+    m = int(lib.ct_sig_ignored_mask())
+    return frozenset(s for s in range(1, 65) if m >> (s - 1) & 1)
+
+
+def keep_ignored_now() -> frozenset[int]:
+    """What a worker spawned now keeps ignored: this process's ignored
+    signals minus SIGPIPE, SIGXFSZ and SIGCHLD."""
+    return ignored_signals() - NEVER_KEPT
+
+
+def caller_ignored_signals() -> frozenset[int]:
+    """For the CLI, at start-up and before it installs any handler: what
+    its caller chose to ignore (nohup's SIGHUP, a shell's SIGINT for a
+    background job), to keep ignored in the worker and not to cancel on.
+    SIGPIPE and SIGXFSZ are not the caller's word (the interpreter ignored
+    them before any of our code ran) and SIGCHLD is never kept."""
+    return keep_ignored_now()
+
+
+def inherited_fds() -> list[int]:
+    """For the CLI, at start-up: the descriptors >= 3 it was given without
+    close-on-exec (every descriptor Python opens is close-on-exec, PEP 446),
+    to pass on to the worker as `env` and `timeout` would."""
+    import fcntl
+
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd < 3:
+            continue
+        try:
+            if not fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC:
+                out.append(fd)
+        except OSError:
+            continue    # the listing's own descriptor, closed by now
+    return sorted(out)
+
+
 class SpawnRequest:
     __slots__ = ("argv", "env", "cwd", "stdio", "new_pgroup", "new_session", "uid", "gid",
                  "groups", "seal_ro_paths", "drop_caps", "no_new_privs", "seal_cg2_paths",
-                 "seal_userns")
+                 "seal_userns", "keep_ignored", "pass_fds", "shell", "clear_caps")
 
     def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
                  stdio: tuple[int, int, int] = (-1, -1, -1), new_pgroup: bool = False,
                  new_session: bool = False, uid: int = -1, gid: int = -1, groups: Sequence[int] = (),
                  seal_ro_paths: Sequence[str] | None = None, drop_caps: Sequence[int] = (),
                  no_new_privs: bool = False, seal_cg2_paths: Sequence[str] = (),
-                 seal_userns: bool = False) -> None:
+                 seal_userns: bool = False, keep_ignored: Iterable[int] | None = None,
+                 pass_fds: Iterable[int] = (), shell: str | None = SHELL,
+                 clear_caps: bool = False) -> None:
         if not argv:
             raise ValueError("argv must not be empty")
         self.argv = [os.fsdecode(a) for a in argv]
@@ -59,6 +179,14 @@ class SpawnRequest:
         self.no_new_privs = no_new_privs
         self.seal_cg2_paths = list(seal_cg2_paths)   # replaced by the run's own view (seal.c)
         self.seal_userns = seal_userns
+        # None: what this process ignores now, minus NEVER_KEPT (the library's rule)
+        self.keep_ignored = keep_ignored_now() if keep_ignored is None else frozenset(keep_ignored) - NEVER_KEPT
+        fds = [int(fd) for fd in pass_fds]
+        if any(fd < 0 for fd in fds):
+            raise ValueError("pass_fds: negative descriptor")
+        self.pass_fds = sorted({fd for fd in fds if fd > 2})   # 0..2 are stdio's
+        self.shell = shell         # ENOEXEC: run the file with this, as execvp does (None: don't)
+        self.clear_caps = clear_caps
 
 
 class Spawned:
@@ -85,7 +213,14 @@ def _cstrs(items: Sequence[str], keep: list[Any]) -> Any:
     return arr
 
 
-def _args(req: SpawnRequest, cgroup_fd: int, hold: bool, keep: list[Any]) -> Any:
+def _ints(ctype: str, items: Sequence[int], keep: list[Any]) -> Any:
+    arr = ffi.new(ctype, list(items))
+    keep.append(arr)
+    return arr
+
+
+def _args(req: SpawnRequest, cgroup_fd: int, join_fds: Sequence[int], expect_cgroup: Sequence[str],
+          keep: list[Any]) -> Any:
     a = ffi.new("struct ct_spawn_args*")
     paths = candidates(req.argv[0], req.env)
     a.paths = _cstrs(paths, keep)
@@ -97,16 +232,19 @@ def _args(req: SpawnRequest, cgroup_fd: int, hold: bool, keep: list[Any]) -> Any
         keep.append(cwd)
         a.cwd = cwd
     a.cgroup_fd = cgroup_fd
-    a.hold = 1 if hold else 0
+    if join_fds:
+        a.join_fds = _ints("int[]", join_fds, keep)
+        a.njoin = len(join_fds)
+    if expect_cgroup:
+        a.cg_expect = _cstrs(expect_cgroup, keep)
+        a.ncg_expect = len(expect_cgroup)
     a.stdio = list(req.stdio)
     a.new_pgroup = int(req.new_pgroup)
     a.new_session = int(req.new_session)
     a.uid = req.uid
     a.gid = req.gid
     if req.groups:
-        g = ffi.new("unsigned int[]", req.groups)
-        keep.append(g)
-        a.groups = g
+        a.groups = _ints("unsigned int[]", req.groups, keep)
     a.ngroups = len(req.groups)
     if req.seal_ro_paths is not None:
         a.seal = 1
@@ -116,16 +254,38 @@ def _args(req: SpawnRequest, cgroup_fd: int, hold: bool, keep: list[Any]) -> Any
         a.ncg2 = len(req.seal_cg2_paths)
         a.userns = int(req.seal_userns)
     if req.drop_caps:
-        caps = ffi.new("int[]", req.drop_caps)
-        keep.append(caps)
-        a.drop_caps = caps
+        a.drop_caps = _ints("int[]", req.drop_caps, keep)
         a.ndrop = len(req.drop_caps)
     a.no_new_privs = int(req.no_new_privs)
+    a.clear_caps = int(req.clear_caps)
+    a.sig_ignore = _mask(req.keep_ignored)
+    if req.pass_fds:
+        a.pass_fds = _ints("int[]", req.pass_fds, keep)
+        a.npass = len(req.pass_fds)
+    if req.shell:
+        sh = ffi.new("char[]", os.fsencode(req.shell))
+        keep.append(sh)
+        a.shell = sh
+        # slot 1 is the candidate, filled in by the child
+        a.shell_argv = _cstrs(["sh", req.argv[0], *req.argv[1:]], keep)
     keep.append(a)
     return a
 
 
-def _raise(rc: int, r: Any, req: SpawnRequest, cgroup: bool) -> None:
+def _interpreter(path: str) -> str | None:
+    """The #! line's interpreter of `path`, for a message only."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(256)
+    except OSError:
+        return None
+    if not head.startswith(b"#!"):
+        return None
+    line = head[2:].split(b"\n", 1)[0].strip()
+    return os.fsdecode(line.split()[0]) if line else ""
+
+
+def _raise(rc: int, r: Any, req: SpawnRequest, paths: Sequence[str], cgroup: bool) -> None:
     err = -rc
     stage = _STAGES.get(r.stage, "spawn")
     if r.stage == lib.CT_STAGE_CLONE and cgroup and err in (errno.ENOSYS, errno.E2BIG, errno.EINVAL):
@@ -133,57 +293,42 @@ def _raise(rc: int, r: Any, req: SpawnRequest, cgroup: bool) -> None:
     if r.stage == lib.CT_STAGE_BIRTH:
         raise DiedAtBirth()
     what = req.argv[0]
-    if stage == "exec":
-        msg = f"{what}: {'command not found' if err in (errno.ENOENT, errno.ENOTDIR) else os.strerror(err)}"
-    else:
-        msg = f"{what}: {stage} failed: {os.strerror(err)}"
-    raise SpawnFailed(msg, errno=err, stage=stage, path=what)
-
-
-def spawn(req: SpawnRequest, cgroup_fd: int = -1) -> Spawned:
-    keep: list[Any] = []
-    a = _args(req, cgroup_fd, False, keep)
-    r = ffi.new("struct ct_spawn_result*")
-    rc = lib.ct_spawn(a, r)
-    if rc < 0:
-        _raise(rc, r, req, cgroup_fd >= 0)
-    return Spawned(r.pid, r.pidfd)
-
-
-class Held:
-    """A child stopped before exec, for placement by cgroup.procs."""
-
-    def __init__(self, req: SpawnRequest, keep: list[Any], r: Any) -> None:
-        self._req = req
-        self._keep = keep
-        self._r = r
-        self.pid: int = r.pid
-
-    def release(self) -> Spawned:
-        rc = lib.ct_spawn_finish(self._r)
-        if rc < 0:
-            _raise(rc, self._r, self._req, False)
-        return Spawned(self._r.pid, self._r.pidfd)
-
-    def abort(self) -> None:
-        """Kill the held child (it has run none of the worker's code) and reap it."""
-        import signal
-
+    if r.signal and not r.child_errno:
         try:
-            signal.pidfd_send_signal(self._r.pidfd, signal.SIGKILL)
-            os.waitid(os.P_PIDFD, self._r.pidfd, os.WEXITED)
-        except OSError:
-            pass
-        for fd in (self._r.pidfd, self._r.err_fd, self._r.hold_fd):
-            if fd >= 0:
-                os.close(fd)
+            name = _signal.Signals(r.signal).name
+        except ValueError:
+            name = f"signal {r.signal}"
+        raise KilledBeforeExec(f"{what}: killed by {name} (signal {r.signal}) before exec, "
+                               f"during {stage}", signal=r.signal, stage=stage, path=what)
+    if stage == "exec":
+        path = paths[r.candidate] if 0 <= r.candidate < len(paths) else what
+        if err == errno.ENOENT and r.candidate >= 0:
+            interp = _interpreter(path)
+            if interp is not None:
+                raise BadInterpreter(f"{path}: {interp}: bad interpreter: No such file or directory",
+                                     errno=err, stage=stage, path=path)
+            raise BadInterpreter(f"{path}: cannot execute: required file not found",
+                                 errno=err, stage=stage, path=path)
+        if err in (errno.ENOENT, errno.ENOTDIR):
+            raise SpawnFailed(f"{what}: command not found", errno=err, stage=stage, path=what)
+        raise SpawnFailed(f"{path}: {os.strerror(err)}", errno=err, stage=stage, path=path)
+    raise SpawnFailed(f"{what}: {stage} failed: {os.strerror(err)}", errno=err, stage=stage, path=what)
 
 
-def spawn_held(req: SpawnRequest) -> Held:
+def spawn(req: SpawnRequest, cgroup_fd: int = -1, join_fds: Sequence[int] = (),
+          expect_cgroup: Sequence[str] = ()) -> Spawned:
+    """Start the worker; return once it has exec'd (or raise).
+
+    `cgroup_fd`: a cgroup2 directory fd for clone3(CLONE_INTO_CGROUP), -1
+    for the caller's cgroup. `join_fds`: cgroup.procs files (v2 or v1,
+    opened for writing by the caller) the child writes "0" to before
+    anything else, and `expect_cgroup`: lines /proc/self/cgroup must then
+    hold (e.g. "0::/contain/run-x/main"), or the spawn fails at "placement"
+    without running a worker instruction."""
     keep: list[Any] = []
-    a = _args(req, -1, True, keep)
+    a = _args(req, cgroup_fd, join_fds, expect_cgroup, keep)
     r = ffi.new("struct ct_spawn_result*")
     rc = lib.ct_spawn(a, r)
     if rc < 0:
-        _raise(rc, r, req, False)
-    return Held(req, keep, r)
+        _raise(rc, r, req, candidates(req.argv[0], req.env), cgroup_fd >= 0)
+    return Spawned(r.pid, r.pidfd)
