@@ -155,7 +155,7 @@ static int child_stdio(const int stdio[3]) {
     return 0;
 }
 
-static int write_all(int fd, const char *s, size_t n) {
+int ct_write_all(int fd, const char *s, size_t n) {
     while (n) {
         ssize_t w = write(fd, s, n);
         if (w < 0) {
@@ -186,11 +186,11 @@ static int has_line(const char *text, size_t n, const char *line) {
  * of whoever opened the file (cgroup_procs_write_permission uses the
  * open-time f_cred). Then /proc/self/cgroup must name where it went: the
  * kernel's word, not ours, before anything of the worker runs. */
-static int child_join(const struct ct_spawn_args *a) {
+int ct_child_join(const struct ct_spawn_args *a) {
     char buf[16384];
     int rc;
     for (int i = 0; i < a->njoin; i++) {
-        if ((rc = write_all(a->join_fds[i], "0", 1)) < 0) return rc;
+        if ((rc = ct_write_all(a->join_fds[i], "0", 1)) < 0) return rc;
     }
     if (a->ncg_expect <= 0) return 0;
     int fd = open("/proc/self/cgroup", O_RDONLY | O_CLOEXEC);
@@ -293,12 +293,20 @@ struct ct_dirent64 {
     char d_name[];
 };
 
+/* Mark close-on-exec, or close. */
+static int drop_fd(int fd, int closing) {
+    if (!closing) return set_cloexec(fd, 1);
+    return close(fd) < 0 && errno != EINTR ? -errno : 0;
+}
+
 /* The fallback of _posixsubprocess (_close_open_fds_safe): list this
  * process's own table. The directory is opened here, in the child: one
  * opened before the clone would list the parent's table ("self" is
- * resolved at open time), which other threads keep changing. */
-static int cloexec_by_scan(const int *keep, int nkeep) {
+ * resolved at open time), which other threads keep changing. Returns how
+ * many descriptors it dropped. */
+static int drop_by_scan(const int *keep, int nkeep, int closing) {
     char buf[4096];
+    int dropped = 0;
     int dfd = open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dfd < 0) return -errno;
     for (;;) {
@@ -322,41 +330,42 @@ static int cloexec_by_scan(const int *keep, int nkeep) {
                 digits++;
             }
             if (!digits || fd < 3 || fd == dfd || is_kept(keep, nkeep, fd)) continue;
-            int rc = set_cloexec(fd, 1);
+            int rc = drop_fd(fd, closing);
             if (rc < 0 && rc != -EBADF) {
                 close(dfd);
                 return rc;
             }
+            dropped++;
         }
     }
     close(dfd);
-    return 0;
+    return dropped;
 }
 
-static int cloexec_by_loop(const int *keep, int nkeep) {
+static int drop_by_loop(const int *keep, int nkeep, int closing) {
     struct rlimit rl;
     if (getrlimit(RLIMIT_NOFILE, &rl) < 0) return -errno;
     long max = rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur > (1L << 30) ? (1L << 20) : (long)rl.rlim_cur;
     for (long fd = 3; fd < max; fd++) {
         if (is_kept(keep, nkeep, (int)fd)) continue;
-        int rc = set_cloexec((int)fd, 1);
+        int rc = drop_fd((int)fd, closing);
         if (rc < 0 && rc != -EBADF) return rc;
     }
     return 0;
 }
 
-int ct_fds_cloexec_except(const int *keep, int nkeep, int how) {
+static int fds_except(const int *keep, int nkeep, int how, int closing) {
     int rc;
     for (int i = 0; i < nkeep; i++) {
         if (keep[i] < 3 || (i && keep[i] <= keep[i - 1])) return -EINVAL;
-        if ((rc = set_cloexec(keep[i], 0)) < 0) return rc;
+        if (!closing && (rc = set_cloexec(keep[i], 0)) < 0) return rc;
     }
     if (how == 0) {
         unsigned int lo = 3;
         int fallback = 0;
         for (int i = 0; i <= nkeep && !fallback; i++) {
             unsigned int hi = i < nkeep ? (unsigned int)keep[i] - 1 : ~0U;
-            if (hi >= lo && syscall(SYS_close_range, lo, hi, CLOSE_RANGE_CLOEXEC) < 0) {
+            if (hi >= lo && syscall(SYS_close_range, lo, hi, closing ? 0U : CLOSE_RANGE_CLOEXEC) < 0) {
                 /* ENOSYS before 5.9, EINVAL for the flag before 5.11 */
                 if (errno != ENOSYS && errno != EINVAL) return -errno;
                 fallback = 1;
@@ -367,10 +376,25 @@ int ct_fds_cloexec_except(const int *keep, int nkeep, int how) {
         how = 1;
     }
     if (how == 1) {
-        rc = cloexec_by_scan(keep, nkeep);
+        /* Closing while listing can make getdents skip entries: list
+         * again until a pass finds nothing left to close. */
+        for (int pass = 0; pass < 8; pass++) {
+            rc = drop_by_scan(keep, nkeep, closing);
+            if (rc == 0 || (rc > 0 && !closing)) return 0;
+            if (rc < 0) break;
+        }
+        if (rc >= 0) return 0;
         if (rc != -ENOENT && rc != -EACCES && rc != -ENOTDIR) return rc;
     }
-    return cloexec_by_loop(keep, nkeep);
+    return drop_by_loop(keep, nkeep, closing);
+}
+
+int ct_fds_cloexec_except(const int *keep, int nkeep, int how) {
+    return fds_except(keep, nkeep, how, 0);
+}
+
+int ct_fds_close_except(const int *keep, int nkeep) {
+    return fds_except(keep, nkeep, 0, 1);
 }
 
 static int exists(const char *path) {
@@ -416,7 +440,7 @@ void ct_child_exec(const struct ct_spawn_args *a, struct ct_report *rep) {
 
     if (a->njoin > 0 || a->ncg_expect > 0) {
         rep_stage(rep, CT_STAGE_JOIN);
-        if ((rc = child_join(a)) < 0) child_fail(rep, CT_STAGE_JOIN, -rc, -1);
+        if ((rc = ct_child_join(a)) < 0) child_fail(rep, CT_STAGE_JOIN, -rc, -1);
     }
     rep_stage(rep, CT_STAGE_STDIO);
     if ((rc = child_stdio(a->stdio)) < 0) child_fail(rep, CT_STAGE_STDIO, -rc, -1);
@@ -486,7 +510,7 @@ static ssize_t read_small(const char *path, char *buf, size_t size) {
     return (ssize_t)n;
 }
 
-static char *put_int(char *p, long v) {
+char *ct_put_int(char *p, long v) {
     char tmp[24];
     int n = 0;
     if (v < 0) {
@@ -517,11 +541,11 @@ static long parse_long(const char *p, const char **end) {
 
 /* The pid of the pidfd's process as this /proc mount names it, -1 once it
  * has been reaped. */
-static int pid_via_fdinfo(int pidfd, long *pid) {
+int ct_pid_via_fdinfo(int pidfd, long *pid) {
     char path[64], buf[512];
     char *p = path;
     memcpy(p, "/proc/self/fdinfo/", 18);
-    put_int(p + 18, pidfd);
+    ct_put_int(p + 18, pidfd);
     ssize_t n = read_small(path, buf, sizeof buf);
     if (n < 0) return (int)n;
     const char *line = strstr(buf, "\nPid:");
@@ -597,10 +621,10 @@ static int exec_or_death(int pidfd, int rd, int eof, int *died) {
             spins++;    /* after EOF the rename is a few instructions away */
         }
         if (!path[0]) {
-            if ((rc = pid_via_fdinfo(pidfd, &pid)) < 0) return rc;
+            if ((rc = ct_pid_via_fdinfo(pidfd, &pid)) < 0) return rc;
             if (pid <= 0) return -ECHILD;   /* reaped by another waiter of this process */
             memcpy(path, "/proc/", 6);
-            char *p = put_int(path + 6, pid);
+            char *p = ct_put_int(path + 6, pid);
             memcpy(p, "/comm", 6);
         }
         int ex = pidfd_exited(pidfd);
@@ -616,7 +640,7 @@ static int exec_or_death(int pidfd, int rd, int eof, int *died) {
     }
 }
 
-static void reap(int pidfd, struct ct_spawn_result *r) {
+void ct_reap(int pidfd, struct ct_spawn_result *r) {
     siginfo_t si;
     memset(&si, 0, sizeof si);
     while (waitid((idtype_t)P_PIDFD, (id_t)pidfd, &si, WEXITED) < 0) {
@@ -655,7 +679,7 @@ int ct_child_settle(int pid, int pidfd, int rd, struct ct_spawn_result *r) {
     } else {
         return 0;                    /* exec'd: comm renamed */
     }
-    reap(pidfd, r);
+    ct_reap(pidfd, r);
     close(pidfd);
     r->pidfd = -1;
     return rc;

@@ -106,4 +106,10 @@ struct ct_report {
 __attribute__((noreturn)) void ct_child_exec(const struct ct_spawn_args *a, struct ct_report *rep);
 int ct_child_settle(int pid, int pidfd, int rd, struct ct_spawn_result *r);
 long ct_raw_clone3(uint64_t flags, int *pidfd, int cgroup_fd);
+int ct_child_join(const struct ct_spawn_args *a);
+int ct_fds_close_except(const int *keep, int nkeep);
+void ct_reap(int pidfd, struct ct_spawn_result *r);
+char *ct_put_int(char *p, long v);
+int ct_pid_via_fdinfo(int pidfd, long *pid);
+int ct_write_all(int fd, const char *s, size_t n);
 #endif

@@ -297,7 +297,8 @@ class Container:
         finally:
             os.close(fd)
         if sp is not None:
-            sp.via = "clone3(CLONE_INTO_CGROUP|CLONE_PIDFD)"
+            if sp.wall is None:      # a wall's init says how it was made
+                sp.via = "clone3(CLONE_INTO_CGROUP|CLONE_PIDFD)"
             return sp
         leaf = os.path.join(self.dir, f"main-{os.urandom(2).hex()}")
         os.mkdir(leaf)
@@ -308,7 +309,10 @@ class Container:
             sp = posix.spawn(req, join_fds=[procs], expect_cgroup=["0::" + self.hierarchy.cg_path(leaf)])
         finally:
             os.close(procs)
-        sp.via = f"joined its leaf before exec (wrote 0 to cgroup.procs, verified /proc/self/cgroup) ({reason})"
+        who = "the init joined the leaf before forking the worker" if sp.wall else "joined its leaf before exec"
+        sp.via = f"{who} (wrote 0 to cgroup.procs, verified /proc/self/cgroup) ({reason})"
+        if sp.wall:
+            sp.via = f"{sp.via}; {posix.wall_via(req)}"
         return sp
 
     empty_via = "cgroup.events populated"

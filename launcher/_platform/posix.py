@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import signal as _signal
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
@@ -153,7 +154,8 @@ def inherited_fds() -> list[int]:
 class SpawnRequest:
     __slots__ = ("argv", "env", "cwd", "stdio", "new_pgroup", "new_session", "uid", "gid",
                  "groups", "seal_ro_paths", "drop_caps", "no_new_privs", "seal_cg2_paths",
-                 "seal_userns", "keep_ignored", "pass_fds", "shell", "clear_caps")
+                 "seal_userns", "keep_ignored", "pass_fds", "shell", "clear_caps",
+                 "pidns", "userns", "uid_map", "gid_map", "mount_proc", "die_with_parent")
 
     def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
                  stdio: tuple[int, int, int] = (-1, -1, -1), new_pgroup: bool = False,
@@ -162,7 +164,9 @@ class SpawnRequest:
                  no_new_privs: bool = False, seal_cg2_paths: Sequence[str] = (),
                  seal_userns: bool = False, keep_ignored: Iterable[int] | None = None,
                  pass_fds: Iterable[int] = (), shell: str | None = SHELL,
-                 clear_caps: bool = False) -> None:
+                 clear_caps: bool = False, pidns: bool = False, userns: str | None = None,
+                 uid_map: str | None = None, gid_map: str | None = None, mount_proc: bool = False,
+                 die_with_parent: bool = False) -> None:
         if not argv:
             raise ValueError("argv must not be empty")
         self.argv = [os.fsdecode(a) for a in argv]
@@ -187,15 +191,335 @@ class SpawnRequest:
         self.pass_fds = sorted({fd for fd in fds if fd > 2})   # 0..2 are stdio's
         self.shell = shell         # ENOEXEC: run the file with this, as execvp does (None: don't)
         self.clear_caps = clear_caps
+        # The PID-namespace wall (init.c): the worker is forked by an init of
+        # ours at pid 1 of a new PID namespace. userns: None (a root caller),
+        # "self" (the caller's euid/egid mapped to themselves: for callers
+        # without root), "map" (uid_map/gid_map, e.g. "0 61184 1", written by
+        # this process: root makes the worker root of the namespace and an
+        # unprivileged uid outside it). mount_proc: a mount namespace with
+        # every mount private and a /proc of the new namespace.
+        if userns not in (None, "self", "map"):
+            raise ValueError(f"userns must be None, 'self' or 'map', not {userns!r}")
+        if userns is not None and not pidns:
+            raise ValueError("userns needs pidns (it is the wall's user namespace)")
+        if userns == "map" and not (uid_map and gid_map):
+            raise ValueError("userns 'map' needs uid_map and gid_map")
+        self.pidns = pidns
+        self.userns = userns
+        self.uid_map = uid_map
+        self.gid_map = gid_map
+        self.mount_proc = mount_proc
+        self.die_with_parent = die_with_parent
+
+
+# -- the PID-namespace wall: the init's messages (init.c) ------------------------
+
+class InitEvent:
+    """One message of the wall's init, parsed from its fixed shape. The init
+    runs inside the run's namespaces, so a member could never have written
+    it (the socket is the init's alone), but it is still input: anything
+    that does not fit is an `InitUnknown`, never an exception."""
+
+    __slots__ = ()
+    kind = ""
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={getattr(self, k)!r}" for k in getattr(self, "__slots__", ()))
+        return f"{type(self).__name__}({fields})"
+
+
+class InitStarted(InitEvent):
+    __slots__ = ()
+    kind = "started"
+
+
+class InitExec(InitEvent):
+    """The worker exec'd. `pidfd`: the worker's, passed by the init (ours to close)."""
+
+    __slots__ = ("ns_pid", "pidfd")
+    kind = "exec"
+
+    def __init__(self, ns_pid: int, pidfd: int) -> None:
+        self.ns_pid = ns_pid
+        self.pidfd = pidfd
+
+
+class InitFailed(InitEvent):
+    """The worker never ran: its set-up or exec failed, or the init's own
+    set-up did (stage `user namespace`, `placement`, ...)."""
+
+    __slots__ = ("stage", "errno", "candidate", "signal", "wstatus")
+    kind = "failed"
+
+    def __init__(self, stage: int, errno: int, candidate: int, signal: int, wstatus: int) -> None:
+        self.stage = stage
+        self.errno = errno
+        self.candidate = candidate
+        self.signal = signal
+        self.wstatus = wstatus
+
+
+class InitWorkerExit(InitEvent):
+    """The init reaped the worker: its wait status."""
+
+    __slots__ = ("ns_pid", "status")
+    kind = "worker_exit"
+
+    def __init__(self, ns_pid: int, status: int) -> None:
+        self.ns_pid = ns_pid
+        self.status = status
+
+    @property
+    def exit_code(self) -> int | None:
+        return os.WEXITSTATUS(self.status) if os.WIFEXITED(self.status) else None
+
+    @property
+    def signal(self) -> int | None:
+        return os.WTERMSIG(self.status) if os.WIFSIGNALED(self.status) else None
+
+
+_NOTES = {
+    lib.CT_NOTE_MOUNT_PRIVATE: "mounts could not be made private (no /proc of the namespace's own)",
+    lib.CT_NOTE_MOUNT_PROC: "a /proc of the namespace could not be mounted",
+    lib.CT_NOTE_DEVNULL: "the init could not point its stdio at /dev/null",
+}
+
+
+class InitNote(InitEvent):
+    __slots__ = ("what", "errno")
+    kind = "note"
+
+    def __init__(self, what: int, errno: int) -> None:
+        self.what = what
+        self.errno = errno
+
+    @property
+    def text(self) -> str:
+        return f"{_NOTES.get(self.what, f'note {self.what}')}: {os.strerror(self.errno)}"
+
+
+class InitEmpty(InitEvent):
+    """No member is left and the init exits 0. The CPU time and peak RSS of
+    every member the init reaped (it reaps them all): whole-tree
+    accounting without a cgroup."""
+
+    __slots__ = ("utime_us", "stime_us", "maxrss_kib")
+    kind = "empty"
+
+    def __init__(self, utime_us: int, stime_us: int, maxrss_kib: int) -> None:
+        self.utime_us = utime_us
+        self.stime_us = stime_us
+        self.maxrss_kib = maxrss_kib
+
+
+class InitForwarded(InitEvent):
+    """A signal from outside, forwarded to every member (errno ESRCH: none left)."""
+
+    __slots__ = ("signal", "errno")
+    kind = "forwarded"
+
+    def __init__(self, signal: int, errno: int) -> None:
+        self.signal = signal
+        self.errno = errno
+
+
+class InitClosed(InitEvent):
+    """The init's end of the socket is closed. A hint only: the init's pidfd
+    says whether it exited."""
+
+    __slots__ = ()
+    kind = "closed"
+
+
+class InitUnknown(InitEvent):
+    __slots__ = ("raw",)
+    kind = "unknown"
+
+    def __init__(self, raw: tuple[int, ...]) -> None:
+        self.raw = raw
+
+
+def _event(m: Any, fd: int) -> InitEvent:
+    k = m.kind
+    if k == lib.CT_EV_EXEC and fd >= 0:
+        return InitExec(m.a, fd)
+    if fd >= 0:
+        os.close(fd)        # a descriptor with any other message is not ours to keep
+    if k == lib.CT_EV_STARTED:
+        return InitStarted()
+    if k == lib.CT_EV_FAILED:
+        return InitFailed(m.a, m.b, m.c, m.d, m.x)
+    if k == lib.CT_EV_EXIT:
+        return InitWorkerExit(m.a, m.b)
+    if k == lib.CT_EV_NOTE:
+        return InitNote(m.a, m.b)
+    if k == lib.CT_EV_EMPTY and m.x >= 0 and m.y >= 0:
+        return InitEmpty(m.x, m.y, m.c)
+    if k == lib.CT_EV_FORWARDED:
+        return InitForwarded(m.a, m.b)
+    return InitUnknown((k, m.a, m.b, m.c, m.d, m.x, m.y))
+
+
+def read_init_events(fd: int) -> list[InitEvent]:
+    """Every message waiting on the init's socket, without blocking ([] when
+    there is none). Ends with `InitClosed` once the init's end is closed."""
+    out: list[InitEvent] = []
+    m = ffi.new("struct ct_init_msg*")
+    passed = ffi.new("int*")
+    while True:
+        rc = lib.ct_init_recv(fd, m, passed)
+        if rc == 0:
+            return out
+        if rc == 2:
+            out.append(InitClosed())
+            return out
+        if rc < 0:
+            if rc == -errno.EPROTO:
+                out.append(InitUnknown(()))
+                continue
+            raise OSError(-rc, f"recvmsg from the init: {os.strerror(-rc)}")
+        out.append(_event(m, passed[0]))
+
+
+def pid_of_pidfd(pidfd: int) -> int:
+    """The pid of a pidfd's process as this /proc names it (fdinfo "Pid:"),
+    -1 once it has been reaped."""
+    with open(f"/proc/self/fdinfo/{pidfd}") as f:
+        for line in f:
+            if line.startswith("Pid:"):
+                return int(line.split()[1])
+    raise OSError(errno.ENOTSUP, "fdinfo of a pidfd has no Pid line")
+
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _reap_init(pidfd: int) -> os.waitid_result | None:
+    try:
+        return os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
+    except ChildProcessError:
+        return None
+
+
+def wall_via(req: SpawnRequest, into_cgroup: bool = False) -> str:
+    flags = ["CLONE_NEWPID"] + (["CLONE_NEWUSER"] if req.userns else []) + \
+        (["CLONE_NEWNS"] if req.mount_proc else []) + (["CLONE_INTO_CGROUP"] if into_cgroup else [])
+    return f"clone3({'|'.join(flags)}) init at pid 1, worker forked by it"
+
+
+def _spawn_wall(req: SpawnRequest, cgroup_fd: int, join_fds: Sequence[int],
+                expect_cgroup: Sequence[str]) -> Spawned:
+    keep: list[Any] = []
+    a = _args(req, cgroup_fd, join_fds, expect_cgroup, keep)
+    w = ffi.new("struct ct_wall_args*")
+    w.userns = {None: lib.CT_USERNS_NONE, "self": lib.CT_USERNS_SELF, "map": lib.CT_USERNS_MAP}[req.userns]
+    w.uid = os.geteuid()
+    w.gid = os.getegid()
+    for name in ("uid_map", "gid_map"):
+        text = getattr(req, name)
+        if text is not None:
+            c = ffi.new("char[]", (text if text.endswith("\n") else text + "\n").encode())
+            keep.append(c)
+            setattr(w, name, c)
+    w.mount_proc = int(req.mount_proc)
+    w.die_with_parent = int(req.die_with_parent)
+    r = ffi.new("struct ct_wall_result*")
+    paths = candidates(req.argv[0], req.env)
+    rc = lib.ct_wall_spawn(a, w, r)
+    if rc < 0:
+        fail = ffi.new("struct ct_spawn_result*")
+        fail.stage = r.stage
+        fail.child_errno = r.child_errno
+        fail.candidate = -1
+        _raise(rc, fail, req, paths, cgroup_fd >= 0)
+    via = wall_via(req, cgroup_fd >= 0)
+    events: list[InitEvent] = []
+    started = False
+    worker: InitExec | None = None
+    failed: InitFailed | None = None
+    p = select.poll()
+    p.register(r.report_fd, select.POLLIN)
+    p.register(r.init_pidfd, select.POLLIN)
+    try:
+        init_gone = closed = False
+        while worker is None and failed is None:
+            for ev in read_init_events(r.report_fd) if not closed else []:
+                if isinstance(ev, InitStarted):
+                    started = True
+                elif isinstance(ev, InitExec) and worker is None:
+                    worker = ev
+                elif isinstance(ev, InitFailed) and failed is None:
+                    failed = ev
+                elif isinstance(ev, InitClosed):
+                    closed = True
+                    p.unregister(r.report_fd)
+                else:
+                    events.append(ev)
+            if worker is not None or failed is not None or init_gone:
+                break
+            for fd, _ev in p.poll():
+                if fd == r.init_pidfd:
+                    init_gone = True      # read what it said once more, then decide
+    except BaseException:
+        _kill_init(r.init_pidfd)
+        _close(r.init_pidfd, r.report_fd, worker.pidfd if worker else -1)
+        raise
+    if worker is None:
+        info = _reap_init(r.init_pidfd) if failed is not None or init_gone else None
+        _close(r.init_pidfd, r.report_fd)
+        if failed is not None:
+            res = ffi.new("struct ct_spawn_result*")
+            res.stage, res.child_errno, res.candidate, res.signal = (failed.stage, failed.errno,
+                                                                     failed.candidate, failed.signal)
+            _raise(-(failed.errno or errno.ECANCELED), res, req, paths, False)
+        if not started:
+            raise DiedAtBirth()
+        how = "without a word"
+        if info is not None and info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+            how = f"killed by signal {info.si_status}"
+        elif info is not None:
+            how = f"with status {info.si_status} and no report"
+        raise SpawnFailed(f"{req.argv[0]}: the pid namespace init died {how}", errno=errno.ECHILD,
+                          stage="pid namespace init", path=req.argv[0])
+    pid = pid_of_pidfd(worker.pidfd)
+    return Spawned(pid, worker.pidfd, via, wall="pidns", init_pid=r.init_pid, init_pidfd=r.init_pidfd,
+                   report_fd=r.report_fd, events=events)
+
+
+def _kill_init(init_pidfd: int) -> None:
+    try:
+        _signal.pidfd_send_signal(init_pidfd, _signal.SIGKILL)
+    except OSError:
+        pass
+    _reap_init(init_pidfd)
 
 
 class Spawned:
-    __slots__ = ("pid", "pidfd", "via")
+    """A started worker. Without a wall, `pidfd` is our child's (waitid
+    works). With the PID-namespace wall (`wall == "pidns"`), `pid`/`pidfd`
+    are the worker's (not our child: its pidfd polls readable when it exits,
+    and its status comes as an `InitWorkerExit` event), `init_pid`/
+    `init_pidfd` the init's (our child: reaped means the namespace is
+    empty), `report_fd` the init's message socket (nonblocking: read with
+    `read_init_events` when it polls readable), and `events` what the init
+    said before `spawn` returned (notes, or even the worker's exit)."""
 
-    def __init__(self, pid: int, pidfd: int, via: str = "") -> None:
+    __slots__ = ("pid", "pidfd", "via", "wall", "init_pid", "init_pidfd", "report_fd", "events")
+
+    def __init__(self, pid: int, pidfd: int, via: str = "", *, wall: str | None = None,
+                 init_pid: int = -1, init_pidfd: int = -1, report_fd: int = -1,
+                 events: list[InitEvent] | None = None) -> None:
         self.pid = pid
         self.pidfd = pidfd
         self.via = via
+        self.wall = wall
+        self.init_pid = init_pid
+        self.init_pidfd = init_pidfd
+        self.report_fd = report_fd
+        self.events: list[InitEvent] = events if events is not None else []
 
 
 def candidates(argv0: str, env: dict[str, str]) -> list[str]:
@@ -325,6 +649,8 @@ def spawn(req: SpawnRequest, cgroup_fd: int = -1, join_fds: Sequence[int] = (),
     anything else, and `expect_cgroup`: lines /proc/self/cgroup must then
     hold (e.g. "0::/contain/run-x/main"), or the spawn fails at "placement"
     without running a worker instruction."""
+    if req.pidns:
+        return _spawn_wall(req, cgroup_fd, join_fds, expect_cgroup)
     keep: list[Any] = []
     a = _args(req, cgroup_fd, join_fds, expect_cgroup, keep)
     r = ffi.new("struct ct_spawn_result*")
