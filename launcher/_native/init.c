@@ -257,8 +257,7 @@ static __attribute__((noreturn)) void init_main(const struct ct_spawn_args *a, c
     if (pipe2(pp, O_CLOEXEC | O_NONBLOCK) < 0) init_fail(sock, CT_STAGE_FORK, errno);
     struct ct_report rep = {pp[1]};
     int wpidfd = -1;
-    long wpid = ct_raw_clone3(CLONE_VFORK, &wpidfd, -1);
-    if (wpid == 0) ct_child_exec(&wa, &rep);
+    long wpid = ct_vfork_exec(&wa, &rep, &wpidfd, -1);
     if (wpid < 0) init_fail(sock, CT_STAGE_FORK, errno);
     close(pp[1]);
     struct ct_spawn_result res;

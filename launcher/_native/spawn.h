@@ -106,6 +106,9 @@ struct ct_report {
 __attribute__((noreturn)) void ct_child_exec(const struct ct_spawn_args *a, struct ct_report *rep);
 int ct_child_settle(int pid, int pidfd, int rd, struct ct_spawn_result *r);
 long ct_raw_clone3(uint64_t flags, int *pidfd, int cgroup_fd);
+/* Start a child that runs ct_child_exec(a, rep); the calling thread sleeps
+ * until it exec'd or exited (CLONE_VFORK). Returns its pid, or -1/errno. */
+long ct_vfork_exec(const struct ct_spawn_args *a, struct ct_report *rep, int *pidfd, int cgroup_fd);
 int ct_child_join(const struct ct_spawn_args *a);
 int ct_fds_close_except(const int *keep, int nkeep);
 void ct_reap(int pidfd, struct ct_spawn_result *r);
