@@ -475,6 +475,21 @@ class _Fds:
         self.child.wait(10)
 
 
+def _asleep(pid: int, timeout: float = 10.0) -> None:
+    """Wait until `sleep` sits in nanosleep: past its own start-up (which
+    may open locale files for a moment), so its descriptors are what it
+    inherited."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/wchan") as f:
+                if "nanosleep" in f.read():
+                    return
+        except OSError:
+            return
+        time.sleep(0.005)
+
+
 def _fd_links(pid: int) -> dict[int, str]:
     d = f"/proc/{pid}/fd"
     return {int(n): os.readlink(os.path.join(d, n)) for n in os.listdir(d)}
@@ -482,6 +497,7 @@ def _fd_links(pid: int) -> dict[int, str]:
 
 def _check_worker_fds(fds: _Fds, **kw: object) -> None:
     with spawned(["sleep", "30"], pass_fds=fds.passed(), **kw) as sp:
+        _asleep(sp.pid)
         links = _fd_links(sp.pid)
     assert sorted(links) == sorted({0, 1, 2, *fds.passed()}), links
     for fd in fds.passed():
@@ -542,6 +558,7 @@ def test_cloexec_fallbacks_directly(tmp_path, how: int) -> None:
                     if f.read().strip() == "sleep":
                         break
                 time.sleep(0.005)
+            _asleep(pid)
             links = _fd_links(pid)
         finally:
             os.kill(pid, signal.SIGKILL)

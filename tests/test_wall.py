@@ -112,6 +112,21 @@ def _status(pid: int) -> dict[str, str]:
         return {k: v.strip() for k, _, v in (line.partition(":") for line in f)}
 
 
+def _asleep(pid: int, timeout: float = 10.0) -> None:
+    """Wait until `sleep` sits in nanosleep: past its own start-up (which
+    may open locale files for a moment), so its descriptors are what it
+    inherited."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/wchan") as f:
+                if "nanosleep" in f.read():
+                    return
+        except OSError:
+            return
+        time.sleep(0.005)
+
+
 def _children_named(comm: str) -> list[int]:
     me = os.getpid()
     out = []
@@ -233,6 +248,7 @@ def test_init_holds_nothing_of_the_supervisor(tmp_path) -> None:
     fcntl.flock(lock, fcntl.LOCK_EX)
     try:
         with walled(["sleep", "30"], mount_proc=True) as sp:
+            _asleep(sp.pid)
             links = {int(n): os.readlink(f"/proc/{sp.init_pid}/fd/{n}") for n in os.listdir(f"/proc/{sp.init_pid}/fd")}
             cwd = os.readlink(f"/proc/{sp.init_pid}/cwd")
             wlinks = {int(n) for n in os.listdir(f"/proc/{sp.pid}/fd")}
@@ -253,6 +269,7 @@ def test_worker_behind_the_wall_gets_pass_fds_and_an_empty_mask() -> None:
     keep = os.open("/etc/hostname", os.O_RDONLY | os.O_CLOEXEC)
     try:
         with walled(["sleep", "30"], pass_fds=[keep], mount_proc=True) as sp:
+            _asleep(sp.pid)
             fds = {int(n) for n in os.listdir(f"/proc/{sp.pid}/fd")}
             st = _status(sp.pid)
     finally:
@@ -563,6 +580,9 @@ def test_mapped_root_worker_cannot_act_on_the_host(scratch: str) -> None:
         outside.wait(10)
     assert st["Uid"].split() == [str(h)] * 4 and st["Gid"].split()[0] == str(h)
     assert st["Groups"] == ""
+    for field in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(st[field], 16) == 0, (field, st[field])
+    assert st["NoNewPrivs"] == "1"
     assert res["uid"] == 0 and res["euid"] == 0                  # root inside
     for attack in ("append_root_file", "create_in_root_dir", "signal_outside_root", "core_pattern",
                    "chown_own_file_to_root_dir"):
@@ -577,6 +597,13 @@ def test_mapped_root_worker_cannot_act_on_the_host(scratch: str) -> None:
     assert not os.path.exists(os.path.join(rootdir, "new"))
     assert state in ("S", "R"), state                               # never stopped
     assert "worker_exit" in _kinds(evs)
+
+
+@needs_root
+@pytest.mark.parametrize("userns", [None, "self"])
+def test_wall_available_says_yes_here(userns: str | None) -> None:
+    assert posix.wall_available(userns) is None
+    assert _children_named("ct/init") == []
 
 
 @needs_root

@@ -15,7 +15,7 @@ enum {
 
 /* The init's messages to the supervisor (struct ct_init_msg.kind). */
 enum {
-    CT_EV_STARTED = 1,    /* the init runs our code */
+    CT_EV_STARTED = 1,    /* (unused: a zombie init named ct/init ran our code) */
     CT_EV_EXEC = 2,       /* a = the worker's pid in the namespace; the worker's pidfd rides along */
     CT_EV_FAILED = 3,     /* a = stage, b = errno, c = candidate, d = signal (the worker never ran) */
     CT_EV_EXIT = 4,       /* a = the worker's pid in the namespace, b = its wait status */
@@ -30,6 +30,9 @@ enum {
     CT_NOTE_MOUNT_PROC = 2,     /* a fresh /proc could not be mounted */
     CT_NOTE_DEVNULL = 3,        /* the init could not point its own stdio at /dev/null */
 };
+
+/* The init's comm from its first instruction of ours on. */
+#define CT_INIT_NAME "ct/init"
 
 struct ct_wall_args {
     int userns;            /* CT_USERNS_* */

@@ -391,6 +391,23 @@ def pid_of_pidfd(pidfd: int) -> int:
     raise OSError(errno.ENOTSUP, "fdinfo of a pidfd has no Pid line")
 
 
+INIT_NAME = "ct/init"     # init.h CT_INIT_NAME: set by the init's first instruction of ours
+
+
+def _comm_of_pidfd(pidfd: int) -> str | None:
+    """comm of a pidfd's (unreaped) process, or None."""
+    try:
+        pid = pid_of_pidfd(pidfd)
+        if pid <= 0:
+            return None
+        with open(f"/proc/{pid}/comm") as f:
+            comm = f.read().rstrip("\n")
+        _signal.pidfd_send_signal(pidfd, 0)        # still unreaped: the read was of it
+        return comm
+    except OSError:
+        return None
+
+
 def _close(*fds: int) -> None:
     for fd in fds:
         if fd >= 0:
@@ -437,7 +454,6 @@ def _spawn_wall(req: SpawnRequest, cgroup_fd: int, join_fds: Sequence[int],
         _raise(rc, fail, req, paths, cgroup_fd >= 0)
     via = wall_via(req, cgroup_fd >= 0)
     events: list[InitEvent] = []
-    started = False
     worker: InitExec | None = None
     failed: InitFailed | None = None
     p = select.poll()
@@ -447,9 +463,7 @@ def _spawn_wall(req: SpawnRequest, cgroup_fd: int, join_fds: Sequence[int],
         init_gone = closed = False
         while worker is None and failed is None:
             for ev in read_init_events(r.report_fd) if not closed else []:
-                if isinstance(ev, InitStarted):
-                    started = True
-                elif isinstance(ev, InitExec) and worker is None:
+                if isinstance(ev, InitExec) and worker is None:
                     worker = ev
                 elif isinstance(ev, InitFailed) and failed is None:
                     failed = ev
@@ -468,6 +482,7 @@ def _spawn_wall(req: SpawnRequest, cgroup_fd: int, join_fds: Sequence[int],
         _close(r.init_pidfd, r.report_fd, worker.pidfd if worker else -1)
         raise
     if worker is None:
+        ran = _comm_of_pidfd(r.init_pidfd) == INIT_NAME     # read before the reaping
         info = _reap_init(r.init_pidfd) if failed is not None or init_gone else None
         _close(r.init_pidfd, r.report_fd)
         if failed is not None:
@@ -475,7 +490,7 @@ def _spawn_wall(req: SpawnRequest, cgroup_fd: int, join_fds: Sequence[int],
             res.stage, res.child_errno, res.candidate, res.signal = (failed.stage, failed.errno,
                                                                      failed.candidate, failed.signal)
             _raise(-(failed.errno or errno.ECANCELED), res, req, paths, False)
-        if not started:
+        if not ran:
             raise DiedAtBirth()
         how = "without a word"
         if info is not None and info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
@@ -487,6 +502,37 @@ def _spawn_wall(req: SpawnRequest, cgroup_fd: int, join_fds: Sequence[int],
     pid = pid_of_pidfd(worker.pidfd)
     return Spawned(pid, worker.pidfd, via, wall="pidns", init_pid=r.init_pid, init_pidfd=r.init_pidfd,
                    report_fd=r.report_fd, events=events)
+
+
+def wall_available(userns: str | None = None, mount_proc: bool = True) -> str | None:
+    """None if a PID-namespace wall of this shape can be made here (it
+    spawns /bin/true behind one and waits for the init to say EMPTY), else
+    the reason. For `contain doctor` and for `auto` to choose with."""
+    shell = "/bin/true" if os.path.exists("/bin/true") else "/usr/bin/true"
+    try:
+        sp = spawn(SpawnRequest([shell], env={"PATH": "/usr/bin:/bin"}, pidns=True, userns=userns,
+                                mount_proc=mount_proc, clear_caps=True, no_new_privs=True,
+                                keep_ignored=()))
+    except (SpawnFailed, DiedAtBirth, OSError) as e:
+        return str(e)
+    notes: list[str] = [e.text for e in sp.events if isinstance(e, InitNote)]
+    try:
+        p = select.poll()
+        p.register(sp.init_pidfd, select.POLLIN)
+        if not p.poll(5000):
+            return "the init of a probe did not exit within 5 s"
+        info = os.waitid(os.P_PIDFD, sp.init_pidfd, os.WEXITED)
+        evs = read_init_events(sp.report_fd)
+        notes += [e.text for e in evs if isinstance(e, InitNote)]
+        if info is None or info.si_code != os.CLD_EXITED or info.si_status != 0 or \
+                not any(isinstance(e, InitEmpty) for e in sp.events + evs):
+            return f"the probe's init did not report an empty namespace ({evs})"
+    finally:
+        _kill_init(sp.init_pidfd)
+        _close(sp.pidfd, sp.init_pidfd, sp.report_fd)
+    if mount_proc and notes:
+        return "; ".join(notes)
+    return None
 
 
 def _kill_init(init_pidfd: int) -> None:
