@@ -239,6 +239,21 @@ def test_worker_host_pid_and_the_children_file() -> None:
 
 
 @needs_root
+def test_host_pid_is_known_even_for_a_worker_that_exits_at_once() -> None:
+    """/bin/true is often reaped by the init before the supervisor reads
+    EXEC; its pid still comes with EXEC (read by the init through the
+    supervisor's /proc while the worker was its unreaped child)."""
+    for _ in range(100):
+        sp = posix.spawn(posix.SpawnRequest(["/bin/true"], env=_env(), pidns=True, mount_proc=True))
+        try:
+            assert sp.pid > 0 and sp.pid != sp.init_pid
+        finally:
+            _reap_init(sp)
+            for fd in (sp.pidfd, sp.init_pidfd, sp.report_fd):
+                os.close(fd)
+
+
+@needs_root
 def test_init_holds_nothing_of_the_supervisor(tmp_path) -> None:
     """The init is a fork of the supervisor: it must not keep the caller's
     pipes, locks or cwd for the run's life."""

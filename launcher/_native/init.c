@@ -32,8 +32,9 @@
  * - joins its cgroups (join fds, as in spawn.c), forks the worker with the
  *   same child set-up as a plain spawn (ct_child_exec) and learns exactly
  *   whether it exec'd (ct_child_settle), then reports EXEC, passing the
- *   worker's pidfd over the socket so that the supervisor holds the
- *   worker's identity without reading any pid, or FAILED;
+ *   worker's pidfd over the socket (and its pid as the supervisor's /proc
+ *   names it, read through a /proc handle kept from before the remount), or
+ *   FAILED;
  * - then sleeps in signalfd with every signal blocked: SIGCHLD reaps all
  *   (the worker's status is reported as EXIT); once the worker is reaped
  *   and waitpid says ECHILD, it reports EMPTY with the CPU time of every
@@ -240,6 +241,12 @@ static __attribute__((noreturn)) void init_main(const struct ct_spawn_args *a, c
     }
     if (sync_rd >= 0) close(sync_rd);
 
+    /* The supervisor's /proc, kept until EXEC: through it the worker's pidfd
+     * names the worker's pid as the supervisor sees it, which goes with
+     * EXEC. Once the init has reaped a worker that exits at once (often, for
+     * /bin/true, before the supervisor has read EXEC), its pidfd names no
+     * pid any more. */
+    int hostproc = open("/proc", O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (w->mount_proc) {
         /* Private first: a /proc mounted over a shared / would propagate
          * back into the host's mount namespace. */
@@ -288,12 +295,14 @@ static __attribute__((noreturn)) void init_main(const struct ct_spawn_args *a, c
     int null = open("/dev/null", O_RDWR | O_CLOEXEC);
     if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0 || dup2(null, 2) < 0)
         init_send(sock, CT_EV_NOTE, CT_NOTE_DEVNULL, errno, 0, 0, 0, 0, -1);
+    long host_pid = -1;
+    if (hostproc < 0 || ct_pid_via_fdinfo_at(hostproc, "", wpidfd, &host_pid) < 0) host_pid = -1;
     int keep[3] = {sock, sfd, wpidfd};
     sort_ints(keep, 3);
-    ct_fds_close_except(keep, 3);
+    ct_fds_close_except(keep, 3);    /* hostproc too */
     if (chdir("/") < 0) {
     }
-    init_send(sock, CT_EV_EXEC, (int)wpid, 0, 0, 0, 0, 0, wpidfd);
+    init_send(sock, CT_EV_EXEC, (int)wpid, (int)host_pid, 0, 0, 0, 0, wpidfd);
     close(wpidfd);
 
     int worker_done = 0;

@@ -600,8 +600,8 @@ void ct_child_exec(const struct ct_spawn_args *a, struct ct_report *rep) {
 
 /* -- the parent ----------------------------------------------------------- */
 
-static ssize_t read_small(const char *path, char *buf, size_t size) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+static ssize_t read_small_at(int dirfd, const char *path, char *buf, size_t size) {
+    int fd = openat(dirfd, path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return -errno;
     size_t n = 0;
     while (n < size - 1) {
@@ -618,6 +618,10 @@ static ssize_t read_small(const char *path, char *buf, size_t size) {
     close(fd);
     buf[n] = 0;
     return (ssize_t)n;
+}
+
+static ssize_t read_small(const char *path, char *buf, size_t size) {
+    return read_small_at(AT_FDCWD, path, buf, size);
 }
 
 char *ct_put_int(char *p, long v) {
@@ -652,11 +656,18 @@ static long parse_long(const char *p, const char **end) {
 /* The pid of the pidfd's process as this /proc mount names it, -1 once it
  * has been reaped. */
 int ct_pid_via_fdinfo(int pidfd, long *pid) {
-    char path[64], buf[512];
-    char *p = path;
-    memcpy(p, "/proc/self/fdinfo/", 18);
-    ct_put_int(p + 18, pidfd);
-    ssize_t n = read_small(path, buf, sizeof buf);
+    return ct_pid_via_fdinfo_at(AT_FDCWD, "/proc/", pidfd, pid);
+}
+
+/* The same through a /proc of another namespace (`proc` + "self/..."). */
+int ct_pid_via_fdinfo_at(int dirfd, const char *proc, int pidfd, long *pid) {
+    char path[80], buf[512];
+    size_t pl = strlen(proc);
+    if (pl > 32) return -ENAMETOOLONG;
+    memcpy(path, proc, pl);
+    memcpy(path + pl, "self/fdinfo/", 12);
+    ct_put_int(path + pl + 12, pidfd);
+    ssize_t n = read_small_at(dirfd, path, buf, sizeof buf);
     if (n < 0) return (int)n;
     const char *line = strstr(buf, "\nPid:");
     if (!line) return -ENOTSUP;

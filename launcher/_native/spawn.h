@@ -114,5 +114,6 @@ int ct_fds_close_except(const int *keep, int nkeep);
 void ct_reap(int pidfd, struct ct_spawn_result *r);
 char *ct_put_int(char *p, long v);
 int ct_pid_via_fdinfo(int pidfd, long *pid);
+int ct_pid_via_fdinfo_at(int dirfd, const char *proc, int pidfd, long *pid);
 int ct_write_all(int fd, const char *s, size_t n);
 #endif

@@ -234,13 +234,17 @@ class InitStarted(InitEvent):
 
 
 class InitExec(InitEvent):
-    """The worker exec'd. `pidfd`: the worker's, passed by the init (ours to close)."""
+    """The worker exec'd. `pidfd`: the worker's, passed by the init (ours to
+    close). `host_pid`: its pid in the supervisor's /proc as the init read
+    it (-1: unknown). The init says EXEC once per spawn: another one is not
+    its word (close its pidfd)."""
 
-    __slots__ = ("ns_pid", "pidfd")
+    __slots__ = ("ns_pid", "host_pid", "pidfd")
     kind = "exec"
 
-    def __init__(self, ns_pid: int, pidfd: int) -> None:
+    def __init__(self, ns_pid: int, host_pid: int, pidfd: int) -> None:
         self.ns_pid = ns_pid
+        self.host_pid = host_pid
         self.pidfd = pidfd
 
 
@@ -342,7 +346,7 @@ class InitUnknown(InitEvent):
 def _event(m: Any, fd: int) -> InitEvent:
     k = m.kind
     if k == lib.CT_EV_EXEC and fd >= 0:
-        return InitExec(m.a, fd)
+        return InitExec(m.a, m.b, fd)
     if fd >= 0:
         os.close(fd)        # a descriptor with any other message is not ours to keep
     if k == lib.CT_EV_STARTED:
@@ -499,7 +503,12 @@ def _spawn_wall(req: SpawnRequest, cgroup_fd: int, join_fds: Sequence[int],
             how = f"with status {info.si_status} and no report"
         raise SpawnFailed(f"{req.argv[0]}: the pid namespace init died {how}", errno=errno.ECHILD,
                           stage="pid namespace init", path=req.argv[0])
+    # The pidfd's word first; once the init has reaped a worker that exited
+    # at once, the pidfd names no pid, and the init's reading (made while the
+    # worker was its unreaped child) stands in.
     pid = pid_of_pidfd(worker.pidfd)
+    if pid <= 0:
+        pid = worker.host_pid
     return Spawned(pid, worker.pidfd, via, wall="pidns", init_pid=r.init_pid, init_pidfd=r.init_pidfd,
                    report_fd=r.report_fd, events=events)
 
