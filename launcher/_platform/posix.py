@@ -28,6 +28,28 @@ the request says):
   the kernel will not run (ENOEXEC) run by /bin/sh, and a file that exists
   but whose interpreter does not is "bad interpreter" (126), not "command
   not found".
+- Spawned means exec'd: `spawn` returns once the kernel shows the child
+  running the program (spawn.c says how), and a child that died before
+  that is a failed spawn (`KilledBeforeExec` when a signal did it,
+  `DiedAtBirth` when it never ran our code).
+
+The PID-namespace wall (`SpawnRequest(pidns=True)`, init.c): the worker is
+forked by an init of ours at pid 1 of a new PID namespace. `Spawned.pid`/
+`pidfd` are then the worker's (not our child), `init_pid`/`init_pidfd` the
+init's (our child), `report_fd` its message socket. The driver's side:
+- wait on `report_fd` and `init_pidfd` together; `read_init_events` turns
+  what the init said into typed events (`InitWorkerExit` carries the
+  worker's status: its pidfd cannot be waited for);
+- stop: SIGTERM to the init (`pidfd_send_signal(init_pidfd, ...)`; it
+  forwards to every member, then SIGCONT), then SIGKILL to the init (and
+  cgroup.kill where there is a cgroup): the kernel kills every member and
+  holds the init's exit until they are gone;
+- emptiness: the init reaped (`waitid` on `init_pidfd`; `os.wait4` on
+  `init_pid` also gives the whole tree's CPU, as `InitEmpty` does when the
+  init exits by itself). An adopter that is not the parent waits for
+  `pidfd_open(init_pid)` to poll readable. `InitEmpty` alone is the init's
+  word, not the kernel's: with a worker that is real root (no user
+  namespace) a member can reach the init (ptrace) and speak for it.
 """
 from __future__ import annotations
 
