@@ -23,7 +23,7 @@ import cffi
 HERE = pathlib.Path(__file__).resolve().parent
 
 MODULES = {
-    "linux": ("cgroup", "procscan", "seal", "spawn"),
+    "linux": ("cgroup", "init", "procscan", "seal", "spawn"),
     "win32": ("jobobject", "winsync"),
 }
 
@@ -32,7 +32,9 @@ MODULES = {
 _COMPILE = {
     "linux": {"extra_compile_args": ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
               # procscan.c reads /proc with a few threads.
-              "extra_link_args": ["-pthread"]},
+              # Bind every symbol at load: the CLONE_VM spawn child must not
+              # run the lazy binder (spawn.c).
+              "extra_link_args": ["-pthread", "-Wl,-z,now"]},
     "win32": {"extra_compile_args": ["/O2", "/W3"],
               # winsync.c: GetSecurityInfo, EqualSid, OpenProcessToken.
               "libraries": ["kernel32", "advapi32"]},
