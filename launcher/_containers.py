@@ -23,8 +23,11 @@ from ._options import resolve_user
 
 
 def make_container(run_id: str, opts: Options) -> Any:
-    """The strongest container the options and the host allow."""
-    env = opts.env if opts.env is not None else os.environ
+    """The strongest container the options and the host allow. Policy
+    (CONTAIN_BACKEND, CONTAIN_CGROUP_BASE, the lead of a nested run) comes
+    from the supervisor's own environment, never from the worker's `env=`:
+    a job must not choose its own containment or join another run."""
+    env = os.environ
     backend = opts.backend if opts.backend != "auto" else env.get("CONTAIN_BACKEND", "auto")
     if backend == "job-object" or (backend == "auto" and sys.platform == "win32"):
         if sys.platform != "win32":

@@ -114,6 +114,10 @@ class EscapeWatch:
     def before_spawn(cls, container: Any, req: Any, env: Any = None) -> "EscapeWatch":
         w = cls()
         env = os.environ if env is None else env
+        if getattr(req, "pidns", False):
+            w.reason = ("not watched: a PID-namespace wall, which no process can leave, so leaving is "
+                        "prevented rather than detected")
+            return w
         sealed, _ = container.seal_status(req)
         if sealed:
             how = (container.seal_detail or {}).get("method", "sealed")

@@ -147,6 +147,7 @@ class RunEvidence:
             "sealed_reason": self.sealed[1],
             "placement": self.placement,
             "seal": getattr(container, "seal_detail", None),
+            "walls": container.walls() if container is not None and hasattr(container, "walls") else [],
         }
         if container is not None and getattr(container, "spawn_via", None):
             containment["spawn_via"] = container.spawn_via

@@ -24,7 +24,6 @@ from ._errors import ContainmentUnavailable, LauncherError, SpawnFailed
 from ._layout import RunDir
 from ._escapes import EscapeWatch
 from ._ledger import note_spawn
-from ._platform import host
 
 
 def start(run: Run) -> None:
@@ -39,8 +38,7 @@ def start(run: Run) -> None:
     except ContainmentUnavailable as e:
         spawn_failed(run, e)
         raise
-    env = run.opts.env if run.opts.env is not None else os.environ
-    run.facts.lead, problem = _nested.join_lead(run.container, env, {
+    run.facts.lead, problem = _nested.join_lead(run.container, os.environ, {
         "id": run.id, "run_uid": run.uid, "run_dir": layout.path})
     if problem is not None:
         run.facts.notes.append(problem)
@@ -48,7 +46,7 @@ def start(run: Run) -> None:
     req = spawn_request(run.argv, run.opts, run.container, run.id, layout.path)
     # The fork ledger listens before the spawn, so a worker that forks at
     # once is not missed (_ledger.py).
-    run.watch = run.stop.watch = EscapeWatch.before_spawn(run.container, req, run.opts.env)
+    run.watch = run.stop.watch = EscapeWatch.before_spawn(run.container, req)
     layout.write_run(run.facts.run_info(run, None))
     t0 = time.time()
     try:
@@ -57,7 +55,7 @@ def start(run: Run) -> None:
         err = e if isinstance(e, LauncherError) else ContainmentUnavailable(f"spawn: {e}")
         spawn_failed(run, err)
         raise err from (None if err is e else e)
-    run.pid, run.root = sp.pid, host.Root(sp.pid, sp.pidfd)
+    run.pid, run.root = sp.pid, run.container.root(sp)
     run.facts.spawned(sp, run.container, req, t0)
     if run.facts.identity is not None:
         note_spawn(sp.pid, run.facts.identity.start_time)
@@ -71,6 +69,7 @@ def spawn_failed(run: Run, err: LauncherError) -> None:
     """A failed spawn is stopped like any run: the leaf may hold the dying
     child, and REAPED still needs an observed populated 0."""
     run.feed(S.Event.SPAWN_FAILED)
+    run.stop.never_ran = True
     run.facts.notes.append(str(err))
     run.facts.set("root_exit", False, "spawn", {"error": str(err), "stage": getattr(err, "stage", None)})
     run.facts.exit_code = getattr(err, "exit_code", 125)

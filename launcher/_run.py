@@ -135,9 +135,9 @@ class Run:
 
     def sources(self) -> list[Any]:
         """What the owner waits on (on Linux, (fd, poll events) pairs)."""
-        found = [self.root.source() if self.root is not None else None,
-                 self.container.source() if self.container is not None else None]
-        return [s for s in found if s is not None] + (self.wakeups.sources() if self.wakeups else [])
+        src = self.root.source() if self.root is not None else None
+        return (([src] if src is not None else []) + (self.container.sources() if self.container is not None else [])
+                + (self.wakeups.sources() if self.wakeups else []))
 
     def drain(self, ready: Sequence[Any]) -> None:
         """Consume the wake-ups among `ready` (level-triggered inputs)."""
@@ -166,7 +166,7 @@ class Run:
             self._read_inbox()
             self._check_root()
             if self.opts.subreaper:
-                self._root_ended(host.reap_orphans(self.root))
+                self._root_ended(host.reap_orphans(self.root, keep=self.container.owns))
             if self._deadline_timeout and self.snap.phase is S.Phase.RUNNING and now >= self._deadline_timeout:
                 self.feed(S.Event.TIMEOUT)
                 self.journal("timeout", after=self.opts.timeout)

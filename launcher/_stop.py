@@ -46,6 +46,7 @@ class StopSequence:
         self.kill_rounds = 0
         self.began_at = 0.0
         self.sockets: tuple[set[int], list[str]] | None = None   # held by members at the stop
+        self.never_ran = False             # a failed spawn: no instruction of the worker ran
 
     def next_deadline(self) -> float:
         return self.deadline if self.stage is not None else float("inf")
@@ -86,9 +87,8 @@ class StopSequence:
 
     def _terminate(self) -> None:
         try:
-            sent, failed = self.container.terminate()
-            self.facts.signal_step("term", True, f"SIGTERM+SIGCONT by pidfd to {sent} member(s)",
-                                   {"signalled": sent, "failed": failed})
+            via, detail = self.container.terminate()
+            self.facts.signal_step("term", True, via, detail)
         except OSError as e:
             self.facts.signal_step("term", None, "SIGTERM by pidfd", f"failed: {e}")
 
@@ -96,7 +96,11 @@ class StopSequence:
         self.kill_rounds += 1
         try:
             via = self.container.kill()
-            self.facts.signal_step("kill", True, via, {"round": self.kill_rounds})
+            detail: dict[str, Any] = {"round": self.kill_rounds}
+            also = getattr(self.container, "also_killed", None)
+            if also:
+                detail["also"] = also
+            self.facts.signal_step("kill", True, via, detail)
         except OSError as e:
             self.facts.signal_step("kill", None, "cgroup.kill", f"failed: {e}")
         if self.journal is not None:
@@ -153,6 +157,11 @@ class StopSequence:
     def _unleavable(self) -> tuple[str | None, str]:
         """(how the run proves no member left the container unseen, or None;
         and if None, why not)."""
+        if self.never_ran:
+            return "the worker never ran: nothing of the run could act, let alone leave", ""
+        wall = self.container.unleavable()
+        if wall is not None:
+            return wall, ""
         sealed, sealed_reason = self.facts.sealed
         if sealed:
             method = (getattr(self.container, "seal_detail", None) or {}).get("method", "sealed")

@@ -115,3 +115,21 @@ def remove_cgroup_tree(path: str) -> None:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.02)
+
+
+def host_pid(token: str, ns_pid: int, var: str = TOKEN_VAR) -> int | None:
+    """The host pid of the token holder that calls itself `ns_pid` in its
+    own PID namespace (the last NSpid field of /proc/<pid>/status). A pid a
+    worker prints ($$, $!) is a number in the worker's namespace: acting on
+    it from the host without this translation would hit another process."""
+    for pid in holders(token, var):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("NSpid:"):
+                        if int(line.split()[-1]) == ns_pid:
+                            return pid
+                        break
+        except OSError:
+            continue
+    return None

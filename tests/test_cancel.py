@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from _proc import contain_cmd, holders, run_contain, wait_holders
+from _proc import contain_cmd, holders, host_pid, run_contain, wait_holders
 from conftest import needs_cgroup
 
 pytestmark = needs_cgroup
@@ -184,8 +184,13 @@ def test_unconfirmed_is_not_terminal_and_a_retry_keeps_the_first_requested_at(bo
         while not (pidfile.exists() and pidfile.read_text().endswith("\n")):
             assert time.monotonic() < deadline, "the workload did not write its pid"
             time.sleep(0.01)
+        # $! is the sleep's pid in the run's PID namespace: find its host pid
+        # among the processes carrying the test's token (never write a pid
+        # we did not start into a cgroup.procs).
+        sleeper = host_pid(box.token, int(pidfile.read_text().strip()))
+        assert sleeper is not None, "the sleep of this test's workload was not found"
         with open(os.path.join(freezer, "cgroup.procs"), "w") as f:
-            f.write(pidfile.read_text().strip())          # a process this test started
+            f.write(str(sleeper))          # a process this test started
         with open(os.path.join(freezer, "freezer.state"), "w") as f:
             f.write("FROZEN")
         rc, first = cancel(box, "r", "--op-id", "first", "--wait", "--timeout", "20")

@@ -16,14 +16,16 @@ from __future__ import annotations
 import errno
 import os
 import select
+import signal
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import Any
 
-from .._errors import ContainmentUnavailable
+from .._errors import ContainmentUnavailable, SpawnFailed
 from .._procfs import cgroup_of
-from . import posix
+from . import pidwall, posix
+from .posixwait import Root
 from .cgroups import Hierarchy, cgroup_mounts, hierarchies, resolve_base, writable_procs_above
 
 KIND = "cgroup2"
@@ -53,6 +55,10 @@ class Container:
         self._leaves: list[str] = []
         self._gone = False
         self.empty_proof = "cgroup.events populated 0"
+        self.wall: pidwall.PidWall | None = None
+        self.wall_mode: bool | None = None      # None: where the kernel allows; True: required
+        self.wall_problem: str | None = None    # why a wall that was wanted is not there
+        self.also_killed: str | None = None     # what else the last kill did (the wall's init)
 
     @classmethod
     def create(cls, run_id: str, env: dict[str, str] | os._Environ[str] = os.environ,
@@ -110,7 +116,36 @@ class Container:
     def spawn(self, req: posix.SpawnRequest) -> posix.Spawned:
         if getattr(self, "_seal_error", None):
             raise ContainmentUnavailable(self._seal_error or "")
-        return self._spawn(req)
+        try:
+            sp = self._spawn(req)
+        except SpawnFailed as e:
+            if not (req.pidns and self.wall_mode is None and pidwall.unavailable(e)):
+                raise
+            # `auto`: this host will not make the namespace; the cgroup alone.
+            self.wall_problem = f"PID-namespace wall unavailable: {e}"
+            req.pidns = req.mount_proc = False
+            sp = self._spawn(req)
+        if sp.wall:
+            self.wall = pidwall.PidWall.of(sp, req.userns)
+            self.empty_proof = f"cgroup.events populated 0, and {pidwall.PROOF}"
+        return sp
+
+    def root(self, sp: posix.Spawned) -> Any:
+        """The worker as the owner watches it."""
+        return self.wall.root(sp) if self.wall is not None else Root(sp.pid, sp.pidfd)
+
+    def unleavable(self) -> str | None:
+        """How no member can have left unseen, if the container itself says so."""
+        return pidwall.UNLEAVABLE if self.wall is not None else None
+
+    def walls(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = [{"kind": "cgroup", "path": self.path, "via": "cgroup.events populated 0"}]
+        if self.wall is not None:
+            out.append(self.wall.record())
+        return out
+
+    def owns(self, pid: int) -> bool:
+        return self.wall is not None and self.wall.owns(pid)
 
     def _spawn(self, req: posix.SpawnRequest) -> posix.Spawned:
         """clone3 straight into the leaf. If the kernel lacks CLONE_INTO_CGROUP,
@@ -151,6 +186,12 @@ class Container:
     empty_via = "cgroup.events populated"
 
     def prepare(self, req: posix.SpawnRequest, opts: Any) -> None:
+        """The wall where it is wanted (pidwall.py), then the seal."""
+        self.wall_mode = getattr(opts, "pidns", None)
+        pidwall.shape(req, self.wall_mode)
+        self._prepare_seal(req, opts)
+
+    def _prepare_seal(self, req: posix.SpawnRequest, opts: Any) -> None:
         """Apply the seal when asked (docs/sealing.md): new mount, cgroup and
         user namespaces in which every cgroup2 mount is replaced by a
         read-only view of the run's own leaf, cgroup v1 mounts are read-only,
@@ -221,9 +262,10 @@ class Container:
     def events_fd(self) -> int:
         return self._events_fd
 
-    def source(self) -> tuple[int, int] | None:
-        """What the owner loop waits on for a change of `populated`."""
-        return (self._events_fd, select.POLLPRI | select.POLLERR) if self._events_fd >= 0 else None
+    def sources(self) -> list[tuple[int, int]]:
+        """What the owner loop waits on: a change of `populated`, and the wall's init."""
+        own = [(self._events_fd, select.POLLPRI | select.POLLERR)] if self._events_fd >= 0 else []
+        return own + (self.wall.sources() if self.wall is not None else [])
 
     def drain(self, ready: Any) -> None:
         # kernfs keeps POLLPRI|POLLERR raised on this open file until it is
@@ -236,11 +278,15 @@ class Container:
                 os.pread(self._events_fd, 4096, 0)
             except OSError:
                 pass
+        if self.wall is not None:
+            self.wall.drain(ready)
 
     def populated(self) -> bool:
         """`populated` of the run's cgroup.events. Only this (or rmdir) is
         authoritative: cgroup.procs can list exiting tasks (cgroup-v2.rst).
         Raises OSError when it cannot be read."""
+        if self.wall is not None and not self.wall.empty():
+            return True
         if self._gone:
             if os.path.exists(self.dir):
                 raise OSError(errno.EEXIST, f"{self.dir} exists again: not the run's cgroup")
@@ -282,18 +328,22 @@ class Container:
 
     # -- stopping ----------------------------------------------------------
 
-    def terminate(self) -> tuple[int, int]:
-        """SIGTERM (and SIGCONT, so a stopped process can act on it) to every
-        member, each pinned by pidfd and re-checked to be inside. Returns
-        (signalled, failed)."""
+    def terminate(self, sig: int = 15) -> tuple[str, dict[str, Any]]:
+        """The polite step: `sig` (and SIGCONT, so a stopped process can act
+        on it) to every member, each pinned by pidfd and re-checked to be
+        inside; behind the wall, to the init, which forwards it. Returns how,
+        and what was signalled. Raises OSError."""
+        if self.wall is not None:
+            return self.wall.terminate(sig)
         from .._native import ffi, lib
 
         sent = ffi.new("int*")
         failed = ffi.new("int*")
-        rc = lib.ct_cgroup_signal_members(self.dir.encode(), self.path.encode(), 15, 1, sent, failed)
+        rc = lib.ct_cgroup_signal_members(self.dir.encode(), self.path.encode(), sig, 1, sent, failed)
         if rc < 0:
             raise OSError(-rc, f"signal members of {self.dir}: {os.strerror(-rc)}")
-        return sent[0], failed[0]
+        name = signal_name(sig)
+        return f"{name}+SIGCONT by pidfd to {sent[0]} member(s)", {"signalled": sent[0], "failed": failed[0]}
 
     def kill(self) -> str:
         """SIGKILL the whole subtree. cgroup.kill (5.14) deals with concurrent
@@ -301,12 +351,18 @@ class Container:
         try:
             fd = os.open(os.path.join(self.dir, "cgroup.kill"), os.O_WRONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            return self._kill_by_freezing()
-        try:
-            os.write(fd, b"1")
-        finally:
-            os.close(fd)
-        return "cgroup.kill"
+            via = self._kill_by_freezing()
+        else:
+            try:
+                os.write(fd, b"1")
+            finally:
+                os.close(fd)
+            via = "cgroup.kill"
+        if self.wall is not None:
+            # Both walls at once: a member that left the cgroup is still in
+            # the namespace, and dies with its init.
+            self.also_killed = self.wall.kill()
+        return via
 
     def _kill_by_freezing(self) -> str:
         """Before 5.14: freeze so nothing forks, SIGKILL each member (fatal
@@ -326,6 +382,8 @@ class Container:
 
     def remove(self) -> str | None:
         """Remove the run's cgroups bottom-up. Returns None, or why not."""
+        if self.wall is not None:
+            self.wall.close()
         if self._events_fd >= 0:
             os.close(self._events_fd)
             self._events_fd = -1
@@ -346,6 +404,13 @@ class Container:
                     problem = f"rmdir {d}: {os.strerror(e.errno or 0)}"
                     break
         return problem
+
+
+def signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
 
 
 def _gids_of(req: posix.SpawnRequest) -> list[int]:

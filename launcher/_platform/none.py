@@ -25,6 +25,7 @@ from .._errors import ContainmentUnavailable
 from .._procfs import read_stat
 from .._scan import scan_processes
 from . import posix
+from .posixwait import Root
 
 KIND = "none"
 _LIST_CAP = 500   # entries kept in the record's lists; the count is always exact
@@ -94,8 +95,20 @@ class Container:
             self._remember(sp.pid, start, "worker")
         return sp
 
-    def source(self) -> None:
-        return None          # nothing to wait on: the owner loop re-scans on a short deadline
+    def sources(self) -> list[tuple[int, int]]:
+        return []            # nothing to wait on: the owner loop re-scans on a short deadline
+
+    def root(self, sp: posix.Spawned) -> Root:
+        return Root(sp.pid, sp.pidfd)
+
+    def unleavable(self) -> None:
+        return None
+
+    def walls(self) -> list[dict[str, Any]]:
+        return []
+
+    def owns(self, pid: int) -> bool:
+        return False
 
     def drain(self, ready: Any) -> None:
         pass
@@ -176,7 +189,7 @@ class Container:
                 if _live_start(pid) != start:
                     continue
                 signal.pidfd_send_signal(fd, sig)
-                if sig == signal.SIGTERM:
+                if sig != signal.SIGKILL:
                     signal.pidfd_send_signal(fd, signal.SIGCONT)
                 sent += 1
             except ProcessLookupError:
@@ -187,8 +200,10 @@ class Container:
                 os.close(fd)
         return sent, failed
 
-    def terminate(self) -> tuple[int, int]:
-        return self._signal_all(signal.SIGTERM)
+    def terminate(self, sig: int = signal.SIGTERM) -> tuple[str, dict[str, Any]]:
+        sent, failed = self._signal_all(sig)
+        return (f"{signal.Signals(sig).name}+SIGCONT by pidfd to {sent} process(es) seen",
+                {"signalled": sent, "failed": failed})
 
     def kill(self) -> str:
         for _ in range(10):

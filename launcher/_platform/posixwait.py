@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import os
 import select
+import signal
+import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
-    from typing import Any, Sequence
+    from typing import Any, Callable, Sequence
+
+from .._record import evidence
+from .wall import InitClosed, InitEmpty, InitEvent, InitForwarded, InitNote, InitWorkerExit, read_init_events
+
 
 class RootExit:
     """How the worker ended, as observed: its status (None where it could
@@ -52,8 +58,6 @@ class Root:
         """The worker's end if it has ended (then the pidfd is closed)."""
         if self.pidfd < 0:
             return None
-        from .._record import evidence
-
         if self.adopted:
             p = select.poll()
             p.register(self.pidfd, select.POLLIN)
@@ -83,18 +87,20 @@ class Root:
             self.pidfd = -1
 
 
-def reap_orphans(root: Root | None) -> RootExit | None:
+def reap_orphans(root: Any, keep: Callable[[int], bool] = lambda pid: False) -> RootExit | None:
     """As child subreaper, reap whatever reparented to us. WNOWAIT first so
-    the worker's own status is left for its pidfd (returned if it ended)."""
+    the worker's own status is left for its pidfd (returned if it ended),
+    and a child `keep` names (a wall's init, which its container reaps) is
+    left alone: the loop stops there."""
     ended = None
     while True:
         try:
             info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
             return ended
-        if info is None:
+        if info is None or keep(info.si_pid):
             return ended
-        if root is not None and info.si_pid == root.pid and root.pidfd >= 0:
+        if isinstance(root, Root) and info.si_pid == root.pid and root.pidfd >= 0:
             ended = root.poll() or ended
             continue
         try:
@@ -104,6 +110,142 @@ def reap_orphans(root: Root | None) -> RootExit | None:
 
 
 POLLIN, POLLPRI, POLLERR = select.POLLIN, select.POLLPRI, select.POLLERR
+
+
+# -- behind the PID-namespace wall (wall.py, init.c) ----------------------------
+
+class Init:
+    """The wall's init as its owner sees it: pid 1 of the run's PID
+    namespace. Its pidfd polls readable only once it is a zombie, which
+    exit_notify makes it only after zap_pid_ns_processes saw every other
+    member gone (kernel/exit.c, kernel/pid_namespace.c; init.c's header
+    says what was measured): so `reaped()` is the kernel's word that the
+    namespace is empty. What the init says on its socket (the worker's
+    status, notes, CPU time) is its word only; emptiness never rests on it."""
+
+    def __init__(self, pid: int, pidfd: int, report_fd: int, events: Sequence[InitEvent] = (), *,
+                 adopted: bool = False) -> None:
+        self.pid = pid
+        self.pidfd = pidfd
+        self.report_fd = report_fd
+        self.adopted = adopted
+        self.worker_status: int | None = None
+        self.reported_empty: InitEmpty | None = None
+        self.notes: list[str] = []
+        self.forwarded: list[tuple[int, int]] = []
+        self.reaped_at: float | None = None
+        self.status: int | None = None        # the init's own wait status, when we reaped it
+        self.rusage: Any = None               # its rusage then: every member it reaped
+        self._absorb(events)
+
+    def _absorb(self, events: Sequence[InitEvent]) -> None:
+        for ev in events:
+            if isinstance(ev, InitWorkerExit) and self.worker_status is None:
+                self.worker_status = ev.status
+            elif isinstance(ev, InitEmpty):
+                self.reported_empty = ev
+            elif isinstance(ev, InitNote):
+                self.notes.append(ev.text)
+            elif isinstance(ev, InitForwarded):
+                self.forwarded.append((ev.signal, ev.errno))
+            elif isinstance(ev, InitClosed):
+                self._close_report()
+
+    def sources(self) -> list[tuple[int, int]]:
+        return [(fd, POLLIN) for fd in (self.pidfd if self.reaped_at is None else -1, self.report_fd) if fd >= 0]
+
+    def pump(self) -> None:
+        """Take in what the init said since the last look (never blocks)."""
+        if self.report_fd < 0:
+            return
+        try:
+            self._absorb(read_init_events(self.report_fd))
+        except OSError as e:
+            self.notes.append(f"the init's socket: {e}")
+            self._close_report()
+
+    def reaped(self) -> bool:
+        """Whether the init is gone (and so every member of the namespace)."""
+        if self.reaped_at is not None:
+            return True
+        if self.pidfd < 0:
+            return False
+        p = select.poll()
+        p.register(self.pidfd, select.POLLIN)
+        if not p.poll(0):
+            return False
+        self.pump()
+        self.reaped_at = time.time()
+        if not self.adopted:
+            try:
+                # Our child, unreaped until now: its pid cannot have been reused.
+                _pid, self.status, self.rusage = os.wait4(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.notes.append("the init was reaped by another waiter of this process")
+        return True
+
+    def signal(self, sig: int) -> None:
+        """Raises ProcessLookupError once the init is gone."""
+        signal.pidfd_send_signal(self.pidfd, sig)
+
+    def kill(self) -> None:
+        try:
+            self.signal(signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def _close_report(self) -> None:
+        if self.report_fd >= 0:
+            os.close(self.report_fd)
+            self.report_fd = -1
+
+    def close(self) -> None:
+        self._close_report()
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+class WallRoot:
+    """The worker behind the wall: not our child (its status comes from the
+    init, which reaped it), pinned by the pidfd the init passed us."""
+
+    def __init__(self, init: Init, pid: int, pidfd: int) -> None:
+        self.init = init
+        self.pid = pid
+        self.pidfd = pidfd
+        self._ended = False
+
+    def source(self) -> None:
+        return None            # the container waits on the init's pidfd and socket
+
+    def poll(self) -> RootExit | None:
+        if self._ended:
+            return None
+        self.init.pump()
+        st = self.init.worker_status
+        if st is not None:
+            self._end()
+            via = "the PID namespace's init reaped the worker (its wait status, on the init's socket)"
+            if os.WIFEXITED(st):
+                return RootExit("exited", os.WEXITSTATUS(st), None,
+                                evidence(True, via, {"exit_code": os.WEXITSTATUS(st)}))
+            return RootExit("signaled", None, os.WTERMSIG(st), evidence(True, via, {"signal": os.WTERMSIG(st)}))
+        if self.init.reaped():
+            self._end()
+            return RootExit(None, None, None, evidence(
+                True, "the PID namespace's init was reaped (every member is gone)",
+                "exit status unknown: the init ended before it reported the worker's"))
+        return None
+
+    def _end(self) -> None:
+        self._ended = True
+        self.close()
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
 
 
 class Wakeups:

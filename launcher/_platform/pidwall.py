@@ -1,0 +1,127 @@
+"""The PID-namespace wall as a run's container uses it.
+
+A process cannot leave its PID namespace, whatever its privileges or clone
+flags; when the namespace's init exits the kernel SIGKILLs every member,
+and the init is reaped only after every other member is gone (wall.py and
+init.c cite the kernel). So a run behind the wall is observed empty when its
+init is reaped, and nothing can have left it unseen.
+
+    PidWall.shape(req, mode, ...)   ask the spawn for the wall (mode: None
+                                    for "where the kernel allows", True
+                                    for "required", False for "off")
+    PidWall(init)                   the wall of a spawned run: its sources,
+                                    the polite signal (to the init, which
+                                    forwards it to every member), the kill,
+                                    and whether it is empty
+"""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any
+
+    from .spawnreq import SpawnRequest, Spawned
+
+from .._record import now_iso
+from .posixwait import Init, WallRoot
+
+PROOF = "the PID namespace's init was reaped (the kernel reaps it only after every other member is gone)"
+UNLEAVABLE = "a PID-namespace wall: no process can leave it, whatever its privileges"
+
+# Errors of the clone itself that mean "this kernel or host will not make the
+# namespace" (EPERM: no CAP_SYS_ADMIN or a seccomp filter; EINVAL/ENOSYS: no
+# support; ENOSPC/EUSERS: a namespace limit), as opposed to the worker's own
+# failures, which are the same with or without the wall.
+_UNAVAILABLE = frozenset({errno.EPERM, errno.EINVAL, errno.ENOSYS, errno.ENOSPC, errno.EUSERS, errno.EACCES})
+_WALL_STAGES = frozenset({"clone", "pid namespace init", "user namespace", "fork in the pid namespace"})
+
+
+def shape(req: SpawnRequest, mode: bool | None, *, userns: str | None = None,
+          uid_map: str | None = None, gid_map: str | None = None) -> None:
+    """Ask the spawn for the wall, unless `mode` is False. `userns`: None for
+    a root caller, "self" for a caller without root (its own ids mapped to
+    themselves, no capabilities), "map" with the maps for a sealed root run."""
+    if mode is False:
+        return
+    req.pidns = True
+    req.mount_proc = True        # ps, $$ and /proc/self agree with the namespace
+    req.userns = userns
+    req.uid_map, req.gid_map = uid_map, gid_map
+    if userns is not None:
+        req.clear_caps = True
+        req.no_new_privs = True
+
+
+def unavailable(err: Any) -> bool:
+    """Whether a failed spawn failed because the wall cannot be made here
+    (so `auto` may go on without it), not because of the worker."""
+    return getattr(err, "stage", None) in _WALL_STAGES and getattr(err, "errno", 0) in _UNAVAILABLE
+
+
+class PidWall:
+    def __init__(self, init: Init, userns: str | None = None) -> None:
+        self.init = init
+        self.userns = userns
+        self.inode: int | None = None
+        try:
+            self.inode = os.stat(f"/proc/{init.pid}/ns/pid").st_ino
+        except OSError:
+            pass
+
+    @classmethod
+    def of(cls, sp: Spawned, userns: str | None = None) -> "PidWall":
+        return cls(Init(sp.init_pid, sp.init_pidfd, sp.report_fd, sp.events), userns)
+
+    def root(self, sp: Spawned) -> WallRoot:
+        return WallRoot(self.init, sp.pid, sp.pidfd)
+
+    def sources(self) -> list[tuple[int, int]]:
+        return self.init.sources()
+
+    def drain(self, ready: Any) -> None:
+        self.init.pump()
+
+    def empty(self) -> bool:
+        return self.init.reaped()
+
+    def owns(self, pid: int) -> bool:
+        """The init is our child: a subreaper loop must leave it to us."""
+        return pid == self.init.pid
+
+    def terminate(self, sig: int) -> tuple[str, dict[str, Any]]:
+        """The polite signal, to the init: it forwards a signal from outside
+        to every member with kill(-1, sig), then SIGCONT (init.c)."""
+        name = signal.Signals(sig).name
+        try:
+            self.init.signal(sig)
+        except ProcessLookupError:
+            return f"{name}: the PID namespace's init was already gone", {"init_pid": self.init.pid}
+        return (f"{name} to the PID namespace's init, forwarded to every member (kill(-1)) with SIGCONT",
+                {"init_pid": self.init.pid})
+
+    def kill(self) -> str:
+        self.init.kill()
+        return "SIGKILL to the PID namespace's init (the kernel then kills every member)"
+
+    def record(self) -> dict[str, Any]:
+        """This wall's entry in `containment.walls`."""
+        reaped = self.init.reaped_at
+        return {"kind": "pidns", "inode": self.inode, "init_pid": self.init.pid,
+                "user_namespace": self.userns,
+                "observed_empty": True if reaped is not None else False,
+                "at": now_iso(reaped) if reaped is not None else None, "via": PROOF,
+                "notes": self.init.notes or None}
+
+    def cpu(self) -> dict[str, int] | None:
+        """Whole-tree CPU from the init's rusage (it reaps every member)."""
+        ru = self.init.rusage
+        if ru is None:
+            return None
+        user, system = int(ru.ru_utime * 1e6), int(ru.ru_stime * 1e6)
+        return {"usage_usec": user + system, "user_usec": user, "system_usec": system}
+
+    def close(self) -> None:
+        self.init.close()
