@@ -21,7 +21,12 @@ EXIT_NOT_FOUND = 3
 EXIT_CONTAIN_FAILED = 125
 
 
-def _seconds_value(text: str) -> float:
+# The largest number of seconds any option takes (_runfiles.MAX_SECONDS,
+# about 31.7 years): any finite value up to it is honoured.
+MAX_SECONDS = 1e9
+
+
+def _seconds_value(text: str, positive: bool = False) -> float:
     """Raises ValueError with the message argparse shows."""
     try:
         v = float(text)
@@ -29,6 +34,10 @@ def _seconds_value(text: str) -> float:
         raise ValueError(f"not a number of seconds: {text!r}") from None
     if v != v or v < 0 or v == float("inf"):
         raise ValueError(f"seconds must be a finite number >= 0: {text!r}")
+    if v > MAX_SECONDS:
+        raise ValueError(f"at most {MAX_SECONDS:.0f} seconds (about 31 years): {text!r}")
+    if positive and v == 0:
+        raise ValueError("must be more than 0 seconds (leave the option out for no limit)")
     return v
 
 
@@ -41,17 +50,46 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _positive_seconds(text: str) -> float:
+    import argparse
+
+    try:
+        return _seconds_value(text, positive=True)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _duration(text: str) -> float:
+    import argparse
+
+    from ._gc import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _count(text: str) -> int:
+    import argparse
+
+    if not text.isdigit() or len(text) > 9:
+        raise argparse.ArgumentTypeError(f"not a count (an integer >= 0): {text!r}")
+    return int(text)
+
+
 # Every `contain run` option, once: both the argparse parser and the fast
 # path below are built from this table, so they cannot drift apart.
-# (flag, dest, kind, default, help); kind is "seconds", "text", "flag", or a
-# tuple of choices.
+# (flag, dest, kind, default, help); kind is "seconds", "seconds>0", "text",
+# "flag", or a tuple of choices.
 _RUN_OPTIONS: tuple[tuple[str, str, Any, Any, str], ...] = (
     ("--id", "id", "text", None, "run id (default: generated); a live run's id cannot be reused"),
     ("--grace", "grace", "seconds", 5.0, "seconds between SIGTERM and SIGKILL (default 5)"),
-    ("--timeout", "timeout", "seconds", None, "cancel the run after this many seconds (exit 124)"),
-    ("--kill-timeout", "kill_timeout", "seconds", 10.0,
+    ("--timeout", "timeout", "seconds>0", None, "cancel the run after this many seconds (exit 124)"),
+    ("--kill-timeout", "kill_timeout", "seconds>0", 10.0,
      "seconds to wait for the container to empty after SIGKILL (default 10)"),
-    ("--record", "record", "text", None, "also write the stop record to FILE"),
+    ("--record", "record", "text", None, "also write the final stop record to FILE (`-`: stdout); only a "
+     "regular file is ever replaced, a device or FIFO is written in place; exit 125 if it cannot be written"),
     ("--backend", "backend", ("auto", "cgroup2", "job-object", "none"), None,
      "container kind (default auto, or CONTAIN_BACKEND)"),
     ("--seal", "seal", "flag", False, "make leaving the container impossible (see docs/sealing.md)"),
@@ -97,15 +135,15 @@ def _fast_run(argv: Sequence[str]) -> SimpleNamespace | None:
                 return None
             value = argv[i + 1]
             i += 1
-        if not value or value.startswith("-"):
+        if not value or (value.startswith("-") and value != "-"):
             return None
         if isinstance(kind, tuple):
             if value not in kind:
                 return None
             vals[dest] = value
-        elif kind == "seconds":
+        elif kind in ("seconds", "seconds>0"):
             try:
-                vals[dest] = _seconds_value(value)
+                vals[dest] = _seconds_value(value, positive=kind == "seconds>0")
             except ValueError:
                 return None
         else:
@@ -138,15 +176,25 @@ def _parser() -> argparse.ArgumentParser:
     for flag, dest, kind, default, help_text in _RUN_OPTIONS:
         if kind == "flag":
             r.add_argument(flag, dest=dest, action="store_true", help=help_text)
-        elif kind == "seconds":
-            r.add_argument(flag, dest=dest, type=_seconds, default=default, metavar="SECONDS", help=help_text)
+        elif kind in ("seconds", "seconds>0"):
+            r.add_argument(flag, dest=dest, type=_seconds if kind == "seconds" else _positive_seconds,
+                           default=default, metavar="SECONDS", help=help_text)
         elif isinstance(kind, tuple):
             r.add_argument(flag, dest=dest, choices=kind, default=default, help=help_text)
         else:
             r.add_argument(flag, dest=dest, default=default, metavar=_METAVARS.get(flag), help=help_text)
     r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
 
-    ls = sub.add_parser("ls", help="list runs")
+    ls = sub.add_parser("ls", help="list live runs (--all: every run)",
+                        description="List runs: by default those not ended (running, unconfirmed, orphaned, "
+                        "unreadable); --all, --state or --since select from every run.")
+    ls.add_argument("-a", "--all", action="store_true", help="ended runs too")
+    ls.add_argument("--state", action="append", metavar="STATE",
+                    help="only runs in STATE (RUNNING, REAPED, EXITED, UNCONFIRMED, BREACHED, UNREADABLE, "
+                    "ORPHANED; repeat or separate with commas)")
+    ls.add_argument("--since", metavar="WHEN", help="only runs started since WHEN: a duration ago (15m, 2h, "
+                    "7d) or an ISO-8601 UTC time")
+    ls.add_argument("--no-trunc", action="store_true", help="do not shorten long run ids")
     ls.add_argument("--json", action="store_true")
 
     st = sub.add_parser("status", help="show one run and every evidence layer")
@@ -161,6 +209,16 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--wait", action="store_true", help="wait for the terminal acknowledgement")
     c.add_argument("--timeout", type=_seconds, default=None, help="with --wait: give up after this long")
     c.add_argument("--json", action="store_true")
+
+    g = sub.add_parser("gc", help="remove ended runs' directories",
+                       description="Remove the directories of ended runs (a terminal record and no owner). "
+                       "Live, orphaned and unreadable runs are never removed. Without options every ended "
+                       "run goes. Automatically, a run start keeps at most CONTAIN_KEEP_RUNS (default 1000) "
+                       "run directories.")
+    g.add_argument("--older-than", type=_duration, metavar="DURATION",
+                   help="only runs that ended more than DURATION ago (90s, 15m, 2h, 7d, 2w)")
+    g.add_argument("--keep", type=_count, metavar="N", help="keep the N most recently ended runs")
+    g.add_argument("--json", action="store_true")
 
     w = sub.add_parser("wait", help="wait until a run has ended")
     w.add_argument("id")
@@ -177,6 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd is None:
         _parser().print_help(sys.stderr)
         return EXIT_USAGE
+    from ._safefs import UnsafePath
+
     try:
         if args.cmd == "run":
             return _cmd_run(args)
@@ -187,6 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 1
+    except UnsafePath as e:          # the state directory is not ours: one line, 125
+        _say(str(e))
+        return EXIT_CONTAIN_FAILED
 
 
 def console() -> None:
@@ -240,12 +303,24 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
     try:
         opts = Options(grace=args.grace, timeout=args.timeout or None, kill_timeout=args.kill_timeout or 10.0,
                        backend=backend, seal=args.seal or None, user=args.user, workspace=args.workspace,
-                       record_file=args.record, subreaper=True,
-                       check_sockets=args.check_sockets)
+                       subreaper=True, check_sockets=args.check_sockets)
         run = Run(cmd, id=args.id, options=opts)
     except ValueError as e:
         _say(f"run: {e}")
         return EXIT_USAGE
+    # --record is checked before anything runs, and written by this process
+    # once the run has ended (_recordfile): a destination that cannot take
+    # the record is exit 125 before the spawn, a write that fails is 125
+    # after it, with one line each.
+    target = None
+    if args.record is not None:
+        from ._recordfile import prepare
+
+        try:
+            target = prepare(args.record)
+        except OSError as e:
+            _say(f"run: --record {e}")
+            return EXIT_CONTAIN_FAILED
 
     # Signals cancel the run; they are turned into wake-ups of the owner
     # loop, which records the intent durably before anything is signalled.
@@ -265,20 +340,40 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
         return EXIT_USAGE
     except SpawnFailed as e:
         _say(str(e))
-        return e.exit_code
+        return _write_record_file(run, target, e.exit_code)
     except ContainmentUnavailable as e:
         _say(f"no container: {e}")
-        return EXIT_CONTAIN_FAILED
+        return _write_record_file(run, target, EXIT_CONTAIN_FAILED)
     except OSError as e:
         _say(f"run: {e}")
-        return EXIT_CONTAIN_FAILED
+        return _write_record_file(run, target, EXIT_CONTAIN_FAILED)
     rec = run.supervise()
     if rec.state == "UNCONFIRMED":
         _say(f"run {run.id}: stop not confirmed: the container did not empty; "
              f"`contain cancel {run.id}` repeats the kill")
     elif rec.state == "BREACHED":
         _say(f"run {run.id}: BREACHED: a process left the container and is not proven gone")
-    return run.exit_status()
+    return _write_record_file(run, target, run.exit_status())
+
+
+def _write_record_file(run: Any, target: Any, status: int) -> int:
+    """The final record to --record's target (if any): `status`, or 125
+    with one line when it cannot be written (CONTRACT.md)."""
+    if target is None or run.layout is None:
+        if target is not None:
+            target.close()
+        return status
+    from ._layout import encode
+
+    try:
+        target.final(encode(run.record().to_dict(), pretty=True))
+    except OSError as e:
+        _say(f"run {run.id}: the record could not be written to --record {e}; it is in "
+             f"{os.path.join(run.layout.path, 'record.json')}")
+        return EXIT_CONTAIN_FAILED
+    finally:
+        target.close()
+    return status
 
 
 if __name__ == "__main__":

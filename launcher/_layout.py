@@ -255,6 +255,11 @@ class RunDir:
                 self._cfd = F.open_private_dir(self._fd, "cancellations", self.cancellations,
                                                owners=(os.geteuid(),), create_mode=RUN_DIR_MODE)
 
+    def opened(self) -> "_Opened":
+        """`with d.opened():` opens the directory once (verified) for a batch
+        of reads, as `ls` does for thousands of runs. A no-op while owning."""
+        return _Opened(self)
+
     # -- claiming ----------------------------------------------------------
 
     @classmethod
@@ -803,6 +808,40 @@ class RunDir:
             pass
         finally:
             os.close(wfd)
+
+
+class _Opened:
+    __slots__ = ("d", "fds")
+
+    def __init__(self, d: RunDir) -> None:
+        self.d = d
+        self.fds: tuple[int, ...] = ()
+
+    def __enter__(self) -> RunDir:
+        d = self.d
+        with d._mu:
+            if d._fd >= 0:
+                return d
+        fd = d._open_fd(False)
+        with d._mu:
+            if d._fd >= 0:          # taken ownership meanwhile
+                os.close(fd)
+                return d
+            d._fd = fd
+            self.fds = (fd,)
+        return d
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.fds:
+            return
+        d = self.d
+        with d._mu:
+            if d._fd == self.fds[0] and d._lock_fd < 0:
+                fd, d._fd = d._fd, -1
+                cfd, d._cfd = d._cfd, -1
+                for x in (fd, cfd):
+                    if x >= 0:
+                        os.close(x)
 
 
 def _poke(dir_fd: int, name: str, reap: bool = False) -> None:
