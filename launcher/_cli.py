@@ -250,6 +250,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UnsafePath as e:          # the state directory is not ours: one line, 125
         _say(str(e))
         return EXIT_CONTAIN_FAILED
+    except OSError as e:             # e.g. a run directory this user may not read
+        _say(f"{args.cmd}: {e.filename + ': ' if e.filename else ''}{e.strerror or e}")
+        return 1
 
 
 def console() -> None:

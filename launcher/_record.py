@@ -27,6 +27,7 @@ LAYERS = (
     "escapes",
     "workspace_quiescent",
     "sockets_closed",
+    "locks_released",
 )
 
 

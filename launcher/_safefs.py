@@ -78,8 +78,8 @@ def check_private_dir(st: os.stat_result, path: str, owners: tuple[int, ...]) ->
     if st.st_uid not in owners:
         raise UnsafePath(path, f"is owned by uid {st.st_uid}, not by uid {os.geteuid()} (this user)")
     if st.st_mode & 0o022:
-        raise UnsafePath(path, f"is writable by {'group' if st.st_mode & 0o020 else 'others'} "
-                         f"(mode {stat.S_IMODE(st.st_mode):04o}); it must be private")
+        who = {0o020: "its group", 0o002: "others", 0o022: "its group and others"}[st.st_mode & 0o022]
+        raise UnsafePath(path, f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}); it must be private")
 
 
 def check_ancestor(st: os.stat_result, path: str) -> None:
@@ -112,7 +112,7 @@ def open_ancestors(path: str) -> int:
             try:
                 nfd = os.open(comp, O_DIR_PATH, dir_fd=fd)
             except OSError as e:
-                raise _dir_error(e, walked) from None
+                raise _dir_error(e, walked, fd, comp) from None
             os.close(fd)
             fd = nfd
             check_ancestor(os.fstat(fd), walked)
@@ -122,7 +122,15 @@ def open_ancestors(path: str) -> int:
     return fd
 
 
-def _dir_error(e: OSError, path: str) -> OSError:
+def _dir_error(e: OSError, path: str, parent_fd: int = -1, name: str = "") -> OSError:
+    """O_DIRECTORY|O_NOFOLLOW on a symlink fails with ENOTDIR (or ELOOP):
+    say which it was."""
+    if e.errno == errno.ENOTDIR and name:
+        try:
+            if stat.S_ISLNK(os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode):
+                return UnsafePath(path, "is a symlink (not followed)", errno.ELOOP)
+        except OSError:
+            pass
     if e.errno == errno.ELOOP:
         return UnsafePath(path, "is a symlink (not followed)", errno.ELOOP)
     if e.errno == errno.ENOTDIR:
@@ -152,7 +160,7 @@ def open_private_dir(parent_fd: int, name: str, path: str, *, owners: tuple[int,
                 os.close(fd)
                 raise
         except OSError as e:
-            raise _dir_error(e, path) from None
+            raise _dir_error(e, path, parent_fd, name) from None
         try:
             check_private_dir(os.fstat(fd), path, owners)
         except BaseException:
