@@ -19,7 +19,7 @@ from typing import Any
 from ._errors import LauncherError, RunConflict, RunNotFound
 from ._layout import RunDir
 from ._record import LAYERS
-from ._runfiles import TERMINAL, RunInfo, Unreadable
+from ._runfiles import TERMINAL, RunInfo, Unreadable, iso_epoch
 from ._safefs import UnsafePath
 
 EXIT_OK, EXIT_DID_NOT_HOLD, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_CONTAIN_FAILED = 0, 1, 2, 3, 125
@@ -37,16 +37,7 @@ def _print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2) + "\n")
 
 
-def _parse_iso(s: Any) -> float | None:
-    if not isinstance(s, str) or not s:
-        return None
-    import calendar
-
-    try:
-        base, _, frac = s.rstrip("Z").partition(".")
-        return calendar.timegm(time.strptime(base, "%Y-%m-%dT%H:%M:%S")) + (float("0." + frac) if frac else 0.0)
-    except ValueError:
-        return None
+_parse_iso = iso_epoch
 
 
 def _age(s: Any, now: float | None = None) -> str:
@@ -110,7 +101,7 @@ def _members(cgroup_dir: str | None) -> tuple[int | None, int | None]:
     return members, cpu
 
 
-def live_view(d: RunDir, *, live: bool = True) -> dict[str, Any]:
+def live_view(d: RunDir, *, live: bool = True, summary: bool = False) -> dict[str, Any]:
     """What a reader can tell from the layout alone, plus (with `live`) the
     run's cgroup as it is now. `state` is the record's, or UNREADABLE with
     `unreadable` saying why; `owner_alive` is True, False or None (cannot
@@ -118,7 +109,7 @@ def live_view(d: RunDir, *, live: bool = True) -> dict[str, Any]:
     view = _empty_view(d)
     try:
         with d.opened():
-            return _fill_view(d, view, live)
+            return _fill_view(d, view, live, summary)
     except (OSError, UnsafePath) as e:
         view["unreadable"] = _why(e)
         return view
@@ -132,8 +123,8 @@ def _why(e: BaseException) -> str:
     return str(e)
 
 
-def _fill_view(d: RunDir, view: dict[str, Any], live: bool) -> dict[str, Any]:
-    rec = d.load_record()
+def _fill_view(d: RunDir, view: dict[str, Any], live: bool, summary: bool = False) -> dict[str, Any]:
+    rec = d.load_record(summary=summary)
     if isinstance(rec, dict):
         view.update(run_uid=rec.get("run_uid"), state=rec["state"], outcome=rec.get("outcome"),
                     exit_code=rec.get("exit_code"), signal=rec.get("signal"), argv=rec.get("argv"),
@@ -219,7 +210,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     show_all = bool(getattr(args, "all", False)) or states is not None or since is not None
     views, hidden = [], 0
     for d in RunDir.all():
-        v = live_view(d)
+        v = live_view(d, summary=True)
         if states is not None and v["state"] not in states and not ("ORPHANED" in states and v["orphaned"]):
             continue
         if since is not None:

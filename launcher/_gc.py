@@ -22,7 +22,6 @@ by the next pass.
 """
 from __future__ import annotations
 
-import calendar
 import errno
 import os
 import time
@@ -31,7 +30,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 from . import _safefs as F
-from ._runfiles import ID_RE, MAX_RECORD, TERMINAL, loads, parse_record
+from ._runfiles import ID_RE, MAX_RECORD, TERMINAL, iso_epoch, loads, parse_record
 from ._safefs import UnsafePath
 from ._statedir import StateDir, claim_lock
 
@@ -102,16 +101,6 @@ def entries(st: StateDir) -> list[Entry]:
     return out
 
 
-def _iso(s: Any) -> float | None:
-    if not isinstance(s, str):
-        return None
-    try:
-        base, _, frac = s.rstrip("Z").partition(".")
-        return calendar.timegm(time.strptime(base, "%Y-%m-%dT%H:%M:%S")) + (float("0." + frac) if frac else 0.0)
-    except ValueError:
-        return None
-
-
 def examine(st: StateDir, e: Entry, now: float) -> str:
     """Set and return e.status: ended, live or unreadable."""
     e.status = _status(st, e, now)
@@ -164,7 +153,7 @@ def _status(st: StateDir, e: Entry, now: float) -> str:
             return "unreadable"
         if rec["state"] not in TERMINAL:
             return "live"
-        ended = _iso((rec.get("timings") or {}).get("ended_at"))
+        ended = iso_epoch((rec.get("timings") or {}).get("ended_at"))
         if ended is not None:
             e.ended_at = ended
         return "ended"

@@ -54,7 +54,7 @@ from . import _safefs as F
 from ._errors import RunConflict, RunNotFound
 from ._record import now_iso
 from ._runfiles import (ID_RE, MAX_ACK, MAX_LINE, MAX_RECORD, MAX_RUN_INFO, Rejected, Request, RunInfo,
-                        Unreadable, loads, parse_ack, parse_record, parse_request, parse_run_info)
+                        Unreadable, loads, parse_ack, parse_nested, parse_record, parse_request, parse_run_info)
 from ._safefs import PersistError, UnsafePath
 from ._statedir import (FILE_MODE, PRUNE_SLACK, RUN_DIR_MODE, StateDir, StateDirError, claim_lock, keep_runs,
                         location)
@@ -150,10 +150,11 @@ class RunDir:
     take_ownership()): then it holds the directory fds until release()."""
 
     def __init__(self, path: str, _state: StateDir | None = None) -> None:
-        self.path = os.path.normpath(path)
-        self.id = os.path.basename(self.path)
-        self.cancellations = os.path.join(self.path, "cancellations")
-        self.requests = os.path.join(self.cancellations, "requests.ndjson")
+        # (Plain string work, not os.path.join: `ls` makes one per run.)
+        self.path = path if _state is not None else os.path.normpath(path)
+        self.id = self.path.rpartition("/")[2]
+        self.cancellations = self.path + "/cancellations"
+        self.requests = self.cancellations + "/requests.ndjson"
         self._state = _state
         self._mu = threading.RLock()
         self._lock_fd = -1
@@ -207,8 +208,9 @@ class RunDir:
         with st:
             with os.scandir(st.runs_fd) as it:
                 names = sorted(e.name for e in it if _ID_RE.match(e.name))
+            root = os.path.join(st.path, "runs") + "/"
             for n in names:
-                yield cls(os.path.join(st.path, "runs", n), _state=st)
+                yield cls(root + n, _state=st)
 
     # -- opening -----------------------------------------------------------
 
@@ -427,7 +429,7 @@ class RunDir:
         it does not exist. Raises UnsafePath / OSError / ValueError."""
         fd = self._cdir() if sub else self._dir()
         try:
-            return F.read_file(fd, name, os.path.join(self.cancellations if sub else self.path, name), limit)
+            return F.read_file(fd, name, f"{self.cancellations if sub else self.path}/{name}", limit)
         except FileNotFoundError:
             return None
         finally:
@@ -478,9 +480,10 @@ class RunDir:
             os.close(fd)
         self.poke_waiters()
 
-    def load_record(self) -> dict[str, Any] | Unreadable | None:
-        """record.json, checked: the record, Unreadable (with why), or None."""
-        return self._load("record.json", MAX_RECORD, lambda o: parse_record(o, self.id))
+    def load_record(self, *, summary: bool = False) -> dict[str, Any] | Unreadable | None:
+        """record.json, checked: the record, Unreadable (with why), or None.
+        `summary`: only the fields a listing shows are checked (ls)."""
+        return self._load("record.json", MAX_RECORD, lambda o: parse_record(o, self.id, summary=summary))
 
     def read_record(self) -> dict[str, Any] | None:
         rec = self.load_record()
@@ -739,6 +742,44 @@ class RunDir:
                     continue
         finally:
             os.close(cfd)
+        return out
+
+    # -- nested runs (the registry of _nested; phase 2 wires it) -------------
+
+    def append_nested(self, entry: dict[str, Any]) -> None:
+        """Register a run nested in this one: one O_APPEND line in
+        nested.ndjson (O_NOFOLLOW, 0600). Raises ValueError (not a
+        registration, too long), UnsafePath, PersistError."""
+        parse_nested(entry)
+        line = (json.dumps(entry, separators=(",", ":")) + "\n").encode()
+        if len(line) > MAX_LINE - 1:
+            raise ValueError("nested run registration too large")
+        fd = self._dir(write=True)
+        try:
+            afd, _created = F.open_append(fd, "nested.ndjson", self.file("nested.ndjson"), mode=FILE_MODE)
+            try:
+                F.append_line(afd, line, self.file("nested.ndjson"))
+            finally:
+                os.close(afd)
+        finally:
+            os.close(fd)
+
+    def read_nested(self, limit: int = 10_000) -> list[dict[str, Any]]:
+        """The registrations in nested.ndjson, each checked (parse_nested);
+        lines that do not fit are skipped. Bounded: at most `limit` lines of
+        at most MAX_LINE bytes each are looked at."""
+        try:
+            data = self._read("nested.ndjson", limit * MAX_LINE)
+        except (OSError, UnsafePath):
+            return []
+        out = []
+        for raw in (data or b"").split(b"\n")[:limit]:
+            if not raw.strip() or len(raw) > MAX_LINE:
+                continue
+            try:
+                out.append(parse_nested(loads(raw, "nested.ndjson")))
+            except ValueError:
+                continue
         return out
 
     # -- waiters -------------------------------------------------------------

@@ -39,6 +39,7 @@ MAX_SECONDS = 1e9
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 UID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 ISO_RE = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,9})?Z$")
+_ISO_MATCH = ISO_RE.match
 MAX_OP_ID = 200
 PID_MAX = 1 << 22          # PID_MAX_LIMIT (include/linux/threads.h)
 
@@ -47,6 +48,21 @@ TERMINAL = frozenset({"REAPED", "EXITED", "BREACHED"})
 OUTCOMES = frozenset(o.value for o in Outcome)
 EFFECTS = frozenset(e.value for e in Effect)
 BACKENDS = frozenset({"cgroup2", "pidns", "job-object", "none"})
+
+
+def iso_epoch(s: Any) -> float | None:
+    """Seconds since the epoch of a time as now_iso writes it
+    (`YYYY-MM-DDTHH:MM:SS[.ffffff]Z`), or None for anything else."""
+    if type(s) is not str or not _ISO_MATCH(s):
+        return None
+    import calendar
+
+    try:
+        t = calendar.timegm((int(s[0:4]), int(s[5:7]), int(s[8:10]), int(s[11:13]), int(s[14:16]),
+                             int(s[17:19]), 0, 0, 0))
+    except (ValueError, OverflowError):
+        return None
+    return t + (float("0" + s[19:-1]) if s[19] == "." else 0.0)
 
 
 class Unreadable:
@@ -194,21 +210,32 @@ def parse_run_info(obj: Any, expect_id: str | None = None) -> RunInfo:
 
 
 def _evidence(v: Any, what: str) -> None:
+    """Each layer an object with observed true/false/null, `at` an ISO time
+    or null, `via` a string or null. (Messages are built only on failure:
+    `ls` checks thousands of records.)"""
     if v is None:
         return
-    if not isinstance(v, dict):
+    if type(v) is not dict:
         raise ValueError(f"{what}: evidence is not an object")
     for layer, ev in v.items():
-        if not isinstance(ev, dict):
+        if type(ev) is not dict:
             raise ValueError(f"{what}: evidence layer {str(layer)[:40]!r} is not an object")
-        if type(ev.get("observed")) not in (bool, type(None)):
+        o = ev.get("observed")
+        if o is not None and o is not True and o is not False:
             raise ValueError(f"{what}: evidence layer {str(layer)[:40]!r}: observed is not true, false or null")
-        _opt_iso(ev, "at", f"{what}: evidence layer {str(layer)[:40]!r}")
-        _opt_str(ev, "via", f"{what}: evidence layer {str(layer)[:40]!r}")
+        at = ev.get("at")
+        if at is not None and (type(at) is not str or not _ISO_MATCH(at)):
+            raise ValueError(f"{what}: evidence layer {str(layer)[:40]!r}: at is not an ISO-8601 UTC time")
+        via = ev.get("via")
+        if via is not None and type(via) is not str:
+            raise ValueError(f"{what}: evidence layer {str(layer)[:40]!r}: via is not a string")
 
 
-def parse_record(obj: Any, expect_id: str | None = None) -> dict[str, Any]:
-    """A stop record as the owner writes it; returned as it is, once checked."""
+def parse_record(obj: Any, expect_id: str | None = None, *, summary: bool = False) -> dict[str, Any]:
+    """A stop record as the owner writes it; returned as it is, once checked.
+    With `summary`, only what a listing shows is checked (state, outcome,
+    uid, exit status, argv, identity, timings, cpu): `ls` reads thousands;
+    `status`, `wait` and adoption check the whole record."""
     what = "record.json"
     if not isinstance(obj, dict):
         raise ValueError(f"{what} is not a JSON object")
@@ -233,19 +260,21 @@ def parse_record(obj: Any, expect_id: str | None = None) -> dict[str, Any]:
             raise ValueError(f"{what}: {key} is not an integer")
     if obj.get("argv") is not None:
         _argv(obj["argv"], what)
-    _evidence(obj.get("evidence"), what)
     if obj.get("identity") is not None:
         check_identity(obj["identity"], f"{what}: identity")
     for key in ("containment", "timings", "cpu", "cleanup"):
         _opt_dict(obj, key, what)
     timings = obj.get("timings") or {}
     for key in ("spawned_at", "root_exit_at", "empty_at", "ended_at"):
-        _opt_iso(timings, key, f"{what}: timings")
+        _opt_iso(timings, key, "record.json: timings")
+    if summary:
+        return obj
+    _evidence(obj.get("evidence"), what)
     c = obj.get("containment") or {}
     if c.get("backend") is not None and (not isinstance(c["backend"], str) or c["backend"] not in BACKENDS):
         raise ValueError(f"{what}: containment.backend is not one of {', '.join(sorted(BACKENDS))}")
     for key in ("path", "sealed_reason", "placement"):
-        _opt_str(c, key, f"{what}: containment")
+        _opt_str(c, key, "record.json: containment")
     for key in ("notes", "cancellations", "nested"):
         if obj.get(key) is not None and not isinstance(obj[key], list):
             raise ValueError(f"{what}: {key} is not a list")
@@ -277,6 +306,24 @@ def parse_ack(obj: Any, expect_op: str | None = None) -> dict[str, Any]:
     for key in ("requested_at", "acknowledged_at", "settled_at"):
         _opt_iso(obj, key, f"{what} of {op!r}")
     _opt_dict(obj, "by", f"{what} of {op!r}")
+    return obj
+
+
+def parse_nested(obj: Any) -> dict[str, Any]:
+    """One line of a lead's `nested.ndjson` (a run nested in it, as _nested
+    registers it): id, run_uid, cgroup (as /proc names it) and run_dir."""
+    what = "nested.ndjson line"
+    if not isinstance(obj, dict):
+        raise ValueError(f"{what} is not a JSON object")
+    if not isinstance(obj.get("id"), str) or not ID_RE.match(obj["id"]):
+        raise ValueError(f"{what}: id is not a run id")
+    if not isinstance(obj.get("run_uid"), str) or not UID_RE.match(obj["run_uid"]):
+        raise ValueError(f"{what}: run_uid is not a run uid")
+    _abs_path(obj.get("cgroup"), what, "cgroup")
+    if obj.get("cgroup") is None:
+        raise ValueError(f"{what}: no cgroup")
+    _abs_path(obj.get("run_dir"), what, "run_dir")
+    _opt_iso(obj, "at", what)
     return obj
 
 

@@ -797,3 +797,33 @@ def test_numbers_contain_cannot_honour_are_usage_errors(tmp_path, args):
     assert p.returncode == 2, (args, p.returncode, p.stderr)
     assert "Traceback" not in p.stderr and p.stderr.startswith("contain: ")
     assert not os.path.exists(tmp_path / "state" / "runs" / "x")
+
+
+def test_forged_nested_registrations_are_skipped(tmp_path):
+    """The registry of runs nested in a lead is written from inside the
+    lead's tree: a line that does not name a run (or names a relative
+    directory) is skipped, a real one is read, and the file is never
+    followed through a link."""
+    from launcher._layout import RunDir
+    from launcher._safefs import UnsafePath
+
+    d = RunDir.claim("lead", str(tmp_path / "state"))
+    try:
+        good = {"id": "sub", "run_uid": UID, "cgroup": "/contain/run-lead-00000000/sub-sub-11111111",
+                "run_dir": str(tmp_path / "state" / "runs" / "sub"), "at": "2026-01-01T00:00:00.000000Z"}
+        d.append_nested(good)
+        with open(d.file("nested.ndjson"), "ab") as f:
+            f.write(b'[]\n{"id": "x", "run_uid": "%s", "cgroup": "../../"}\n{"id": "y"}\n' % UID.encode())
+        assert d.read_nested() == [good]
+        with pytest.raises(ValueError):
+            d.append_nested({"id": "../etc", "run_uid": UID, "cgroup": "/c"})
+        os.unlink(d.file("nested.ndjson"))
+        victim = tmp_path / "victim"
+        victim.write_text("x")
+        os.symlink(victim, d.file("nested.ndjson"))
+        assert d.read_nested() == []
+        with pytest.raises(UnsafePath):
+            d.append_nested(good)
+        assert victim.read_text() == "x"
+    finally:
+        d.release()
