@@ -377,7 +377,19 @@ def _empty_view(d: RunDir) -> dict[str, Any]:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     from ._cancel import cancel
+    from ._statedir import StateDir
 
+    # A cancel writes (the intent, perhaps the whole stop): only into a
+    # state directory of this user's own. Another user's is refused here,
+    # with the reason, before anything is read from it.
+    try:
+        StateDir.open(None, write=True).close()
+    except FileNotFoundError:
+        _err(f"no run {args.id!r}: there is no state directory yet")
+        return EXIT_NOT_FOUND
+    except UnsafePath as e:
+        _err(f"cancel: {e}")
+        return EXIT_CONTAIN_FAILED
     try:
         ack = cancel(args.id, op_id=args.op_id, grace=args.grace, run_uid=args.run_uid, wait=args.wait,
                      timeout=args.timeout)
