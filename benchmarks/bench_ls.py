@@ -9,7 +9,8 @@ layout makes them) into a temporary state directory, which is removed at
 the end. Timed: `contain ls` (the default: live runs only, so every record is
 still read to know it has ended), `ls --json`, `ls --all` and `ls --all
 --json` (every run printed). `--checkout` times another checkout's `launcher`
-on the same directory (e.g. the code before this change, for a before/after).
+on the same directory (e.g. the code before this change, for a before/after;
+there `ls` and `ls --json` list every run, and `--all` does not exist).
 
 `run()` is the entry point for a harness; it returns the result dict.
 """
@@ -66,9 +67,10 @@ def populate(state: str, n: int, files: dict[str, bytes]) -> None:
             os.close(fd)
 
 
-def _time(argv: list[str], env: dict[str, str]) -> tuple[float, int]:
+def _time(argv: list[str], env: dict[str, str], cwd: str) -> tuple[float, int]:
     t0 = time.perf_counter()
-    p = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
+    # cwd: `python -m` puts the working directory first on sys.path.
+    p = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120, cwd=cwd)
     dt = time.perf_counter() - t0
     if p.returncode != 0:
         raise RuntimeError(f"{argv}: exit {p.returncode}: {p.stderr.decode()[-300:]}")
@@ -99,13 +101,13 @@ def run(runs: int = 10_000, repeats: int = 9, checkout: str | None = None) -> di
             for name, args in commands.items():
                 argv = [sys.executable, "-m", "launcher", *args]
                 try:
-                    _time(argv, cenv)          # warm the page cache and bytecode
+                    _time(argv, cenv, root)    # warm the page cache and bytecode
                 except RuntimeError as e:
                     res[name] = {"error": str(e)}
                     continue
                 xs, size = [], 0
                 for _ in range(repeats):
-                    dt, size = _time(argv, cenv)
+                    dt, size = _time(argv, cenv, root)
                     xs.append(dt)
                 res[name] = dict(C.summary(xs), stdout_bytes=size)
             out["contenders"][label] = res

@@ -593,7 +593,9 @@ d.journal("after")
 d.append_request({{"op_id": "r3", "run_uid": UID}})
 events = [e["event"] for e in d.read_journal()]
 inbox = d.read_inbox(0, UID)
-print(json.dumps({{"results": results, "same": same, "leftovers": leftovers, "events": events,
+from launcher._safefs import in_memory
+mfd = os.open(mnt, os.O_RDONLY | os.O_DIRECTORY)
+print(json.dumps({{"in_memory": in_memory(mfd), "results": results, "same": same, "leftovers": leftovers, "events": events,
                   "accepted": [r.op_id for r in inbox.accepted], "rejected": len(inbox.rejected),
                   "record": json.loads(open(rec_path).read()) == good}}))
 """
@@ -627,11 +629,23 @@ needs_mount = pytest.mark.skipif(_unshare_reason() is not None, reason=_unshare_
 
 
 @needs_mount
-def test_full_state_dir_never_tears_the_record():
+def test_full_state_dir_never_tears_the_record(tmp_path):
+    from launcher._safefs import in_memory
+
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        on_disk = in_memory(fd)
+    finally:
+        os.close(fd)
+    with open("/proc/self/mountinfo") as f:
+        assert on_disk == any(line.split(" - ")[1].startswith("tmpfs ") and
+                              os.path.realpath(str(tmp_path)).startswith(line.split()[4].rstrip("/") + "/")
+                              for line in f)
     good = json.dumps(good_record("r"))
     p = _in_full_tmpfs([sys.executable, "-c", _FULL.format(root=ROOT, uid=UID, good=good), "{mnt}"])
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
+    assert out["in_memory"] is True, "fsync is skipped on tmpfs (and only there)"
     for name, res in out["results"].items():
         assert res[0] == "PersistError" and res[1] in (errno.ENOSPC, errno.EDQUOT), (name, res)
     assert out["same"] and out["record"], "the good record is still there, whole"
