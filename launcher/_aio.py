@@ -4,8 +4,8 @@
         rec = await w.wait()
 
 The run's owner loop is a task in the caller's event loop, not a thread: it
-waits for the same kernel readiness as the threaded owner (`Run.poll_set()`:
-the worker's pidfd, `cgroup.events`, the cancel inbox's inotify and the
+waits for the same kernel readiness as the threaded owner (`Run.sources()`:
+the worker's pidfd, `cgroup.events`, the cancel inbox's wake-up FIFO and the
 wake-up pipe), gathered in one epoll instance. An epoll fd is readable when
 any registered event is ready, `cgroup.events`' POLLPRI included, so one
 `anyio.wait_readable()` covers them all; event loops only wait for
@@ -36,7 +36,8 @@ from ._errors import RunConflict
 from ._handle import RunHandle
 from ._layout import new_uid
 from ._record import CancelRecord, StopRecord
-from ._run import DEFAULT_GRACE, Run
+from ._options import DEFAULT_GRACE
+from ._run import Run
 from ._state import Phase
 from ._stdio import Stdio, StdioSpec
 from ._worker import start_run
@@ -155,12 +156,12 @@ class AsyncWorker(RunHandle):
         known = self._known_ack(op)
         if known is not None:
             return known
-        if not run.owning() or run._done.is_set():
+        if not run.owning() or run.finished():
             return self._answer_as_ended(op)
         self._request(op, grace, {"task": "anyio"})
-        run._turn()                    # we are the owner's thread: acknowledge and act now
+        run.turn()                     # we are the owner's thread: acknowledge and act now
         run.wake()                     # the owner task re-reads its deadlines
-        ack = run.ops.get(op)
+        ack = run.inbox.ops.get(op)
         if ack is None:
             raise RunConflict(f"run {self.id}: operation {op} was not acknowledged")
         return CancelRecord(ack)
@@ -172,15 +173,15 @@ class AsyncWorker(RunHandle):
         with anyio.CancelScope(shield=True):
             try:
                 while run.owning():
-                    ready = await _wait_ready(run.poll_set(), run._next_deadline())
+                    ready = await _wait_ready(run.sources(), run.next_deadline())
                     run.drain(ready)
-                    run._turn()
+                    run.turn()
             except Exception as e:           # surfaced by wait(), never lost
                 self._error = e
             finally:
                 try:
                     if run.snap.terminal or run.snap.phase is Phase.UNCONFIRMED:
-                        run._finalise()      # as Run.supervise() does
+                        run.finish()         # as Run.supervise() does
                 finally:
                     self._ended.set()
 

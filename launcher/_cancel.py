@@ -5,9 +5,9 @@
 2. The owner acknowledges in `cancellations/<op>.json`. We wait for that on
    a waiter FIFO the owner pokes after each write, and on the owner's pidfd
    (its death), never by sleeping in a loop.
-3. If the owner is gone (its flock is free), this process adopts the run:
-   it becomes the owner, applies the inbox, stops the container and writes
-   the record and the acknowledgement itself.
+3. If the owner is gone (its flock is free), this process adopts the run
+   (_adopt.py): it becomes the owner, applies the inbox, stops the container
+   and writes the record and the acknowledgement itself.
 """
 from __future__ import annotations
 
@@ -16,13 +16,12 @@ import select
 import time
 from typing import Any
 
-from ._errors import LauncherError
 from ._identity import ProcessIdentity
 from ._layout import RunDir, new_uid
 from ._record import CancelRecord, now_iso
+from ._state import TERMINAL_STATES, Effect
 
-SETTLED = ("cancelled", "not_live", "unknown")
-TERMINAL_STATES = ("REAPED", "EXITED", "BREACHED")
+SETTLED = frozenset({Effect.CANCELLED, Effect.NOT_LIVE, Effect.UNKNOWN})
 ACK_TIMEOUT = 10.0
 
 
@@ -30,7 +29,7 @@ def settled(ack: dict[str, Any]) -> bool:
     return ack.get("effect") in SETTLED or ack.get("state") in TERMINAL_STATES
 
 
-class _Watch:
+class Watcher:
     """A waiter FIFO of our own in the run directory, which the owner pokes
     after every record or acknowledgement it writes, plus, optionally, the
     owner's pidfd (readable when the owner dies).
@@ -110,14 +109,18 @@ def cancel(run_id: str, *, op_id: str | None = None, grace: float | None = None,
 def _await(layout: RunDir, op: str, info: dict[str, Any], wait: bool, timeout: float | None) -> CancelRecord:
     limit = timeout if timeout is not None else (None if wait else ACK_TIMEOUT)
     deadline = None if limit is None else time.monotonic() + limit
-    watch = _Watch(layout, info.get("supervisor"))
+    watch = Watcher(layout, info.get("supervisor"))
     try:
         while True:
             ack = layout.read_ack(op)
             if ack is not None and (not wait or settled(ack)):
                 return CancelRecord(ack)
             if not layout.owner_alive():
-                adopted = _adopt(layout, op, wait)
+                # Lazy: adoption loads the whole run driver, which a cancel
+                # of a live run never needs (`contain cancel`'s start-up).
+                from ._adopt import take_over
+
+                adopted = take_over(layout, op)
                 if adopted is not None:
                     return adopted
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -131,48 +134,3 @@ def _await(layout: RunDir, op: str, info: dict[str, Any], wait: bool, timeout: f
             watch.wait(0.5 if remaining is None else min(remaining, 0.5))
     finally:
         watch.close()
-
-
-def _adopt(layout: RunDir, op: str, wait: bool) -> CancelRecord | None:
-    """Take ownership of a run whose owner is gone and finish the stop.
-    None if another process became the owner first."""
-    if not layout.take_ownership():
-        return None
-    from ._run import Run
-
-    try:
-        run = Run.adopt(layout)
-    except BaseException:
-        layout.release()
-        raise
-    was_terminal = run.snap.terminal
-    try:
-        run._turn()               # apply the inbox (this op included) and act
-        if was_terminal:
-            run._settle_acks()    # the previous owner may have died between record and acks
-            run.close()           # one result: an ended run's record is left as it is
-        else:
-            run.supervise()
-    except BaseException:
-        run.close()
-        raise
-    ack = layout.read_ack(op)
-    if ack is None:
-        raise LauncherError(f"run {layout.id}: adopted, but operation {op} was not acknowledged")
-    return CancelRecord(ack)
-
-
-def adopt_quietly(layout: RunDir, op: str, run_uid: str | None, by: dict[str, Any]) -> None:
-    """Finish a run whose owner is gone and whose record is not terminal:
-    record the intent durably, then adopt. Does nothing if the run has an
-    owner, has ended, or is another run now (run uid)."""
-    rec = layout.read_record() or {}
-    info = layout.read_run() or {}
-    if rec.get("state") in TERMINAL_STATES or layout.owner_alive():
-        return
-    if run_uid is not None and info.get("run_uid") != run_uid:
-        return
-    if layout.read_ack(op) is None:
-        layout.append_request({"op_id": op, "run_uid": info.get("run_uid"), "requested_at": now_iso(),
-                               "by": by})
-    _adopt(layout, op, wait=False)

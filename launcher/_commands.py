@@ -9,24 +9,45 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import signal
 import sys
 import time
 from typing import Any
 
 from ._errors import LauncherError, RunConflict, RunNotFound
 from ._layout import RunDir
-from ._record import LAYERS
-from ._runfiles import TERMINAL, RunInfo, Unreadable, iso_epoch
+from ._runfiles import TERMINAL, RunInfo, Unreadable
 from ._safefs import UnsafePath
+from ._views import (ID_WIDTH, UNREADABLE, age, cut, empty_view, exit_text, fill_view, layers, live_view,
+                     observed, parse_iso, signame, text)
 
 EXIT_OK, EXIT_DID_NOT_HOLD, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_CONTAIN_FAILED = 0, 1, 2, 3, 125
-UNREADABLE = "UNREADABLE"
-ID_WIDTH = 24               # `ls` truncates longer ids (`--no-trunc` shows them whole)
-MAX_MEMBER_DIRS = 1000      # a live view walks at most this many cgroups of one run
-_LEAF_RE = re.compile(r"^(run|sub)-[A-Za-z0-9._-]+-[0-9a-f]{8}$")
+
+
+def add_parsers(sub: Any, argtype: Any) -> None:
+    """The ls and gc subcommands, for _cli's parser (`argtype` makes an
+    argparse type from a function that raises ValueError)."""
+    from ._gc import parse_count, parse_duration
+
+    ls = sub.add_parser("ls", help="list live runs (--all: every run)",
+                        description="List runs: by default those not ended (running, unconfirmed, orphaned, "
+                        "unreadable); --all, --state or --since select from every run.")
+    ls.add_argument("-a", "--all", action="store_true", help="ended runs too")
+    ls.add_argument("--state", action="append", metavar="STATE",
+                    help="only runs in STATE (RUNNING, REAPED, EXITED, UNCONFIRMED, BREACHED, UNREADABLE, "
+                    "ORPHANED; repeat or separate with commas)")
+    ls.add_argument("--since", metavar="WHEN", help="only runs started since WHEN: a duration ago (15m, 2h, "
+                    "7d) or an ISO-8601 UTC time")
+    ls.add_argument("--no-trunc", action="store_true", help="do not shorten long run ids")
+    ls.add_argument("--json", action="store_true")
+    g = sub.add_parser("gc", help="remove ended runs' directories",
+                       description="Remove the directories of ended runs (a terminal record and no owner). "
+                       "Live, orphaned and unreadable runs are never removed. Without options every ended "
+                       "run goes. Automatically, a run start keeps at most CONTAIN_KEEP_RUNS (default 1000) "
+                       "run directories.")
+    g.add_argument("--older-than", type=argtype(parse_duration), metavar="DURATION",
+                   help="only runs that ended more than DURATION ago (90s, 15m, 2h, 7d, 2w)")
+    g.add_argument("--keep", type=argtype(parse_count), metavar="N", help="keep the N most recently ended runs")
+    g.add_argument("--json", action="store_true")
 
 
 def _err(msg: str) -> None:
@@ -35,132 +56,6 @@ def _err(msg: str) -> None:
 
 def _print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2) + "\n")
-
-
-_parse_iso = iso_epoch
-
-
-def _age(s: Any, now: float | None = None) -> str:
-    t = _parse_iso(s)
-    if t is None:
-        return "-"
-    d = max(0.0, (time.time() if now is None else now) - t)
-    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
-        if d >= n:
-            return f"{int(d // n)}{unit}"
-    return f"{int(d)}s"
-
-
-def _signame(n: Any) -> str:
-    try:
-        return signal.Signals(n).name
-    except (ValueError, TypeError):
-        return f"signal {n}"
-
-
-# -- one run as a reader sees it --------------------------------------------------
-
-def _members(cgroup_dir: str | None) -> tuple[int | None, int | None]:
-    """(processes in the run's cgroup subtree, its cpu usage in µs) now, or
-    None where that cannot be read. `cgroup_dir` comes from run.json, so it
-    is read only if it is one of our leaves on a cgroup2 mount, and the walk
-    is bounded."""
-    if not cgroup_dir or not _LEAF_RE.match(os.path.basename(cgroup_dir)):
-        return None, None
-    try:
-        from ._platform import linux
-
-        mounts = [h.mount.rstrip("/") + "/" for h in linux.hierarchies()]
-    except Exception:      # noqa: BLE001 - a reader shows "-" rather than fail
-        return None, None
-    if os.path.normpath(cgroup_dir) != cgroup_dir or not any(cgroup_dir.startswith(m) for m in mounts):
-        return None, None
-    members, seen, stack = 0, 0, [cgroup_dir]
-    try:
-        os.stat(cgroup_dir)
-    except OSError:
-        return None, None
-    while stack and seen < MAX_MEMBER_DIRS:
-        d = stack.pop()
-        seen += 1
-        try:
-            with open(os.path.join(d, "cgroup.procs"), "rb") as f:
-                members += len(f.read(1 << 20).split())
-            with os.scandir(d) as it:
-                stack.extend(e.path for e in it if e.is_dir(follow_symlinks=False))
-        except OSError:
-            continue
-    cpu = None
-    try:
-        with open(os.path.join(cgroup_dir, "cpu.stat"), "rb") as f:
-            for line in f.read(1 << 16).splitlines():
-                if line.startswith(b"usage_usec "):
-                    cpu = int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return members, cpu
-
-
-def live_view(d: RunDir, *, live: bool = True, summary: bool = False) -> dict[str, Any]:
-    """What a reader can tell from the layout alone, plus (with `live`) the
-    run's cgroup as it is now. `state` is the record's, or UNREADABLE with
-    `unreadable` saying why; `owner_alive` is True, False or None (cannot
-    tell)."""
-    view = _empty_view(d)
-    try:
-        with d.opened():
-            return _fill_view(d, view, live, summary)
-    except (OSError, UnsafePath) as e:
-        view["unreadable"] = _why(e)
-        return view
-
-
-def _why(e: BaseException) -> str:
-    if isinstance(e, UnsafePath):
-        return e.problem
-    if isinstance(e, OSError) and e.errno:
-        return os.strerror(e.errno).lower() if e.errno == 13 else os.strerror(e.errno)
-    return str(e)
-
-
-def _fill_view(d: RunDir, view: dict[str, Any], live: bool, summary: bool = False) -> dict[str, Any]:
-    rec = d.load_record(summary=summary)
-    if isinstance(rec, dict):
-        view.update(run_uid=rec.get("run_uid"), state=rec["state"], outcome=rec.get("outcome"),
-                    exit_code=rec.get("exit_code"), signal=rec.get("signal"), argv=rec.get("argv"),
-                    pid=(rec.get("identity") or {}).get("pid"))
-        timings = rec.get("timings") or {}
-        view["started_at"] = timings.get("spawned_at")
-        view["ended_at"] = timings.get("ended_at")
-        view["cpu_usec"] = (rec.get("cpu") or {}).get("usage_usec") if isinstance(rec.get("cpu"), dict) else None
-        if rec["state"] in TERMINAL:
-            view["owner_alive"] = d.owner()
-            return view
-    owner = d.owner()
-    view["owner_alive"] = owner
-    info = d.load_run()
-    if isinstance(info, RunInfo):
-        view["run_uid"] = view["run_uid"] or info.run_uid
-        view["argv"] = view["argv"] or info.argv
-        view["started_at"] = view["started_at"] or info.started_at
-        view["pid"] = view["pid"] or (info.worker or {}).get("pid")
-    if isinstance(rec, Unreadable):
-        view["state"], view["unreadable"] = UNREADABLE, rec.reason
-    elif rec is None:
-        if isinstance(info, Unreadable):
-            view["state"], view["unreadable"] = UNREADABLE, info.reason
-        elif info is None and owner is not True:
-            view["state"], view["unreadable"] = UNREADABLE, ("no run.json and no record: it never started"
-                                                              if owner is False else "cannot be read")
-        else:
-            view["state"] = "RUNNING"       # being born, or an orphan before its first record
-    if view["state"] in ("RUNNING", "UNCONFIRMED"):
-        view["orphaned"] = owner is False
-        if live and isinstance(info, RunInfo) and info.backend == "cgroup2":
-            members, cpu = _members(info.cgroup_dir)
-            view["members"] = members
-            view["cpu_usec"] = cpu if cpu is not None else view["cpu_usec"]
-    return view
 
 
 def _ended(v: dict[str, Any]) -> bool:
@@ -173,22 +68,10 @@ def _since(text: str) -> float:
     """`--since`: a duration back from now (15m, 2h, 7d) or an ISO time."""
     from ._gc import parse_duration
 
-    t = _parse_iso(text if text.endswith("Z") else text + "Z") if "T" in text else None
+    t = parse_iso(text if text.endswith("Z") else text + "Z") if "T" in text else None
     if t is not None:
         return t
     return time.time() - parse_duration(text)
-
-
-def _exit_text(v: dict[str, Any]) -> str:
-    if v.get("signal") is not None:
-        return _signame(v["signal"])
-    if v.get("exit_code") is not None:
-        return str(v["exit_code"])
-    return "-"
-
-
-def _cut(s: str, width: int) -> str:
-    return s if len(s) <= width else s[:width - 1] + "…"
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -214,7 +97,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if states is not None and v["state"] not in states and not ("ORPHANED" in states and v["orphaned"]):
             continue
         if since is not None:
-            t = _parse_iso(v["started_at"])
+            t = parse_iso(v["started_at"])
             if t is None or t < since:
                 continue
         if not show_all and _ended(v):
@@ -236,8 +119,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         state = v["state"] + (" (orphaned)" if v["orphaned"] else "")
         members = "-" if v["members"] is None else str(v["members"])
         what = (f"({v['unreadable']})" if v["unreadable"] else " ".join(v["argv"] or []))
-        rows.append((v["id"] if width is None else _cut(v["id"], width), state, v["outcome"] or "-",
-                     _exit_text(v), _age(v["started_at"], now), members, _cut(what, 80)))
+        rows.append((v["id"] if width is None else cut(v["id"], width), state, v["outcome"] or "-",
+                     exit_text(v), age(v["started_at"], now), members, cut(what, 80)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     out = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
     if hidden:
@@ -248,59 +131,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 # -- status -----------------------------------------------------------------------
 
-def _text(v: Any, budget: int = 240) -> str:
-    """A value from the record as text for people: strings whole, numbers
-    and booleans as words, objects as `key: value` lists, long lists
-    summarised by their count. Never a Python repr, never cut mid-word."""
-    s = _render(v)
-    if len(s) <= budget:
-        return s
-    if isinstance(v, dict):
-        keys = ", ".join(str(k) for k in list(v)[:8])
-        return f"{len(v)} fields ({keys}{', ...' if len(v) > 8 else ''}): `contain status ID --json` shows them"
-    if isinstance(v, list):
-        return f"{len(v)} entries: `contain status ID --json` shows them"
-    return s
-
-
-def _render(v: Any) -> str:
-    if v is None:
-        return "-"
-    if v is True:
-        return "yes"
-    if v is False:
-        return "no"
-    if isinstance(v, str):
-        return v
-    if isinstance(v, (int, float)):
-        return str(v)
-    if isinstance(v, dict):
-        return ", ".join(f"{k}: {_render(x)}" for k, x in v.items())
-    if isinstance(v, list):
-        if all(isinstance(x, (str, int, float)) for x in v):
-            return ", ".join(_render(x) for x in v) or "none"
-        return "; ".join(f"({_render(x)})" for x in v) or "none"
-    return json.dumps(v)
-
-
-def _observed(v: Any) -> str:
-    return {True: "yes", False: "no"}.get(v, "unknown") if v is not None else "unknown"
-
-
-def _layers(evidence: dict[str, Any]) -> list[str]:
-    """Layers in the one fixed order (_record.LAYERS), then any others."""
-    return [x for x in LAYERS if x in evidence] + sorted(x for x in evidence if x not in LAYERS)
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     try:
         d = RunDir.find(args.id)
-    except (RunNotFound, ValueError) as e:
+    except RunNotFound as e:
         _err(str(e))
         return EXIT_NOT_FOUND
+    except ValueError as e:               # a malformed ID is a usage error, as for cancel (README)
+        _err(str(e))
+        return EXIT_USAGE
     with d.opened():
         rec = d.load_record()
-        view = _fill_view(d, _empty_view(d), live=True)
+        view = fill_view(d, empty_view(d), live=True)
         acks = d.acks()
         info = d.load_run()
     record = rec if isinstance(rec, dict) else None
@@ -321,7 +163,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if record is not None:
         how = record.get("outcome") or "-"
         if record.get("signal") is not None:
-            how += f", the worker died of {_signame(record['signal'])}"
+            how += f", the worker died of {signame(record['signal'])}"
         elif record.get("exit_code") is not None:
             how += f", exit code {record['exit_code']}"
         add(f"  outcome    {how}")
@@ -331,7 +173,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     t = (record or {}).get("timings") or {}
     if t.get("spawned_at") or view["started_at"]:
         started = t.get("spawned_at") or view["started_at"]
-        add(f"  started    {started} ({_age(started)} ago)"
+        add(f"  started    {started} ({age(started)} ago)"
             + (f", ended {t['ended_at']}" if t.get("ended_at") else ""))
     if record is not None:
         c = record.get("containment") or {}
@@ -342,14 +184,14 @@ def cmd_status(args: argparse.Namespace) -> int:
             add(f"  worker     pid {ident.get('pid')}, start time {ident.get('start_time')} (clock ticks after boot)")
         ev = record.get("evidence") or {}
         add(f"  evidence   as recorded at {record.get('record_written_at') or '-'}")
-        for layer in _layers(ev):
+        for layer in layers(ev):
             lay = ev[layer]
-            add(f"    {layer:<20} {_observed(lay.get('observed')):<8} "
+            add(f"    {layer:<20} {observed(lay.get('observed')):<8} "
                 f"{('at ' + lay['at']) if lay.get('at') else '-':<31} via {lay.get('via') or '-'}")
             if lay.get("detail") is not None:
-                add(f"    {'':<20} {_text(lay['detail'])}")
+                add(f"    {'':<20} {text(lay['detail'])}")
         for note in record.get("notes") or []:
-            add(f"  note       {_text(note)}")
+            add(f"  note       {text(note)}")
     elif isinstance(info, RunInfo):
         add(f"  container  {info.backend or '-'} {info.cgroup or ''}".rstrip())
     add("  now")
@@ -366,14 +208,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     sys.stdout.write("\n".join(out) + "\n")
     return EXIT_OK
 
-
-def _empty_view(d: RunDir) -> dict[str, Any]:
-    return {"id": d.id, "run_uid": None, "state": UNREADABLE, "outcome": None, "exit_code": None, "signal": None,
-            "orphaned": False, "owner_alive": None, "pid": None, "started_at": None, "ended_at": None,
-            "argv": None, "members": None, "cpu_usec": None, "unreadable": None}
-
-
-# -- cancel, wait -----------------------------------------------------------------
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     from ._cancel import cancel
@@ -420,16 +254,19 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_wait(args: argparse.Namespace) -> int:
-    from ._cancel import _Watch
+    from ._cancel import Watcher
 
     try:
         d = RunDir.find(args.id)
-    except (RunNotFound, ValueError) as e:
+    except RunNotFound as e:
         _err(str(e))
         return EXIT_NOT_FOUND
+    except ValueError as e:               # a malformed ID is a usage error, as for cancel (README)
+        _err(str(e))
+        return EXIT_USAGE
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     info = d.load_run()
-    watch = _Watch(d, info.supervisor if isinstance(info, RunInfo) else None)
+    watch = Watcher(d, info.supervisor if isinstance(info, RunInfo) else None)
     rec: dict[str, Any] | Unreadable | None = None
     try:
         while True:
@@ -459,7 +296,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
         _print_json(record)
     else:
         print(f"run {d.id}: {record.get('state') or UNREADABLE}  outcome {record.get('outcome') or '-'}  "
-              f"exit {_exit_text(record)}")
+              f"exit {exit_text(record)}")
     return EXIT_OK if record.get("state") in ("REAPED", "EXITED") else EXIT_DID_NOT_HOLD
 
 

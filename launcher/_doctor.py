@@ -14,6 +14,8 @@ import secrets
 import time
 from typing import Any, Callable
 
+from ._procfs import mounts
+
 _TRUE = "/bin/true"
 
 
@@ -82,31 +84,25 @@ def _spawn_true(leaf: str, **req_kw: Any) -> dict[str, Any]:
 
 
 def _cgroup2() -> dict[str, Any]:
-    from ._platform import linux
+    from ._platform import cgroups
 
     out: dict[str, Any] = {"mounts": [], "base": None, "usable": False}
     try:
-        hs = linux.hierarchies()
+        hs = cgroups.hierarchies()
     except OSError as e:
         out["error"] = f"/proc/self/mountinfo: {e}"
         return out
-    with open("/proc/self/mountinfo") as f:
-        opts = {}
-        for line in f:
-            left, _, right = line.partition(" - ")
-            rf = right.split()
-            if rf and rf[0] == "cgroup2":
-                opts[linux._unescape(left.split()[4])] = rf[2] if len(rf) > 2 else ""
+    opts = {m.point: ",".join(m.super_options) for m in mounts() if m.fstype == "cgroup2"}
     out["mounts"] = [{"mount": h.mount, "root": h.root, "nsdelegate": h.nsdelegate,
                       "super_options": opts.get(h.mount)} for h in hs]
     out["nsdelegate"] = any(h.nsdelegate for h in hs) if hs else None
-    v1 = linux.cgroup_mounts()[1]
+    v1 = cgroups.cgroup_mounts()[1]
     out["cgroup1_mounts"] = v1
     if not hs:
         out["error"] = "no cgroup v2 hierarchy is mounted"
         return out
     try:
-        h, base = linux.resolve_base()
+        h, base = cgroups.resolve_base()
     except Exception as e:
         out["error"] = getattr(e, "reason", str(e))
         return out
@@ -127,7 +123,7 @@ def _cgroup2() -> dict[str, Any]:
         import pwd
 
         nobody = pwd.getpwnam("nobody")
-        above = linux.writable_procs_above(nobody.pw_uid, [nobody.pw_gid], os.path.join(base, "run-x"))
+        above = cgroups.writable_procs_above(nobody.pw_uid, [nobody.pw_gid], os.path.join(base, "run-x"))
         out["nobody_sealed_by_uid"] = above is None
     except (KeyError, OSError):
         out["nobody_sealed_by_uid"] = None
@@ -158,9 +154,9 @@ def _kill_bug(base: str) -> dict[str, Any]:
 
 def _sealed_spawn(base: str) -> dict[str, Any]:
     """The whole seal, as a run gets it, around /bin/true."""
-    from ._platform import linux
+    from ._platform import cgroups, linux
 
-    cg2, v1 = linux.cgroup_mounts()
+    cg2, v1 = cgroups.cgroup_mounts()
     with _Scratch(base, "seal") as s:
         r = _spawn_true(s.dir, seal_ro_paths=v1, seal_cg2_paths=cg2, seal_userns=True,
                         drop_caps=linux.SEAL_DROP_CAPS, no_new_privs=True)
@@ -216,7 +212,80 @@ def capabilities() -> dict[str, Any]:
         caps["seal"] = {"ok": False, "error": "the namespace seal needs a root supervisor" if base else skip["error"]}
     caps["modes"] = _modes(caps)
     caps["containment_possible"] = any(m["available"] and m["backend"] == "cgroup2" for m in caps["modes"])
+    caps["next_steps"] = next_steps(caps)
     return caps
+
+
+def _user_manager() -> bool:
+    """Whether this user has a systemd user manager to ask for a delegated
+    scope (its private socket exists). Read from the filesystem only: the
+    doctor makes no scope to find out."""
+    import shutil
+
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if not xdg or shutil.which("systemd-run") is None:
+        return False
+    return os.path.exists(os.path.join(xdg, "systemd", "private"))
+
+
+def next_steps(caps: dict[str, Any]) -> list[str]:
+    """What this user, on this host, can do to get a stronger container,
+    most useful first. Only advice this user can follow: nothing here tells
+    a non-root user to use --seal, which is refused for them."""
+    steps: list[str] = []
+    root = caps["euid"] == 0
+    cg = caps["cgroup2"]
+    modes = {m["mode"]: m for m in caps["modes"]}
+    cg_ok = bool(modes["cgroup2"]["available"])
+    seal_ok = bool(modes["cgroup2 sealed (--seal)"]["available"])
+    explicit = os.environ.get("CONTAIN_CGROUP_BASE")
+    base_error = cg.get("error") or (None if cg.get("writable", True) else "not writable")
+    if not cg.get("mounts"):
+        steps.append("no cgroup v2 hierarchy is mounted, so runs get no container (`--backend none`, never "
+                     "REAPED): " + ("mount one (`mount -t cgroup2 none /sys/fs/cgroup/unified`, or boot with "
+                                    "systemd.unified_cgroup_hierarchy=1)" if root else
+                                    "ask the administrator for a cgroup v2 mount and a cgroup delegated to you"))
+    elif not cg_ok:
+        if explicit:
+            steps.append(f"CONTAIN_CGROUP_BASE={explicit} cannot be used ({base_error or 'spawning into it failed'}):"
+                         " point it at a cgroup v2 directory you can write, or unset it")
+        elif root:
+            steps.append(f"the cgroup v2 base cannot be used ({base_error or 'spawning into it failed'}): in a "
+                         "container, run it with a writable cgroup of its own (a private cgroup namespace with "
+                         "the cgroup delegated), or set CONTAIN_CGROUP_BASE to a cgroup v2 directory you can write")
+        else:
+            uid = caps["euid"]
+            if _user_manager():
+                steps.append("run contain inside a cgroup delegated to you by systemd: "
+                             "`systemd-run --user --scope -p Delegate=yes contain run -- CMD`")
+            steps.append(f"or set CONTAIN_CGROUP_BASE to a cgroup v2 directory delegated to uid {uid} (the "
+                         "directory and its cgroup.procs, cgroup.subtree_control and cgroup.threads owned by "
+                         "you: cgroup-v2.rst, \"Delegation\")" if _user_manager() else
+                         f"set CONTAIN_CGROUP_BASE to a cgroup v2 directory delegated to uid {uid} (the directory "
+                         "and its cgroup.procs, cgroup.subtree_control and cgroup.threads owned by you: "
+                         "cgroup-v2.rst, \"Delegation\"); an administrator can make one")
+            steps.append("or run contain as root, which makes its own base under the cgroup v2 mount")
+    elif root:
+        if seal_ok:
+            steps.append("a root worker can still leave its cgroup on this host"
+                         + ("" if cg.get("nsdelegate") else " (the cgroup2 mount has no nsdelegate)")
+                         + ": `contain run --seal -- CMD` makes leaving impossible, or `--user USER` runs the "
+                         "worker as a uid that cannot write any cgroup.procs above it")
+        else:
+            steps.append(f"--seal does not work here ({caps['seal'].get('error') or 'the seal probe failed'}): "
+                         "run workers with `--user USER` so that they cannot leave their cgroup")
+    else:
+        steps.append(f"runs go under your cgroup ({cg.get('base_cgroup')}); a worker running as you may move itself "
+                     "to another cgroup you own, so its record says sealed false: making that impossible needs "
+                     "a root supervisor (docs/sealing.md)")
+    pc = caps["process_connector"]
+    if cg_ok and not pc.get("ok"):
+        steps.append(f"no fork ledger ({pc.get('error')}): a process that left the cgroup would not be seen; the "
+                     "process connector exists only in the host's initial PID namespace"
+                     + ("; --seal prevents leaving instead" if root and seal_ok else ""))
+    if not steps:
+        steps.append("nothing to do: this host gives the strongest container contain knows")
+    return steps
 
 
 def _modes(caps: dict[str, Any]) -> list[dict[str, Any]]:
@@ -235,7 +304,8 @@ def _modes(caps: dict[str, Any]) -> list[dict[str, Any]]:
     }, {
         "mode": "cgroup2", "backend": "cgroup2", "available": cg_ok,
         "strongest_state": "REAPED" if cg_ok else None,
-        "escapes": (("prevented for workers whose uid cannot write a cgroup.procs above the base (--user)"
+        "escapes": (("prevented for workers whose uid cannot write a cgroup.procs above the base ("
+                     + ("--user" if caps["euid"] == 0 else "--user, which needs a root supervisor") + ")"
                      + ("; a cgroup namespace would bind root workers too (nsdelegate)" if nsdel else
                         "; root workers can leave: the mount has no nsdelegate"))
                     + ("; the fork ledger detects and stops escapers (REAPED with escapes listed, or BREACHED)"
@@ -314,4 +384,20 @@ def render(caps: dict[str, Any]) -> str:
         lines.append("containment: possible")
     else:
         lines.append("containment: IMPOSSIBLE here (only degraded mode, which never proves REAPED)")
+    steps = caps.get("next_steps") or next_steps(caps)
+    lines.append("")
+    lines.append("next steps")
+    for step in steps:
+        lines.extend(_wrap(step, "  - ", "    "))
     return "\n".join(lines) + "\n"
+
+
+def _wrap(text: str, first: str, rest: str, width: int = 100) -> list[str]:
+    """Wrapped, but never inside a `command` (it must stay copyable)."""
+    import re
+    import textwrap
+
+    glued = re.sub(r"`[^`]*`", lambda m: m.group(0).replace(" ", "\u00a0"), text)
+    return [line.replace("\u00a0", " ") for line in
+            textwrap.wrap(glued, width=width, initial_indent=first, subsequent_indent=rest,
+                          break_on_hyphens=False, break_long_words=False)]

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 from . import _safefs as F
 from ._runfiles import ID_RE, MAX_RECORD, TERMINAL, iso_epoch, loads, parse_record
 from ._safefs import UnsafePath
-from ._statedir import StateDir, claim_lock
+from ._statedir import PRUNE_SLACK, StateDir, claim_lock, keep_runs
 
 CLAIM_STALE_S = 60.0
 # Entries re-checked and renamed per hold of the claim lock: a big gc never
@@ -264,6 +264,13 @@ def auto_prune(st: StateDir, keep: int, count: int | None) -> GcResult:
     return result
 
 
+def parse_count(text: str) -> int:
+    """`--keep N`: an integer >= 0. Raises ValueError."""
+    if not text.isdigit() or len(text) > 9:
+        raise ValueError(f"not a count (an integer >= 0): {text!r}")
+    return int(text)
+
+
 def parse_duration(text: str) -> float:
     """`90`, `90s`, `15m`, `2h`, `7d`, `2w` (or combined: `1d12h`) as seconds.
     Raises ValueError with the message the CLI shows."""
@@ -285,3 +292,44 @@ def parse_duration(text: str) -> float:
     if v != v or v < 0 or v == float("inf"):
         raise ValueError(f"a duration must be finite and >= 0: {text!r}")
     return v
+
+
+def move_aside(st: StateDir, run_id: str, uid: str | None) -> None:
+    """Rename an ended run's directory (or whatever is in its place) out of
+    the way of a new claim of its id, keeping it for `gc`: `.ended-<id>-<uid>`.
+    Raises RunConflict when no free name is found, OSError."""
+    from ._errors import RunConflict
+
+    uid = uid or os.urandom(4).hex()
+    for _ in range(4):
+        try:
+            os.rename(run_id, f".ended-{run_id}-{uid}", src_dir_fd=st.runs_fd, dst_dir_fd=st.runs_fd)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
+                raise
+            uid = f"{uid}-{os.urandom(2).hex()}"
+    raise RunConflict(f"run id {run_id!r}: its ended directory cannot be moved aside")
+
+
+def maybe_prune(st: StateDir) -> None:
+    """The automatic retention bound, checked at every claim (which holds
+    the claim lock) for the cost of one fstat: a directory's link count is
+    2 + its subdirectories on tmpfs, ext4 and xfs (btrfs says 1: there, one
+    claim in 64 looks). Retention never fails a run."""
+    keep = keep_runs()
+    if keep <= 0:
+        return
+    try:
+        nlink = os.fstat(st.runs_fd).st_nlink
+    except OSError:
+        return
+    if nlink >= 2:
+        if nlink - 2 <= keep + PRUNE_SLACK:
+            return
+    elif os.urandom(1)[0] >= 4:
+        return
+    try:
+        auto_prune(st, keep, nlink - 2 if nlink >= 2 else None)
+    except (OSError, ValueError):
+        pass

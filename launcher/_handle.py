@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ._cancel import cancel
 from ._record import CancelRecord, StopRecord, now_iso
 from ._run import Run
 
@@ -57,8 +58,6 @@ class RunHandle:
     def _answer_as_ended(self, op: str) -> CancelRecord:
         """A cancel for a run whose owner loop has finished: answered from the
         layout, as any other process would be."""
-        from ._cancel import cancel
-
         assert self._run.layout is not None
         return cancel(self.id, op_id=op, run_uid=self._run.uid,
                       state_dir=os.path.dirname(os.path.dirname(self._run.layout.path)))

@@ -7,6 +7,8 @@ a pidfd exists its inode (unique for the boot) is recorded too.
 from __future__ import annotations
 
 import os
+
+from ._procfs import start_time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import Any
@@ -20,33 +22,6 @@ def boot_id() -> str:
         with open("/proc/sys/kernel/random/boot_id") as f:
             _boot_id = f.read().strip()
     return _boot_id
-
-
-def stat_fields(data: bytes) -> tuple[str, int, int, int, int]:
-    """(state, ppid, pgid, sid, start_time) of one /proc/<pid>/stat line
-    (proc(5)). comm (field 2) may hold spaces and parentheses: the fields
-    after it start after the LAST ')'. Raises ValueError on a malformed line.
-    The one parser of this line in Python (_scan.parse_stat builds on it)."""
-    rp = data.rfind(b")")
-    rest = data[rp + 2 :].split() if rp >= 0 else []
-    if len(rest) < 20:
-        raise ValueError(f"not a /proc/<pid>/stat line: {data[:80]!r}")
-    return rest[0].decode(), int(rest[1]), int(rest[2]), int(rest[3]), int(rest[19])
-
-
-def read_stat(pid: int) -> tuple[str, int, int, int, int] | None:
-    """stat_fields of a process, or None if it is gone or unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return stat_fields(f.read())
-    except (OSError, ValueError):
-        return None
-
-
-def start_time(pid: int) -> int:
-    """Field 22 of /proc/<pid>/stat (clock ticks after boot). Raises OSError."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return stat_fields(f.read())[4]
 
 
 def pidns_inode(pid: int) -> int | None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import errno
 import os
 import select
-import signal
 # _socket, not socket: the wrapper module costs ~2 ms of imports (selectors,
 # array, enum constants) on every unsealed run's start.
 import _socket
@@ -38,7 +37,8 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any, Callable
 
-from ._identity import read_stat
+from ._identity import boot_id
+from ._procfs import cgroup_of, read_stat
 
 
 NETLINK_CONNECTOR = 11
@@ -64,6 +64,15 @@ _DATA = _HDR + _EVENT.size                # 52: where the event's data starts
 VIA = "fork ledger (netlink process connector)"
 _COALESCE_S = 0.002
 
+# Every worker this process spawned, as (pid, start time): a fork reported as
+# a child of this process is one of these, or it is not ours to explain.
+_OUR_SPAWNS: set[tuple[int, int]] = set()
+
+
+def note_spawn(pid: int, start_time: int) -> None:
+    """Called right after each spawn of this process (any run)."""
+    _OUR_SPAWNS.add((pid, start_time))
+
 
 class LedgerUnavailable(Exception):
     """The process connector cannot be used here; `reason` says why."""
@@ -71,24 +80,6 @@ class LedgerUnavailable(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-def _stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, ppid, start_time) of /proc/<pid>/stat, or None if it is gone."""
-    p = read_stat(pid)
-    return None if p is None else (p[0], p[1], p[4])
-
-
-def cgroup_of(pid: int) -> str | None:
-    """The v2 path of `pid` ("0::" line), or None if it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/cgroup") as f:
-            for line in f:
-                if line.startswith("0::"):
-                    return line[3:].rstrip("\n")
-    except OSError:
-        return None
-    return None
 
 
 class Tracked:
@@ -109,15 +100,13 @@ class Tracked:
         """This very process exists and has not exited (a zombie has)."""
         if self.gone or self.start_time is None:
             return False
-        st = _stat(self.pid)
-        if st is None or st[2] != self.start_time or st[0] in ("Z", "X"):
+        st = read_stat(self.pid)
+        if st is None or st[4] != self.start_time or st[0] in ("Z", "X"):
             self.gone = True
             return False
         return True
 
     def identity(self) -> dict[str, Any]:
-        from ._identity import boot_id
-
         return {"pid": self.pid, "start_time": self.start_time, "boot_id": boot_id(), "pidns": None,
                 "pidfd_inode": None}
 
@@ -138,6 +127,20 @@ class Ledger:
         self.tracked: list[Tracked] = []                      # everything ever tracked, in fork order
         self.lost = 0                                         # ENOBUFS seen: events were dropped
         self.failed: str | None = None                        # the socket broke
+        # The process connector reports task->real_parent: a child made with
+        # clone(CLONE_PARENT) shows up as a child of its creator's parent
+        # (KERNEL-NOTES.md). Membership must not hang on that link, so forks
+        # reported as children of a process *outside* the tree that is a
+        # parent of a tracked process (the supervisor, or whoever adopted a
+        # tracked orphan) are attributed by where the kernel put them: a
+        # child is born in its creator's cgroup.
+        self.inside: Callable[[str], bool] | None = None       # the run's cgroup subtree, set by the run
+        self._suspects: set[int] = {os.getpid()}
+        self._kids: dict[int, list[Tracked]] = {}             # ppid -> tracked children, for reparenting
+        self._unresolved: list[tuple[int, int | None, int, str | None]] = []   # (pid, start, parent, cgroup)
+        self.unattributed: list[dict[str, Any]] = []          # forks of suspects that may have been ours
+        self.attributed = 0                                   # members found by their cgroup, not their parent
+        self._closed = False
         self._hz = os.sysconf("SC_CLK_TCK")
         # /proc start times count from boot including suspend; event stamps
         # are CLOCK_MONOTONIC. The offset turns one into the other.
@@ -185,11 +188,11 @@ class Ledger:
     def track_root(self, pid: int) -> None:
         """The worker's pid, as soon as the spawn returns. Replays what was
         received before, so its first forks are not missed."""
-        st = _stat(pid)
+        st = read_stat(pid)
         with self._lock:
             self._drain()
             self._root = pid
-            root = Tracked(pid, os.getpid(), st[2] if st else None, time.monotonic_ns())
+            root = Tracked(pid, os.getpid(), st[4] if st else None, time.monotonic_ns())
             self._live[pid] = root
             self.tracked.append(root)
             pending, self._pending = self._pending, []
@@ -210,9 +213,27 @@ class Ledger:
         return [t for t in list(self.tracked) if t.alive()]
 
     def complete(self) -> bool:
-        return not self.lost and self.failed is None
+        """Nothing lost, nothing broken, and every fork that could have been
+        the tree's accounted for."""
+        self._resolve()
+        return not self.lost and self.failed is None and not self.unattributed
+
+    def _resolve(self) -> None:
+        """Forks of a suspect parent that were not born inside the run:
+        another spawn of this process, or a fork the ledger cannot rule out
+        as the tree's (its child left at once, or was gone before it could
+        be read)."""
+        with self._lock:
+            self._drain()
+            todo, self._unresolved = self._unresolved, []
+        for pid, start, parent, where in todo:
+            if start is not None and (pid, start) in _OUR_SPAWNS:
+                continue
+            self.unattributed.append({"pid": pid, "reported_parent": parent, "seen_in": where,
+                                      "start_time": start})
 
     def close(self) -> None:
+        self._closed = True
         if self._stop_w >= 0:
             try:
                 os.write(self._stop_w, b"x")
@@ -228,7 +249,13 @@ class Ledger:
             pass
 
     def summary(self) -> dict[str, Any]:
-        return {"tracked": len(self.tracked), "lost_events": self.lost, "failed": self.failed}
+        out: dict[str, Any] = {"tracked": len(self.tracked), "lost_events": self.lost, "failed": self.failed}
+        if self.attributed:
+            out["attributed_by_cgroup"] = self.attributed
+        if self.unattributed:
+            out["unattributed_forks"] = self.unattributed[:20]
+            out["unattributed_count"] = len(self.unattributed)
+        return out
 
     # -- the thread --------------------------------------------------------
 
@@ -257,7 +284,7 @@ class Ledger:
 
     def _drain(self) -> None:
         """Read until EAGAIN. Caller holds the lock."""
-        if self.failed:
+        if self.failed or self._closed:
             return
         buf = self._buf
         while True:
@@ -306,23 +333,36 @@ class Ledger:
         old = self._live.pop(child, None)
         if old is not None:
             old.gone = True
+        note = None
         if ptgid not in self._live:
-            return
-        st = _stat(child)
+            if ptgid not in self._suspects:
+                return
+            # Perhaps a CLONE_PARENT child of a tracked process: ours if the
+            # kernel put it inside the run (it is born in its creator's cgroup).
+            where = cgroup_of(child, missing_ok=True)
+            if where is None or self.inside is None or not self.inside(where):
+                st0 = read_stat(child)
+                self._unresolved.append((child, st0[4] if st0 else None, ptgid, where))
+                return
+            self.attributed += 1
+            note = f"born in the run's cgroup; reported parent {ptgid} is outside the tree (CLONE_PARENT)"
+        st = read_stat(child)
         t = Tracked(child, ptgid, None, ts)
+        t.note = note
         if st is None:
             t.note = "gone before its identity could be read"
         else:
             # A start time later than the event is another process that got
             # the pid after ours exited (pid_max is small): ours is gone.
             limit = (ts + self._boot_offset_ns) * self._hz // 1_000_000_000 + 1
-            if st[2] > limit:
+            if st[4] > limit:
                 t.note = "pid reused before its identity could be read"
             else:
-                t.start_time = st[2]
+                t.start_time = st[4]
                 t.gone = False
         self._live[child] = t
         self.tracked.append(t)
+        self._kids.setdefault(ptgid, []).append(t)
 
     def _on_exit(self, tgid: int, ts: int) -> None:
         t = self._live.get(tgid)
@@ -330,6 +370,17 @@ class Ledger:
             # Kept in _live: other threads of the process may still fork
             # (the leader can exit first). A reuse of the pid drops it.
             t.exit_seen = True
+            # The exit event follows exit_notify (kernel/exit.c do_exit), so
+            # its children have their new parent already: if that one is
+            # outside the tree, its forks become suspects too.
+            for kid in self._kids.pop(tgid, []):
+                st = read_stat(kid.pid) if not kid.gone else None
+                if st is None or st[4] != kid.start_time:
+                    continue
+                kid.ppid = st[1]
+                self._kids.setdefault(st[1], []).append(kid)
+                if st[1] not in self._live:
+                    self._suspects.add(st[1])
 
 
 def _bigger_buffer(sock: _socket.socket) -> None:
@@ -382,160 +433,3 @@ def _wait_ack(sock: _socket.socket, token: int, timeout: float) -> int | None:
                 if what == PROC_EVENT_NONE and ack == token + 1:
                     return int(_ACK.unpack_from(buf, off + _DATA)[0])
             off += (ln + 3) & ~3
-
-
-# -- stopping what left ----------------------------------------------------
-
-def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float,
-                  known: set[tuple[int, int]] | None = None) -> list[dict[str, Any]]:
-    """Find every tracked process alive outside the container (`inside` says
-    whether a v2 path is the run's), SIGKILL it by pidfd after re-checking
-    its identity, and wait (until `deadline`, monotonic) for its pidfd to
-    become readable. Repeats while the ledger finds more (an escaper's own
-    children). Returns one entry per escaper, `gone` True only when its exit
-    was observed."""
-    from ._record import now_iso
-
-    known = known if known is not None else set()
-    found: dict[tuple[int, int], dict[str, Any]] = {}
-    fds: dict[int, tuple[int, int]] = {}
-    try:
-        while True:
-            fresh = 0
-            for t in ledger.live():
-                key = (t.pid, t.start_time or -1)
-                if key in found or key in known:
-                    continue
-                where = cgroup_of(t.pid)
-                if where is None or inside(where):
-                    continue
-                entry = {"pid": t.pid, "ppid": t.ppid, "identity": t.identity(), "seen_in": where,
-                         "at": now_iso(), "via": VIA, "killed": False, "gone": None}
-                found[key] = entry
-                fresh += 1
-                try:
-                    fd = os.pidfd_open(t.pid)
-                except ProcessLookupError:
-                    entry["gone"] = True
-                    continue
-                except OSError as e:
-                    entry["detail"] = f"pidfd_open: {os.strerror(e.errno or 0)}"
-                    continue
-                # The pidfd pins a process; it must still be the one tracked.
-                st = _stat(t.pid)
-                if st is None or st[2] != t.start_time or st[0] in ("Z", "X"):
-                    os.close(fd)
-                    entry["gone"] = True
-                    continue
-                try:
-                    signal.pidfd_send_signal(fd, signal.SIGKILL)
-                    entry["killed"] = True
-                    fds[fd] = key
-                except ProcessLookupError:
-                    entry["gone"] = True
-                    os.close(fd)
-                except OSError as e:
-                    entry["detail"] = f"pidfd_send_signal: {os.strerror(e.errno or 0)}"
-                    os.close(fd)
-            _wait_pidfds(fds, found, deadline)
-            if not fresh or time.monotonic() >= deadline:
-                break
-    finally:
-        for fd in fds:
-            os.close(fd)
-    for entry in found.values():
-        entry["alive_at_end"] = not entry["gone"] if entry["gone"] is not None else None
-    return list(found.values())
-
-
-def _wait_pidfds(fds: dict[int, tuple[int, int]], found: dict[tuple[int, int], dict[str, Any]],
-                 deadline: float) -> None:
-    waiting = {fd for fd, key in fds.items() if found[key]["gone"] is None}
-    while waiting:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
-        p = select.poll()
-        for fd in waiting:
-            p.register(fd, select.POLLIN)
-        for fd, _ in p.poll(int(left * 1000) + 1):
-            found[fds[fd]]["gone"] = True   # a pidfd polls readable once its process exited
-            waiting.discard(fd)
-
-
-# -- the ledger's part in one run ------------------------------------------
-
-class EscapeWatch:
-    """What `Run` calls: `before_spawn`, `after_spawn`, `at_empty`,
-    `evidence`, `close`. Holds the ledger when the run needs one: a cgroup2
-    run that is not sealed, or degraded mode."""
-
-    def __init__(self) -> None:
-        self.ledger: Ledger | None = None
-        self.reason: str | None = None      # why there is no ledger
-        self.start_ms: float | None = None  # what opening it cost
-        self.checked = False
-
-    @classmethod
-    def before_spawn(cls, container: Any, req: Any, env: Any = None) -> "EscapeWatch":
-        w = cls()
-        env = os.environ if env is None else env
-        sealed, _ = container.seal_status(req)
-        if sealed:
-            how = (container.seal_detail or {}).get("method", "sealed")
-            w.reason = f"not watched: the run is sealed ({how}), so leaving is prevented rather than detected"
-            return w
-        if env.get("CONTAIN_LEDGER", "on").lower() in ("0", "off", "no", "false"):
-            w.reason = "fork ledger turned off (CONTAIN_LEDGER=off)"
-            return w
-        t0 = time.perf_counter()
-        try:
-            w.ledger = Ledger.open()
-        except LedgerUnavailable as e:
-            w.reason = f"process connector unavailable: {e.reason}"
-        w.start_ms = round((time.perf_counter() - t0) * 1000, 3)
-        if container.backend == "none":
-            container.ledger = w.ledger
-        return w
-
-    def after_spawn(self, pid: int) -> None:
-        if self.ledger is not None:
-            self.ledger.track_root(pid)
-
-    def at_empty(self, container: Any, timeout: float) -> list[dict[str, Any]]:
-        """The container was observed empty: stop whatever left it."""
-        self.checked = True
-        if self.ledger is None or container.backend == "none":
-            return []
-        path = container.path
-
-        def inside(where: str) -> bool:
-            return where == path or where.startswith(path.rstrip("/") + "/")
-
-        return stop_escapers(self.ledger, inside, time.monotonic() + min(timeout, 10.0))
-
-    def evidence(self, container: Any, terminal: bool) -> dict[str, Any]:
-        """The `escapes` layer when no escape was recorded."""
-        from ._record import now_iso
-
-        if self.ledger is None:
-            detail = self.reason or "no fork ledger"
-            if not detail.startswith("not watched"):
-                detail += ": a process that left the container would not be seen"
-            return {"observed": None, "at": None, "via": "none", "detail": detail}
-        info = dict(self.ledger.summary(), ledger_start_ms=self.start_ms)
-        if container.backend == "none":
-            info["reason"] = ("no kernel container: nothing to leave; every process the ledger saw was "
-                              "stopped as a member")
-            return {"observed": None, "at": None, "via": VIA, "detail": info}
-        if not self.ledger.complete():
-            info["reason"] = "the ledger lost events: an escape could have been missed"
-            return {"observed": None, "at": None, "via": VIA, "detail": info}
-        if not (terminal and self.checked):
-            info["reason"] = "checked when the container is observed empty"
-            return {"observed": None, "at": None, "via": VIA, "detail": info}
-        return {"observed": False, "at": now_iso(), "via": VIA, "detail": info}
-
-    def close(self) -> None:
-        if self.ledger is not None:
-            self.ledger.close()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import Any
@@ -33,13 +32,17 @@ ENV_CGROUP = "CONTAIN_RUN_CGROUP"
 ENV_DIR = "CONTAIN_RUN_DIR"
 REGISTRY = "nested.ndjson"
 
-_SUB = re.compile(r"^sub-(?P<id>.+)-[0-9a-f]{8}$")
+_HEX = frozenset("0123456789abcdef")
 
 
 def run_id_of(dirname: str) -> str | None:
     """The run id in a nested container's name (`sub-<id>-<8 hex>`)."""
-    m = _SUB.match(dirname)
-    return m.group("id") if m else None
+    # `sub-<id>-<8 hex>`, checked without a regex: compiling one costs more
+    # than `contain run`'s whole use of this module.
+    head, sep, tail = dirname.rpartition("-")
+    if not (sep and head.startswith("sub-") and len(head) > 4 and len(tail) == 8 and set(tail) <= _HEX):
+        return None
+    return head[4:]
 
 
 def scan(container: Any) -> list[dict[str, Any]]:
@@ -68,6 +71,18 @@ def scan(container: Any) -> list[dict[str, Any]]:
 def merge(seen: list[dict[str, Any]], more: list[dict[str, Any]]) -> list[dict[str, Any]]:
     have = {s["cgroup"] for s in seen}
     return seen + [m for m in more if m["cgroup"] not in have]
+
+
+def join_lead(container: Any, env: Any, info: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """If `container` was made inside the run named by `env`, this run is
+    nested: (the record's `lead`, None or why the lead was not told)."""
+    lead_dir = env.get(ENV_CGROUP)
+    if container is None or container.backend != "cgroup2" or not lead_dir:
+        return None, None
+    if os.path.dirname(container.dir) != os.path.normpath(lead_dir):
+        return None, None
+    lead = {"run_id": env.get("CONTAIN_RUN_ID"), "cgroup": container.hierarchy.cg_path(os.path.dirname(container.dir))}
+    return lead, register(env, dict(info, cgroup=container.path))
 
 
 def register(env: Any, info: dict[str, Any]) -> str | None:

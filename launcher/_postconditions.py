@@ -1,9 +1,12 @@
-"""Postconditions beyond the container: the workspace and the sockets.
+"""Postconditions beyond the container: the workspace, the sockets, the locks.
 
 An empty container proves that no member process is left. It says nothing
 about a descriptor handed to a process outside (over a unix socket, or by an
-escaper), about a socket kept alive by such a holder, or about writes still
-in flight. These layers look at exactly that, each on its own.
+escaper), about a socket or a file lock kept alive by such a holder, or about
+writes still in flight. These layers look at exactly that, each on its own.
+The locks layer lives in _locks.py (its own parser of /proc/locks); it is
+re-exported here so the driver finds every postcondition in one place.
+`redispatch_eligible` (_redispatch.py) is derived from all of them.
 """
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ import socket
 import time
 from typing import Any, Iterable
 
+from ._locks import HeldLocks as HeldLocks, held_by as locks_held_by, locks_released as locks_released
 from ._record import evidence
+from ._redispatch import POSTCONDITIONS as POSTCONDITIONS
 
 
 def _links(pid: str) -> Iterable[tuple[str, str]]:
@@ -168,3 +173,20 @@ def _drain(fd: int, window: float) -> int:
     finally:
         os.close(fd)
     return events
+
+
+def measure(workspace: str | None, check_sockets: bool,
+            sockets_at_stop: tuple[set[int], list[str]] | None) -> dict[str, dict[str, Any]]:
+    """The postcondition layers a run asked for, measured once its tree is
+    gone. `sockets_at_stop`: what the members held when the stop began
+    (None if the container was already empty then)."""
+    layers: dict[str, dict[str, Any]] = {}
+    if workspace:
+        layers["workspace_quiescent"] = workspace_quiescent(workspace)
+    if check_sockets:
+        held, problems = sockets_at_stop if sockets_at_stop is not None else (set(), [])
+        layers["sockets_closed"] = layer = sockets_closed(held, problems)
+        if sockets_at_stop is None:
+            layer["detail"] = {"held_at_stop": 0, "note": "the container was already empty when the stop "
+                               "began: sockets handed to other processes before that are not known"}
+    return layers

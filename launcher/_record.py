@@ -16,6 +16,8 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any, Iterator, Mapping
 
+from ._state import TERMINAL_STATES
+
 SCHEMA = "contain.stop-record/1"
 
 LAYERS = (
@@ -124,7 +126,20 @@ class StopRecord(_View):
 
     @property
     def terminal(self) -> bool:
-        return self._d["state"] in ("REAPED", "EXITED", "BREACHED")
+        return self._d["state"] in TERMINAL_STATES
+
+    def layer(self, name: str) -> bool | Unknown:
+        """One evidence layer's observation: True or False as observed, or
+        `Unknown(reason)` when it could not be observed (or was not
+        measured). `Unknown` has no truth value: `if rec.layer(x):` raises
+        instead of reading a failed observation as false."""
+        ev = (self._d.get("evidence") or {}).get(name)
+        if ev is None:
+            return Unknown(f"layer {name!r} not measured in this run")
+        if ev.get("observed") is None:
+            detail = ev.get("detail")
+            return Unknown(detail if isinstance(detail, str) else f"{name}: not observed ({detail!r})")
+        return bool(ev["observed"])
 
 
 class CancelRecord(_View):

@@ -32,6 +32,10 @@ import errno
 import fcntl
 import os
 import stat
+import sys
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any
 
 from . import _safefs as F
 from ._safefs import PersistError, UnsafePath
@@ -55,11 +59,11 @@ class RecordTarget:
 
     def update(self, data: bytes) -> None:
         if self.kind == "file":
-            self._replace(data, durable=False)
+            self._swap(data, durable=False)
 
     def final(self, data: bytes) -> None:
         if self.kind == "file":
-            self._replace(data, durable=True)
+            self._swap(data, durable=True)
             return
         if self._fd < 0:
             raise PersistError(errno.EBADF, "write", self.path, "already written or closed")
@@ -70,7 +74,7 @@ class RecordTarget:
         finally:
             self.close()
 
-    def _replace(self, data: bytes, durable: bool) -> None:
+    def _swap(self, data: bytes, durable: bool) -> None:
         try:
             st = os.stat(self._name, dir_fd=self._dir_fd, follow_symlinks=False)
         except FileNotFoundError:
@@ -185,3 +189,28 @@ def _in_place(path: str, expect: os.stat_result) -> RecordTarget:
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)
     return RecordTarget(path, "stream", fd=fd)
+
+
+def finish(run: Any, target: RecordTarget | None, status: int) -> int:
+    """`contain run`'s last step: the final record to --record's target (if
+    any). Returns `status`, or 125 with one line on stderr when the record
+    cannot be written (CONTRACT.md), naming where it is instead."""
+    if target is None or run.layout is None:
+        if target is not None:
+            target.close()
+        return status
+    from ._runfiles import encode
+
+    try:
+        target.final(encode(run.record().to_dict(), pretty=True))
+    except OSError as e:
+        try:
+            sys.stderr.write(f"contain: run {run.id}: the record could not be written to --record {e}; "
+                             f"it is in {os.path.join(run.layout.path, 'record.json')}\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        return 125
+    finally:
+        target.close()
+    return status

@@ -5,8 +5,9 @@ the cgroup v2 hierarchy (every cgroup.procs) rather than one
 /proc/<pid>/cgroup per process, the /proc/<pid>/stat files are shared by a
 few threads when there are CPUs to spare, and the entries come back as
 columns that this module turns into `ProcessInfo` values in a few bulk
-calls. `parse_stat` and `parse_cgroup` are the same parsers in Python, for
-fixture tests and for the fallback used when the extension is not built.
+calls. `parse_stat` (built on _procfs.stat_fields) and `parse_cgroup` (from
+_procfs) are the Python parsers, for fixture tests and for the fallback used
+when the extension is not built.
 
 The snapshot is not atomic: /proc is read one process at a time. A process
 that exits while it is read is left out; one that starts during the scan may
@@ -29,7 +30,7 @@ from collections.abc import Iterable
 from itertools import repeat
 from typing import Any, NamedTuple
 
-from ._identity import stat_fields
+from ._procfs import parse_cgroup, stat_fields
 
 try:
     from ._native import ffi as _ffi, lib as _lib
@@ -85,18 +86,6 @@ def parse_stat(text: str) -> ProcessInfo:
                            cgroup_error=NOT_REQUESTED)
     except ValueError as err:
         raise ValueError(f"bad /proc/<pid>/stat line: {text[:80]!r}") from err
-
-
-def parse_cgroup(text: str) -> str | None:
-    """The cgroup v2 path of a /proc/<pid>/cgroup file, or None if it has none.
-
-    The v2 entry is the line "0::<path>"; hybrid hosts list v1 hierarchies
-    first (cgroups(7)).
-    """
-    for line in text.split("\n"):
-        if line.startswith("0::"):
-            return line[3:]
-    return None
 
 
 def members_of(cgroup_path: str, procs: Iterable[ProcessInfo]) -> list[ProcessInfo]:

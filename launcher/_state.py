@@ -8,8 +8,11 @@ one place and can be tested without a process (tests/test_state.py).
 Rules the table encodes (CONTRACT.md):
 - The first event that decides *why* the run ends fixes `outcome`; later
   events never change it ("one result").
-- `REAPED` is reachable only through `Event.EMPTY`, which the driver emits
-  only on an observed `populated 0` of a kernel container.
+- `REAPED` is reachable only through `Event.EMPTY`, which the stop sequence
+  emits only on an observed `populated 0` of a kernel container that no
+  member could have left unseen (a wall that cannot be left, a seal, or a
+  fork ledger that saw the whole run), with every escaper proven gone.
+  A container that could have been left gives `EMPTY_LEAVABLE`: `EXITED`.
 - `UNCONFIRMED` is not terminal: a new cancel reopens the stop.
 - Terminal states absorb every event.
 """
@@ -54,6 +57,7 @@ class Event(enum.StrEnum):
     TIMEOUT = "timeout"
     EMPTY = "empty"                  # kernel container observed empty, no escaper alive
     EMPTY_ESCAPED = "empty_escaped"  # container empty, but an escaper is not proven gone
+    EMPTY_LEAVABLE = "empty_leavable"  # container empty, but a member could have left it unseen
     TREE_GONE = "tree_gone"          # degraded mode: every process it saw is gone
     DEADLINE = "deadline"            # the stop deadline passed without emptiness
     OBSERVE_FAILED = "observe_failed"
@@ -61,6 +65,13 @@ class Event(enum.StrEnum):
 
 
 TERMINAL = frozenset({Phase.REAPED, Phase.EXITED, Phase.BREACHED})
+
+# The one definition of which contract states are final (and which are not):
+# every reader of a record (ls, status, wait, cancel, adoption, the layout's
+# liveness check) asks these. StrEnum members hash as their strings, so a
+# state read from JSON is looked up as it is.
+TERMINAL_STATES = frozenset({State.REAPED, State.EXITED, State.BREACHED})
+LIVE_STATES = frozenset({State.RUNNING, State.UNCONFIRMED})
 
 _STATE_OF = {
     Phase.RUNNING: State.RUNNING,
@@ -81,6 +92,7 @@ _NEXT: dict[tuple[Phase, Event], Phase] = {
     (Phase.RUNNING, Event.SPAWN_FAILED): Phase.STOPPING,
     (Phase.STOPPING, Event.EMPTY): Phase.REAPED,
     (Phase.STOPPING, Event.EMPTY_ESCAPED): Phase.BREACHED,
+    (Phase.STOPPING, Event.EMPTY_LEAVABLE): Phase.EXITED,
     (Phase.STOPPING, Event.TREE_GONE): Phase.EXITED,
     (Phase.STOPPING, Event.DEADLINE): Phase.UNCONFIRMED,
     (Phase.STOPPING, Event.OBSERVE_FAILED): Phase.UNCONFIRMED,
@@ -88,6 +100,7 @@ _NEXT: dict[tuple[Phase, Event], Phase] = {
     (Phase.UNCONFIRMED, Event.TIMEOUT): Phase.STOPPING,
     (Phase.UNCONFIRMED, Event.EMPTY): Phase.REAPED,
     (Phase.UNCONFIRMED, Event.EMPTY_ESCAPED): Phase.BREACHED,
+    (Phase.UNCONFIRMED, Event.EMPTY_LEAVABLE): Phase.EXITED,
     (Phase.UNCONFIRMED, Event.TREE_GONE): Phase.EXITED,
 }
 
@@ -185,3 +198,16 @@ def effect_at_end(first: Effect, final: Snapshot) -> Effect:
     # Still stopping, or ended without an observed-empty kernel container
     # (degraded mode, a breach): the stop was issued, not proven.
     return Effect.CANCEL_REQUESTED
+
+
+def exit_status(snap: Snapshot, exit_code: int | None, signal: int | None) -> int:
+    """What `contain run` exits with (CONTRACT.md, "Exit status")."""
+    if snap.outcome is Outcome.SPAWN_FAILED:
+        return exit_code if exit_code is not None else 125
+    if snap.outcome is Outcome.TIMED_OUT:
+        return 124
+    if snap.phase in (Phase.UNCONFIRMED, Phase.BREACHED):
+        return 125
+    if signal is not None:
+        return 128 + signal
+    return exit_code if exit_code is not None else 125

@@ -23,7 +23,8 @@ from typing import Any, Sequence
 
 from ._layout import new_uid
 from ._record import StopRecord
-from ._run import DEFAULT_GRACE, Run
+from ._options import DEFAULT_GRACE
+from ._run import Run
 from ._worker import Worker, abandon, start_run
 
 

@@ -17,8 +17,10 @@ from typing import IO, Any, Callable, Sequence
 from . import _stdio
 from ._layout import new_uid
 from ._record import CancelRecord, StopRecord, now_iso
+from ._adopt import finish_nested
 from ._handle import RunHandle
-from ._run import DEFAULT_GRACE, Options, Run
+from ._options import DEFAULT_GRACE, Options
+from ._run import Run
 from ._stdio import StdioSpec
 
 
@@ -35,6 +37,7 @@ def start_run(argv: Sequence[str], *, id: str | None, grace: float, timeout: flo
         if "stdio" not in options:
             options = dict(options, stdio=st.child)
         run = Run(argv, id=id, options=Options(grace=grace, timeout=timeout, backend=backend, **options))
+        run.end_hooks.append(finish_nested)
         if track is not None:
             track(run)
         run.start()
@@ -113,9 +116,9 @@ class Worker(RunHandle):
         self._request(op, grace, {"thread": threading.get_ident()})
         self._run.wake()
         with self._cond:
-            while op not in self._run.ops and not self.done():
+            while op not in self._run.inbox.ops and not self.done():
                 self._cond.wait(1.0)
-        ack = self._run.ops.get(op)
+        ack = self._run.inbox.ops.get(op)
         if ack is not None:
             return CancelRecord(ack)
         # The run ended before its owner read this request: the request is in
@@ -226,7 +229,7 @@ def abandon(run: Run) -> StopRecord | None:
     its starter was interrupted): cancel with no grace and own it to the end
     in this thread. A run interrupted before its worker existed gives up its
     directory lock and its (killed, removed) container; None then."""
-    if run.layout is None or run._done.is_set() or not run.owning():
+    if run.layout is None or run.finished() or not run.owning():
         return None
     if run.pid <= 0:
         if run.container is not None:

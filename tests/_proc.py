@@ -44,6 +44,15 @@ def holders(token: str, var: str = TOKEN_VAR) -> list[int]:
     return found
 
 
+def readline_within(f, timeout: float = 30.0) -> bytes:
+    """One line from a child's pipe, or b"" if none came within `timeout`
+    (a child that never starts fails the test instead of hanging it)."""
+    import select
+
+    r, _, _ = select.select([f], [], [], timeout)
+    return f.readline() if r else b""
+
+
 def wait_holders(token: str, want: int, timeout: float = 10.0) -> list[int]:
     """Wait until at least `want` token holders exist (the workload is up)."""
     deadline = time.monotonic() + timeout

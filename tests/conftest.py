@@ -28,15 +28,81 @@ if sys.path[0] != ROOT:
 # Workers that start runs of their own import this tree's launcher too.
 os.environ["PYTHONPATH"] = ROOT + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
 
+# The tests always exercise this tree's launcher/ (in this process and in
+# every `python -m launcher` they start, through PYTHONPATH above), never a
+# copy installed elsewhere: what is tested is what is in front of you. The
+# compiled extension is built in place (pytest_configure, before any test
+# module is collected) when it is missing or older than its sources; `pip
+# install .` builds it only into site-packages. `import launcher` itself
+# loads no extension (its names resolve on first use).
+import _native_build  # noqa: E402
 import launcher  # noqa: E402
 
-assert os.path.dirname(launcher.__file__) == os.path.join(ROOT, "launcher"), launcher.__file__
+if os.path.dirname(launcher.__file__) != os.path.join(ROOT, "launcher"):
+    pytest.exit(f"tests: imported launcher from {launcher.__file__}, not this tree's {ROOT}/launcher", returncode=4)
 
 TOKEN_VAR = "CONTAIN_TEST_TOKEN"
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _native_build.ensure(ROOT)      # stops the session with one line when it cannot
     config.addinivalue_line("markers", "forked: run the test in a forked process (pytest-forked)")
+    if not config.pluginmanager.hasplugin("timeout"):
+        config.addinivalue_line("markers", "timeout: per-test timeout (pytest-timeout is not installed)")
+    _forked_reports_keep_their_nodeid()
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    lines = [f"launcher: {ROOT}/launcher (extension {_native_build.report})"]
+    if not config.pluginmanager.hasplugin("timeout"):
+        lines.append("timeout: NONE, pytest-timeout is not installed (pip install '.[test]')")
+    return lines
+
+
+def _forked_reports_keep_their_nodeid() -> None:
+    """pytest-forked (1.7.5, the newest) sends a forked test's reports to the
+    parent with marshal, copying each report's __dict__. Since pytest 9.2 a
+    report keeps its node id there as a `NodeId` object (`_id`, behind the
+    `nodeid` property; pytest PR 14758), which marshal cannot encode: the child
+    then exits 3 and *every* `@pytest.mark.forked` test fails with "EXITED
+    with status 3", whatever it does. pytest's own serializer
+    (`_report_to_json`) writes the id as the plain "nodeid" string instead;
+    do the same for pytest-forked. A no-op before 9.2 (no `_id` in __dict__)
+    and once pytest-forked serializes through pytest's hooks."""
+    try:
+        import pytest_forked
+    except ImportError:
+        return
+    original = getattr(pytest_forked, "serialize_report", None)
+    if original is None or getattr(original, "_contain_nodeid_fix", False):
+        return
+
+    def serialize_report(rep: object) -> dict:
+        d = original(rep)
+        if "_id" in d:
+            d["nodeid"] = str(d.pop("_id"))
+        return d
+
+    serialize_report._contain_nodeid_fix = True  # type: ignore[attr-defined]
+    pytest_forked.serialize_report = serialize_report
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A forked test's timeout must fire in the forked child, where the test
+    runs: pytest-timeout's default timer wraps the whole protocol in the
+    parent, where SIGALRM aborts the session with an INTERNALERROR (and the
+    `thread` method os._exit()s the parent, leaving the child running). So
+    forked tests time the test function only (func_only), which runs in the
+    child; their fixtures' own waits are bounded instead."""
+    if not config.pluginmanager.hasplugin("timeout"):
+        return
+    for item in items:
+        if item.get_closest_marker("forked") is None:
+            continue
+        own = item.get_closest_marker("timeout")
+        args, kwargs = (own.args, dict(own.kwargs)) if own is not None else ((), {})
+        kwargs["func_only"] = True
+        item.add_marker(pytest.mark.timeout(*args, **kwargs), append=False)
 
 
 # -- the test's own view of processes -------------------------------------------
@@ -77,7 +143,7 @@ def warm_up(env: dict[str, str], n: int = 6) -> None:
     for w in ws:
         w.cancel(grace=0)
     for w in ws:
-        w.wait()
+        w.wait(30)
 
 
 def kill_token(token: str) -> list[int]:
@@ -124,9 +190,9 @@ def state_dir(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def _cgroup2_mount() -> str:
-    from launcher._platform import linux
+    from launcher._platform import cgroups
 
-    hs = linux.hierarchies()
+    hs = cgroups.hierarchies()
     if not hs:
         pytest.skip("no cgroup v2 hierarchy")
     return hs[0].mount

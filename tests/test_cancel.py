@@ -179,6 +179,11 @@ def test_unconfirmed_is_not_terminal_and_a_retry_keeps_the_first_requested_at(bo
                  script=f"sleep 300 & echo $! > {pidfile}; wait", want=2)
     os.mkdir(freezer)
     try:
+        # The sleep can be up (want=2) a moment before sh has written its pid.
+        deadline = time.monotonic() + 10
+        while not (pidfile.exists() and pidfile.read_text().endswith("\n")):
+            assert time.monotonic() < deadline, "the workload did not write its pid"
+            time.sleep(0.01)
         with open(os.path.join(freezer, "cgroup.procs"), "w") as f:
             f.write(pidfile.read_text().strip())          # a process this test started
         with open(os.path.join(freezer, "freezer.state"), "w") as f:

@@ -13,7 +13,8 @@ from launcher import _cli
 TOKENS = ["--", "--grace", "0", "1.5", "nan", "-1", "inf", "--id", "x", "my-run", "--seal", "--se",
           "-h", "--help", "--id=--", "--id=", "--grace=2", "--timeout", "3", "--kill-timeout=4",
           "--backend", "none", "auto", "cgroup2", "bogus", "--backend=none", "--record", "/tmp/r.json",
-          "--user", "nobody", "--workspace", "/tmp", "--check-sockets", "--check-sockets=1", "--backend=job-object", "/bin/true", "-x", "a", "b", "--unknown"]
+          "--user", "nobody", "--workspace", "/tmp", "--check-sockets", "--check-sockets=1", "--backend=job-object", "/bin/true", "-x", "a", "b", "--unknown",
+          "--quiet", "--quiet=1", "--kill-timeout=0", "--timeout=0.5", "--kill-timeout"]
 
 
 def _argparse(argv: list[str]) -> dict[str, object] | None:
@@ -42,6 +43,7 @@ def _check(argv: list[str]) -> None:
     ["run", "--id", "a", "--id", "b", "--", "c"],
     ["run", "--backend", "none", "--timeout", "2.5", "--kill-timeout", "1", "--record", "f", "--user", "u",
      "--workspace", "w", "--", "c"],
+    ["run", "--quiet", "--timeout", "0.001", "--", "c"],
 ])
 def test_plain_runs_take_the_fast_path_with_argparse_values(argv: list[str]) -> None:
     assert _cli._fast_run(argv) is not None
@@ -52,6 +54,7 @@ def test_plain_runs_take_the_fast_path_with_argparse_values(argv: list[str]) -> 
     ["run", "--help"], ["run", "-h"], ["run", "--se", "a"], ["run", "--id", "--", "x"], ["run", "--id=--", "x"],
     ["run", "--grace", "-1", "a"], ["run", "--grace", "nan", "a"], ["run", "--backend", "bogus", "a"],
     ["run", "--grace"], ["ls"], [], ["cancel", "x"],
+    ["run", "--timeout", "0", "a"], ["run", "--kill-timeout=0", "a"], ["run", "--timeout=-0", "a"],
 ])
 def test_anything_unusual_is_left_to_argparse(argv: list[str]) -> None:
     assert _cli._fast_run(argv) is None

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shlex
 import shutil
 import subprocess
 import sys
 
 import pytest
 
+from _proc import cgroup2_mount, remove_cgroup_tree
 from _survivors import IS_ROOT, ROOT, cgroup2_nsdelegate, contain_base
 
 HELPER = os.path.join(ROOT, "tests", "_clone3_into.py")
@@ -112,3 +114,118 @@ def test_doctor_without_a_cgroup_base_exits_1():
     assert r.returncode == 1, r.stdout + r.stderr
     assert "IMPOSSIBLE" in r.stdout and "EXITED" in r.stdout
     assert "Traceback" not in r.stderr
+
+
+# -- what to do next -------------------------------------------------------------
+
+def _next_steps(report: str) -> str:
+    """The human report's last section."""
+    head, sep, steps = report.partition("\nnext steps\n")
+    assert sep, report[-500:]
+    return steps
+
+
+def _as_nobody(args: str, *, cgroup: str | None = None, env: str = "") -> subprocess.CompletedProcess:
+    """`python3 -m launcher ARGS` as nobody with the system python, from
+    this tree; inside `cgroup` (one this test made) when given: the shell
+    moves its own pid there before it becomes nobody."""
+    py = "/usr/bin/python3"
+    if not IS_ROOT or shutil.which("su") is None or not os.path.exists(py):
+        pytest.skip("needs root to switch to nobody, and a system python for nobody")
+    chk = subprocess.run(["su", "nobody", "-s", "/bin/sh", "-c", f"cd {ROOT} && {py} -c 'import launcher._native'"],
+                         capture_output=True, text=True, timeout=60)
+    if chk.returncode != 0:
+        pytest.skip(f"nobody cannot import launcher with {py}: {chk.stderr.strip()[-200:]}")
+    inner = f"cd {ROOT} && {env} {py} -m launcher {args}"
+    move = f"echo $$ > {cgroup}/cgroup.procs && " if cgroup else ""
+    return subprocess.run(["sh", "-c", f"{move}exec su nobody -s /bin/sh -c {shlex.quote(inner)}"],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="the probes need a writable cgroup base (root here)")
+def test_doctor_ends_with_what_root_can_do_next(seal_doctor_json):
+    caps = json.loads(seal_doctor_json.stdout)
+    steps = caps["next_steps"]
+    assert steps and all(isinstance(s, str) and s for s in steps)
+    human = _doctor()
+    assert human.returncode == 0
+    section = _next_steps(human.stdout)
+    if caps["seal"]["ok"]:
+        # This host lets a root worker leave (no nsdelegate): the way out is --seal or --user.
+        assert "contain run --seal -- CMD" in section and "--user USER" in section, section
+
+
+def test_doctor_tells_a_user_without_a_delegated_cgroup_how_to_get_one():
+    import pwd
+
+    r = _as_nobody("doctor")
+    assert r.returncode == 1, r.stdout + r.stderr
+    section = _next_steps(r.stdout)
+    uid = pwd.getpwnam("nobody").pw_uid
+    assert "CONTAIN_CGROUP_BASE" in section and f"uid {uid}" in section and "as root" in section, section
+    assert "--seal" not in section, "advised --seal to a user for whom it is refused"
+
+
+def test_doctor_for_a_user_with_a_delegated_cgroup_does_not_advise_seal(tmp_path):
+    """nobody inside a cgroup delegated to it (as systemd's Delegate=yes
+    would make): containment works, and what is left (a worker of the same
+    uid can move within its own subtree) needs root, which is what it says."""
+    import pwd
+
+    if not IS_ROOT or cgroup2_mount() is None:
+        pytest.skip("needs root to delegate a cgroup of its own")
+    nobody = pwd.getpwnam("nobody").pw_uid
+    deleg = os.path.join(cgroup2_mount(), f"contain-doctor-deleg-{secrets.token_hex(3)}")
+    os.mkdir(deleg)
+    try:
+        for f in ("", "cgroup.procs", "cgroup.subtree_control", "cgroup.threads"):
+            os.chown(os.path.join(deleg, f), nobody, -1)
+        r = _as_nobody("doctor", cgroup=deleg)
+        assert r.returncode == 0, r.stdout + r.stderr
+        section = _next_steps(r.stdout)
+        assert "root supervisor" in section, section
+        assert "--seal" not in section, "advised --seal to a user for whom it is refused"
+        assert [d for d in os.listdir(deleg) if d.startswith("doctor-")] == []
+    finally:
+        remove_cgroup_tree(deleg)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="the probes need a writable cgroup base (root here)")
+def test_doctor_names_an_unusable_cgroup_base(tmp_path):
+    mnt = cgroup2_mount()
+    bad = os.path.join(mnt, "cgroup.procs", "x")       # under a file: can never be a directory
+    r = subprocess.run([sys.executable, "-m", "launcher", "doctor"], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=ROOT, CONTAIN_CGROUP_BASE=bad), timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    section = _next_steps(r.stdout)
+    assert f"CONTAIN_CGROUP_BASE={bad} cannot be used" in section and "unset it" in section, section
+
+
+def test_next_steps_offer_a_systemd_scope_where_the_user_has_a_manager(tmp_path, monkeypatch):
+    """Pure: the advice for a user with no delegated cgroup, on a host
+    where systemd's user manager could delegate one (its private socket
+    and systemd-run exist; faked here, nothing is started)."""
+    from launcher import _doctor
+
+    (tmp_path / "systemd").mkdir()
+    (tmp_path / "systemd" / "private").touch()
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "systemd-run").write_text("#!/bin/sh\nexit 1\n")
+    (bindir / "systemd-run").chmod(0o755)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv("PATH", str(bindir))
+    monkeypatch.delenv("CONTAIN_CGROUP_BASE", raising=False)
+    caps = {"euid": 1000, "process_connector": {"ok": True},
+            "cgroup2": {"mounts": [{"mount": "/sys/fs/cgroup"}], "nsdelegate": True,
+                        "error": "own cgroup /user.slice/user-1000.slice/session-2.scope is not delegated to uid 1000"},
+            "clone3_into_cgroup": {"ok": None, "error": "no writable cgroup v2 base"},
+            "seal": {"ok": False, "error": "the namespace seal needs a root supervisor"}}
+    caps["modes"] = _doctor._modes(caps)
+    steps = _doctor.next_steps(caps)
+    assert steps[0] == ("run contain inside a cgroup delegated to you by systemd: "
+                        "`systemd-run --user --scope -p Delegate=yes contain run -- CMD`")
+    assert any("CONTAIN_CGROUP_BASE" in s for s in steps) and any("as root" in s for s in steps)
+    assert not any("--seal" in s for s in steps)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert not any("systemd-run" in s for s in _doctor.next_steps(caps))

@@ -356,7 +356,7 @@ POISON = [
     b"null",
     b'{"op_id": "soon", "run_uid": "%s", "grace": "soon"}' % UID.encode(),
     b'{"op_id": 5, "run_uid": "%s"}' % UID.encode(),
-    b'{"op_id": "huge", "run_uid": "%s", "grace": 1e300}' % UID.encode(),
+    b'{"op_id": "huge", "run_uid": "%s", "grace": 1e999}' % UID.encode(),          # inf
     b'{"op_id": "nan", "run_uid": "%s", "grace": NaN}' % UID.encode(),
     b'{"op_id": "bool", "run_uid": "%s", "grace": true}' % UID.encode(),
     b'{"op_id": "neg", "run_uid": "%s", "grace": -1}' % UID.encode(),
@@ -403,7 +403,8 @@ def test_huge_unterminated_line_is_read_once(tmp_path):
     """A 16 MB line with no newline: rejected once, then skipped; each read
     of the inbox is bounded (bytes read, from /proc/self/io), and the request
     after it is found."""
-    from launcher._layout import INBOX_CHUNK, RunDir
+    from launcher._layout import RunDir
+    from launcher._requests import INBOX_CHUNK
 
     d = RunDir.claim("r", str(tmp_path / "state"))
     try:
@@ -803,9 +804,8 @@ def test_symlinked_run_files_are_not_followed(tmp_path):
 # -- numbers --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args", [
-    ["run", "--timeout", "1e300", "--", "true"], ["run", "--grace", "2200000000", "--", "true"],
     ["run", "--timeout", "0", "--", "true"], ["run", "--kill-timeout", "0", "--", "true"],
-    ["run", "--grace", "inf", "--", "true"], ["cancel", "x", "--grace", "1e300"],
+    ["run", "--grace", "inf", "--", "true"], ["cancel", "x", "--grace", "1e999"],
     ["wait", "x", "--timeout", "nan"], ["gc", "--older-than", "soon"], ["gc", "--keep", "-1"],
     ["ls", "--since", "yesterday-ish"], ["ls", "--state", "SLEEPING"],
 ])

@@ -85,7 +85,7 @@ def test_unsealed_escape_through_capless_root_process_is_caught(contain_runs, tm
         assert rec["_left"] == [] or rec["state"] == "BREACHED"
     finally:
         helper.kill()
-        helper.wait()
+        helper.wait(10)
         kill_survivors(helper_token)
 
 
@@ -138,5 +138,68 @@ def test_ledger_tracks_forks_made_before_the_root_is_registered():
     finally:
         led.close()
         p.kill()
-        p.wait()
+        p.wait(10)
         kill_survivors(token)
+
+
+CLONE_PARENT_C = r"""
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+/* argv[1]: a cgroup.procs to move the child into at once ("-": stay);
+ * argv[2..]: what the child execs. The child is made with CLONE_PARENT, so
+ * the kernel (and its process connector) names our parent as its parent;
+ * we stay 0.5 s, long enough for the child to have moved. */
+int main(int argc, char **argv) {
+    if (argc < 3) return 2;
+    long pid = syscall(SYS_clone, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0);
+    if (pid == 0) {
+        if (strcmp(argv[1], "-") != 0) {
+            int fd = open(argv[1], O_WRONLY | O_CLOEXEC);
+            if (fd >= 0) { if (write(fd, "0", 1) < 0) {} close(fd); }
+        }
+        execvp(argv[2], argv + 2);
+        _exit(127);
+    }
+    usleep(500000);
+    return pid < 0;
+}
+"""
+
+
+def _clone_parent_helper(tmp_path) -> str:
+    import shutil
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler to build the CLONE_PARENT helper")
+    src = tmp_path / "clone_parent.c"
+    src.write_text(CLONE_PARENT_C)
+    exe = str(tmp_path / "clone_parent")
+    subprocess.run([shutil.which("cc") or "gcc", "-O1", "-o", exe, str(src)], check=True)
+    return exe
+
+
+@needs_root
+@pytest.mark.parametrize("migrate", [False, True], ids=["stays", "migrates_at_once"])
+def test_clone_parent_child_is_still_contained(contain_runs, tmp_path, migrate):
+    """A root worker's child made with clone(CLONE_PARENT) is reported as a
+    child of the supervisor, not of the worker. Whether it stays or writes
+    itself into the parent cgroup at once, the record never says REAPED or
+    descendants_exit true while it lives (the test's own /proc scan)."""
+    helper = _clone_parent_helper(tmp_path)
+    c = contain_runs()
+    target = f"{BASE}/cgroup.procs" if migrate else "-"
+    # The worker itself makes the child: its parent is the supervisor.
+    rc = c.run(["--grace", "0.5"], [helper, target, "sleep", "300"])
+    rec = c.record()
+    left = survivors(c.token)
+    if left:
+        assert rec["state"] != "REAPED", (left, rec["evidence"]["escapes"])
+        assert rec["evidence"]["descendants_exit"]["observed"] is not True
+    if not migrate:
+        # It was born inside and stayed: the stop found it as a member.
+        assert left == [] and rec["state"] == "REAPED" and rc == 0, (left, rec["state"])

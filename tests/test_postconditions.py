@@ -1,7 +1,6 @@
 """workspace_quiescent and sockets_closed: what an empty container does not prove."""
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -38,7 +37,7 @@ def test_workspace_held_from_outside_is_reported(box, tmp_path):
         assert outsider.pid in [h["pid"] for h in layer["detail"]["held_by"]]
     finally:
         outsider.kill()
-        outsider.wait()
+        outsider.wait(10)
 
 
 def test_socket_handed_outside_is_not_closed(box, tmp_path):
@@ -48,6 +47,7 @@ def test_socket_handed_outside_is_not_closed(box, tmp_path):
     srv = socket.socket(socket.AF_UNIX)
     srv.bind(path)
     srv.listen()
+    srv.settimeout(30)           # a worker that never starts must fail the test, not hang it
     code = textwrap.dedent(f"""
         import socket, time
         tcp = socket.socket(); tcp.bind(("127.0.0.1", 0)); tcp.listen()
@@ -59,6 +59,7 @@ def test_socket_handed_outside_is_not_closed(box, tmp_path):
                                         "--", sys.executable, "-c", code), env=box.env)
     try:
         conn, _ = srv.accept()
+        conn.settimeout(30)
         _msg, fds, _flags, _addr = socket.recv_fds(conn, 16, 4)
         kept = socket.socket(fileno=fds[0])
         assert proc.wait(30) == 124
@@ -73,6 +74,7 @@ def test_socket_handed_outside_is_not_closed(box, tmp_path):
         srv.close()
         if proc.poll() is None:
             proc.kill()
+            proc.wait(10)
 
 
 def test_sockets_closed_when_the_tree_owned_them(box):

@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from _proc import readline_within
 from launcher import _scan
 from launcher._scan import ProcessInfo, members_of, parse_cgroup, parse_stat, scan_processes
 
@@ -53,7 +54,7 @@ def spawn():
     for p in started:
         if p.poll() is None:
             p.kill()
-        p.wait()
+        p.wait(10)
         for f in (p.stdin, p.stdout, p.stderr):
             if f is not None:
                 f.close()
@@ -68,7 +69,7 @@ def sleeper_named(spawn, name: bytes) -> subprocess.Popen:
         "time.sleep(60)\n"
     )
     p = spawn([sys.executable, "-c", code], stdout=subprocess.PIPE)
-    assert p.stdout is not None and p.stdout.readline() == b"ready\n"
+    assert p.stdout is not None and readline_within(p.stdout) == b"ready\n"
     return p
 
 
@@ -189,7 +190,7 @@ def test_child_appears_then_is_gone_after_reap(spawn):
     assert info.start_time == int(raw_stat_fields(child.pid)[1][19])
 
     child.kill()
-    child.wait()
+    child.wait(10)
     # The pid may in principle be reused; the process (pid, start time) may not.
     assert all((p.pid, p.start_time) != (info.pid, info.start_time) for p in scan_processes())
 
@@ -206,7 +207,7 @@ def test_zombie_is_reported_until_reaped(spawn):
     # A zombie still has a cgroup line but is in no cgroup.procs: the scan
     # must have read its file rather than the walk's map.
     assert zombie.cgroup == parse_cgroup(pathlib.Path(f"/proc/{child.pid}/cgroup").read_text())
-    child.wait()
+    child.wait(10)
     assert child.pid not in by_pid(scan_processes())
 
 
@@ -228,7 +229,7 @@ def test_comm_set_through_proc_self_comm(spawn):
         "time.sleep(60)\n"
     )
     child = spawn([sys.executable, "-c", code], stdout=subprocess.PIPE)
-    assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+    assert child.stdout is not None and readline_within(child.stdout) == b"ready\n"
     assert by_pid(scan_processes())[child.pid].comm == "a (b) c)"
 
 
@@ -269,7 +270,7 @@ def test_scan_survives_churn(spawn):
                 assert p.cgroup is not None or p.cgroup_error is not None
     finally:
         stop.set()
-        t.join()
+        t.join(30)
     assert errors == []
 
 
@@ -308,7 +309,7 @@ def test_threaded_scan_survives_churn(spawn):
                 assert p.cgroup is not None or p.cgroup_error is not None
     finally:
         stop.set()
-        t.join()
+        t.join(30)
 
 
 # --- the C interface ---------------------------------------------------------
@@ -478,7 +479,7 @@ def test_long_cgroup_path_is_reported_whole(long_cgroup):
         assert [p.pid for p in members_of(path.rsplit("/", 2)[0], procs)] == [child.pid]
     finally:
         child.kill()
-        child.wait()
+        child.wait(10)
 
 
 # --- cgroups from the hierarchy walk -----------------------------------------
@@ -591,7 +592,7 @@ def test_process_in_a_nested_cgroup_is_mapped(own_cgroup, spawn):
     assert info.cgroup == path + "/a b/c" == parse_cgroup(pathlib.Path(f"/proc/{child.pid}/cgroup").read_text())
     assert st.cgroup_mapped > 0
     child.kill()
-    child.wait()
+    child.wait(10)
 
 
 @native
@@ -611,7 +612,7 @@ def test_threaded_cgroup_reports_the_leaders_cgroup(own_cgroup, spawn):
     time.sleep(0.03)
     assert by_pid(scan_processes())[child.pid].cgroup == path + "/t"
     child.kill()
-    child.wait()
+    child.wait(10)
 
 
 @native
@@ -647,4 +648,4 @@ def test_mount_of_a_subtree_prefixes_its_root(own_cgroup, spawn, tmp_path):
     assert cgroup == path + "/a/b"
     assert int(mapped) >= 1  # from the walk under the subtree mount, not a fallback
     child.kill()
-    child.wait()
+    child.wait(10)

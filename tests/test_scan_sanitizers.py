@@ -49,6 +49,6 @@ def test_procscan_is_clean_under_sanitizer(sanitizer, tmp_path):
         r = subprocess.run([str(exe), "150"], capture_output=True, text=True, env=env, timeout=300)
     finally:
         stop.set()
-        t.join()
+        t.join(30)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
     assert "Sanitizer" not in r.stderr, r.stderr[-3000:]

@@ -135,7 +135,7 @@ def test_sealed_root_worker_cannot_leave_through_capless_root_process(contain_ru
         assert rec["containment"]["sealed"] is True and rec["state"] == "REAPED"
     finally:
         helper.kill()
-        helper.wait()
+        helper.wait(10)
         kill_survivors(helper_token)
 
 

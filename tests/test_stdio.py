@@ -13,8 +13,8 @@ from conftest import fd_count
 def test_pipes_and_communicate(contained: dict) -> None:
     with launcher.spawn(["sh", "-c", "cat; echo err >&2; exit 2"], env=contained["env"], stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE) as w:
-        out, err = w.communicate(b"hello " * 50_000)
-        rec = w.wait()
+        out, err = w.communicate(b"hello " * 50_000, timeout=30)
+        rec = w.wait(30)
     assert out == b"hello " * 50_000 and err == b"err\n"
     assert rec.exit_code == 2
     assert w.stdout is not None and w.stdout.closed
@@ -23,7 +23,7 @@ def test_pipes_and_communicate(contained: dict) -> None:
 def test_stderr_to_stdout_and_devnull(contained: dict) -> None:
     with launcher.spawn(["sh", "-c", "echo a; echo b >&2; cat"], env=contained["env"], stdin=subprocess.DEVNULL,
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as w:
-        out, err = w.communicate()
+        out, err = w.communicate(timeout=30)
     assert out is not None and sorted(out.split()) == [b"a", b"b"]
     assert err is None
 
@@ -97,7 +97,7 @@ def test_pipes_are_not_inherited_by_other_workers(contained: dict) -> None:
     with launcher.spawn(["sleep", "60"], env=contained["env"], stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE) as a:
         b = launcher.spawn(["sh", "-c", "ls /proc/self/fd"], env=contained["env"], stdout=subprocess.PIPE)
-        out, _ = b.communicate()
+        out, _ = b.communicate(timeout=30)
         b.close()
         a.cancel()
     fds = sorted(int(x) for x in out.split())

@@ -69,7 +69,7 @@ def test_finished_workers_keep_their_own_result(contained: dict) -> None:
     with launcher.Supervisor(env=contained["env"]) as sup:
         a = sup.spawn(["sh", "-c", "exit 7"])
         b = sup.spawn(["sleep", "60"])
-        assert a.wait().exit_code == 7
+        assert a.wait(30).exit_code == 7
     assert (a.record().outcome, b.record().outcome) == ("exited", "cancelled")
     assert len(sup.workers) == 2
     with pytest.raises(RuntimeError):
@@ -100,7 +100,7 @@ def test_keyboard_interrupt_during_the_cleanup_is_held(contained: dict) -> None:
             # SIGINT again 0.3 s into the 1 s grace, from outside.
             killer = subprocess.Popen(["sh", "-c", f"sleep 0.3; kill -INT {os.getpid()}"])
             raise KeyboardInterrupt
-    killer.wait()
+    killer.wait(10)
     _nothing_left(contained, ws)
 
 
@@ -118,7 +118,9 @@ def test_keyboard_interrupt_in_an_async_supervisor_leaves_nothing_alive(containe
                 workers.append(await sup.spawn(argv))
             async with launcher.open_worker(["sleep", "60"], env=contained["env"]) as w:
                 workers.append(w)
+                deadline = time.monotonic() + 10
                 while len(pids_with_token(contained["token"])) < 7:
+                    assert time.monotonic() < deadline, "workloads did not start"
                     await anyio.sleep(0.01)
                 os.kill(os.getpid(), signal.SIGINT)
                 await anyio.sleep(30)

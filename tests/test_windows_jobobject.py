@@ -248,10 +248,11 @@ def test_job_object_backend_fails_125_off_windows(tmp_path: Path) -> None:
 @pytest.mark.skipif(sys.platform == "win32", reason="the Linux face of the backend")
 def test_job_object_library_raises_containment_unavailable(tmp_path: Path) -> None:
     from launcher._errors import ContainmentUnavailable
-    from launcher._run import Options, _make_container
+    from launcher._containers import make_container
+    from launcher._options import Options
 
     with pytest.raises(ContainmentUnavailable, match="only on Windows"):
-        _make_container("x", Options(backend="job-object", state_dir=str(tmp_path)))
+        make_container("x", Options(backend="job-object", state_dir=str(tmp_path)))
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="the Linux stubs")

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from .._errors import ContainmentUnavailable
-from .._identity import read_stat
+from .._procfs import read_stat
 from .._scan import scan_processes
 from . import posix
 
@@ -30,11 +30,11 @@ KIND = "none"
 _LIST_CAP = 500   # entries kept in the record's lists; the count is always exact
 
 
-def _stat(pid: int) -> tuple[int, int, int, int] | None:
-    """(ppid, pgid, sid, start_time) of a live process, or None if it is gone
-    (a zombie has exited; it only waits to be reaped)."""
+def _live_start(pid: int) -> int | None:
+    """The start time of a live process, or None if it is gone (a zombie has
+    exited; it only waits to be reaped)."""
     p = read_stat(pid)
-    return None if p is None or p[0] in ("Z", "X") else (p[1], p[2], p[3], p[4])
+    return None if p is None or p[0] in ("Z", "X") else p[4]
 
 
 def _snapshot() -> dict[int, tuple[int, int, int, int]]:
@@ -88,11 +88,17 @@ class Container:
         sp.via = "clone3(CLONE_PIDFD) + setpgid (no container)"
         self.root_pid = self.pgid = sp.pid
         self._group_ours = True
-        st = _stat(sp.pid)
-        if st:
-            self.root_start = st[3]
-            self._remember(sp.pid, st[3], "worker")
+        start = _live_start(sp.pid)
+        if start is not None:
+            self.root_start = start
+            self._remember(sp.pid, start, "worker")
         return sp
+
+    def source(self) -> None:
+        return None          # nothing to wait on: the owner loop re-scans on a short deadline
+
+    def drain(self, ready: Any) -> None:
+        pass
 
     def placed(self, pid: int) -> str | None:
         return None
@@ -167,8 +173,7 @@ class Container:
                 continue
             try:
                 # The pidfd pins the process; it must still be the one seen.
-                st = _stat(pid)
-                if st is None or st[3] != start:
+                if _live_start(pid) != start:
                     continue
                 signal.pidfd_send_signal(fd, sig)
                 if sig == signal.SIGTERM:
@@ -223,6 +228,3 @@ class Container:
 
     def remove(self) -> str | None:
         return None
-
-    def describe(self) -> dict[str, Any]:
-        return {"backend": KIND}

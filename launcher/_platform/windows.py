@@ -307,9 +307,6 @@ class Container:
                     problem = str(_error(rc, f"CloseHandle({name})"))
         return problem
 
-    def describe(self) -> dict[str, Any]:
-        return {"backend": KIND, "path": self.path, "spawn_via": self.spawn_via}
-
 
 def available() -> str | None:
     """None if a Job Object can be made here, else the reason."""

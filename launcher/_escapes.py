@@ -1,0 +1,188 @@
+"""Escapes: processes that left the run's cgroup, found and stopped.
+
+A cgroup holds its members only while they stay (_ledger.py says how a
+process can leave, and how the fork ledger sees every fork). `EscapeWatch`
+is what a run uses: it opens the ledger before the spawn when the run needs
+one (a cgroup2 run that is not sealed, or degraded mode), and when the
+container is observed empty, `stop_escapers` kills whatever the ledger
+tracked that is alive outside it, and waits for each to be gone.
+"""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import time
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any, Callable
+
+from ._ledger import VIA, Ledger, LedgerUnavailable
+from ._procfs import cgroup_of, read_stat
+from ._record import now_iso
+
+
+def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float,
+                  known: set[tuple[int, int]] | None = None) -> list[dict[str, Any]]:
+    """Find every tracked process alive outside the container (`inside` says
+    whether a v2 path is the run's), SIGKILL it by pidfd after re-checking
+    its identity, and wait (until `deadline`, monotonic) for its pidfd to
+    become readable. Repeats while the ledger finds more (an escaper's own
+    children). Returns one entry per escaper, `gone` True only when its exit
+    was observed."""
+    known = known if known is not None else set()
+    found: dict[tuple[int, int], dict[str, Any]] = {}
+    fds: dict[int, tuple[int, int]] = {}
+    try:
+        while True:
+            fresh = 0
+            for t in ledger.live():
+                key = (t.pid, t.start_time or -1)
+                if key in found or key in known:
+                    continue
+                where = cgroup_of(t.pid, missing_ok=True)
+                if where is None or inside(where):
+                    continue
+                entry = {"pid": t.pid, "ppid": t.ppid, "identity": t.identity(), "seen_in": where,
+                         "at": now_iso(), "via": VIA, "killed": False, "gone": None}
+                found[key] = entry
+                fresh += 1
+                try:
+                    fd = os.pidfd_open(t.pid)
+                except ProcessLookupError:
+                    entry["gone"] = True
+                    continue
+                except OSError as e:
+                    entry["detail"] = f"pidfd_open: {os.strerror(e.errno or 0)}"
+                    continue
+                # The pidfd pins a process; it must still be the one tracked.
+                st = read_stat(t.pid)
+                if st is None or st[4] != t.start_time or st[0] in ("Z", "X"):
+                    os.close(fd)
+                    entry["gone"] = True
+                    continue
+                try:
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    entry["killed"] = True
+                    fds[fd] = key
+                except ProcessLookupError:
+                    entry["gone"] = True
+                    os.close(fd)
+                except OSError as e:
+                    entry["detail"] = f"pidfd_send_signal: {os.strerror(e.errno or 0)}"
+                    os.close(fd)
+            _wait_pidfds(fds, found, deadline)
+            if not fresh or time.monotonic() >= deadline:
+                break
+    finally:
+        for fd in fds:
+            os.close(fd)
+    for entry in found.values():
+        entry["alive_at_end"] = not entry["gone"] if entry["gone"] is not None else None
+    return list(found.values())
+
+
+def _wait_pidfds(fds: dict[int, tuple[int, int]], found: dict[tuple[int, int], dict[str, Any]],
+                 deadline: float) -> None:
+    waiting = {fd for fd, key in fds.items() if found[key]["gone"] is None}
+    while waiting:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        p = select.poll()
+        for fd in waiting:
+            p.register(fd, select.POLLIN)
+        for fd, _ in p.poll(int(left * 1000) + 1):
+            found[fds[fd]]["gone"] = True   # a pidfd polls readable once its process exited
+            waiting.discard(fd)
+
+
+# -- the ledger's part in one run ------------------------------------------
+
+class EscapeWatch:
+    """What `Run` calls: `before_spawn`, `after_spawn`, `at_empty`,
+    `evidence`, `close`. Holds the ledger when the run needs one: a cgroup2
+    run that is not sealed, or degraded mode."""
+
+    def __init__(self) -> None:
+        self.ledger: Ledger | None = None
+        self.reason: str | None = None      # why there is no ledger
+        self.start_ms: float | None = None  # what opening it cost
+        self.checked = False
+
+    @classmethod
+    def before_spawn(cls, container: Any, req: Any, env: Any = None) -> "EscapeWatch":
+        w = cls()
+        env = os.environ if env is None else env
+        sealed, _ = container.seal_status(req)
+        if sealed:
+            how = (container.seal_detail or {}).get("method", "sealed")
+            w.reason = f"not watched: the run is sealed ({how}), so leaving is prevented rather than detected"
+            return w
+        if env.get("CONTAIN_LEDGER", "on").lower() in ("0", "off", "no", "false"):
+            w.reason = "fork ledger turned off (CONTAIN_LEDGER=off)"
+            return w
+        t0 = time.perf_counter()
+        try:
+            w.ledger = Ledger.open()
+        except LedgerUnavailable as e:
+            w.reason = f"process connector unavailable: {e.reason}"
+        w.start_ms = round((time.perf_counter() - t0) * 1000, 3)
+        if container.backend == "none":
+            container.ledger = w.ledger
+        return w
+
+    def after_spawn(self, pid: int, container: Any = None) -> None:
+        if self.ledger is not None:
+            path = getattr(container, "path", None)
+            if path:
+                self.ledger.inside = lambda where: where == path or where.startswith(path.rstrip("/") + "/")
+            self.ledger.track_root(pid)
+
+    def saw_whole_run(self) -> str | None:
+        """None if the ledger watched every fork of the run from before the
+        spawn, lost nothing and attributed every fork; else why not."""
+        if self.ledger is None:
+            return self.reason or "no fork ledger"
+        if not self.ledger.complete():
+            return f"the fork ledger is incomplete ({self.ledger.summary()})"
+        return None
+
+    def at_empty(self, container: Any, timeout: float) -> list[dict[str, Any]]:
+        """The container was observed empty: stop whatever left it."""
+        self.checked = True
+        if self.ledger is None or container.backend == "none":
+            return []
+        path = container.path
+
+        def inside(where: str) -> bool:
+            return where == path or where.startswith(path.rstrip("/") + "/")
+
+        return stop_escapers(self.ledger, inside, time.monotonic() + min(timeout, 10.0))
+
+    def evidence(self, container: Any, terminal: bool) -> dict[str, Any]:
+        """The `escapes` layer when no escape was recorded."""
+        if self.ledger is None:
+            detail = self.reason or "no fork ledger"
+            if not detail.startswith("not watched"):
+                detail += ": a process that left the container would not be seen"
+            return {"observed": None, "at": None, "via": "none", "detail": detail}
+        complete = self.ledger.complete()
+        info = dict(self.ledger.summary(), ledger_start_ms=self.start_ms)
+        if container.backend == "none":
+            info["reason"] = ("no kernel container: nothing to leave; every process the ledger saw was "
+                              "stopped as a member")
+            return {"observed": None, "at": None, "via": VIA, "detail": info}
+        if not complete:
+            info["reason"] = ("the ledger lost events" if self.ledger.lost or self.ledger.failed else
+                              "forks reported as children of a process outside the tree could not be "
+                              "attributed") + ": an escape could have been missed"
+            return {"observed": None, "at": None, "via": VIA, "detail": info}
+        if not (terminal and self.checked):
+            info["reason"] = "checked when the container is observed empty"
+            return {"observed": None, "at": None, "via": VIA, "detail": info}
+        return {"observed": False, "at": now_iso(), "via": VIA, "detail": info}
+
+    def close(self) -> None:
+        if self.ledger is not None:
+            self.ledger.close()

@@ -1,0 +1,198 @@
+"""What one run observed, and the one place its stop record is made.
+
+`RunEvidence` holds every observation of a run as it is made: the evidence
+layers, the worker's status and identity, timings, escapers, notes, the
+seal, cleanup and nested runs. Other rooms write to it through its methods;
+`record()` turns it, with the run's state, into the record dict that is
+persisted (CONTRACT.md, "The stop record"). `from_record()` is the reverse,
+for an adopter that resumes a run from its directory.
+
+A layer is never inferred from another here: a default for a layer nobody
+observed says so (`null` with the reason), it never reads as true or false.
+"""
+from __future__ import annotations
+
+import os
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any
+
+    from ._escapes import EscapeWatch
+    from ._state import Snapshot
+
+from . import _nested
+from ._identity import ProcessIdentity, boot_id
+from ._record import LAYERS, SCHEMA, evidence, not_measured, now_iso
+
+
+class RunEvidence:
+    """Observations of one run. Plain attributes are read by every room;
+    writes go through the methods below where a rule applies."""
+
+    def __init__(self) -> None:
+        self.layers: dict[str, dict[str, Any]] = {}
+        self.times: dict[str, str | None] = {"spawned_at": None, "root_exit_at": None, "empty_at": None,
+                                              "ended_at": None}
+        self.exit_code: int | None = None
+        self.signal: int | None = None
+        self.identity: ProcessIdentity | None = None
+        self.escapes: list[dict[str, Any]] = []
+        self.notes: list[str] = []
+        self.sealed: tuple[bool, str | None] = (False, "not sealed")
+        self.placement: str | None = None
+        self.cleanup: dict[str, Any] = {}
+        self.cpu: dict[str, int] | None = None
+        self.nested_seen: list[dict[str, Any]] = []    # runs nested in this one, as the kernel showed them
+        self.lead: dict[str, Any] | None = None       # the run this one is nested in
+        self.adopted = False
+
+    # -- writing -------------------------------------------------------------
+
+    def set(self, layer: str, observed: bool | None, via: str, detail: Any = None,
+            at: float | None = None) -> None:
+        self.layers[layer] = evidence(observed, via, detail, at)
+
+    def observed(self, layer: str) -> bool:
+        return bool((self.layers.get(layer) or {}).get("observed"))
+
+    def signal_step(self, kind: str, observed: bool | None, via: str, detail: Any) -> None:
+        """One step of the stop (`term`, `kill`): the layer lists every step
+        and is observed from the first step that was."""
+        cur = self.layers.get("signal_sent")
+        steps = list(cur["detail"]["steps"]) if cur and isinstance(cur.get("detail"), dict) else []
+        steps.append({"kind": kind, "observed": observed, "via": via, "detail": detail, "at": now_iso()})
+        ok = [s for s in steps if s["observed"]]
+        if ok:
+            self.layers["signal_sent"] = {"observed": True, "at": ok[0]["at"], "via": ok[0]["via"],
+                                          "detail": {"steps": steps}}
+        else:
+            self.layers["signal_sent"] = {"observed": None, "at": None, "via": via, "detail": {"steps": steps}}
+
+    def cancel_requested(self, op: str, req: dict[str, Any]) -> None:
+        """The first applied cancel: its `requested_at` is kept for good."""
+        self.set("cancel_requested", True, f"operation {op}", {"by": req.get("by")})
+        self.layers["cancel_requested"]["at"] = req.get("requested_at") or self.layers["cancel_requested"]["at"]
+
+    def root_exited(self, exit_code: int | None, signal: int | None, layer: dict[str, Any]) -> None:
+        self.exit_code, self.signal = exit_code, signal
+        self.layers["root_exit"] = layer
+        self.times["root_exit_at"] = self.times.get("root_exit_at") or now_iso()
+
+    def spawned(self, sp: Any, container: Any, req: Any, t0: float) -> None:
+        """What is known right after the spawn: when, who (identity), where
+        the kernel put it, and whether the tree's credentials are sealed."""
+        self.times["spawned_at"] = now_iso(t0)
+        try:
+            self.identity = ProcessIdentity.read(sp.pid, sp.pidfd)
+        except OSError as e:
+            # Our unreaped child's /proc entry exists even if it already
+            # exited: failing here is an observation failure.
+            self.notes.append(f"identity not read: {e}")
+        self.placement = container.placed(sp.pid)
+        if container.backend != "none":
+            expected = container.hierarchy.cg_path(container.leaf)
+            if self.placement is not None and self.placement != expected:
+                self.escapes.append({"pid": sp.pid, "seen_in": self.placement, "at": now_iso(),
+                                     "via": "/proc/<pid>/cgroup right after spawn"})
+        self.sealed = container.seal_status(req)
+
+    def run_info(self, run: Any, via: str | None) -> dict[str, Any]:
+        """run.json: what another process needs to find, watch and adopt the run."""
+        c, ident = run.container, self.identity
+        return {
+            "run_id": run.id, "run_uid": run.uid, "argv": run.argv,
+            "started_at": self.times["spawned_at"],
+            "worker": ident.to_dict() if ident else ({"pid": run.pid} if run.pid > 0 else None),
+            "supervisor": ProcessIdentity.read(os.getpid()).to_dict(),
+            "backend": c.backend, "cgroup": c.path, "cgroup_dir": getattr(c, "dir", None),
+            "spawn_via": via, "state_dir": run.layout.path if run.layout else None,
+            "boot_id": boot_id(), "grace": run.opts.grace, "kill_timeout": run.opts.kill_timeout,
+        }
+
+    # -- the record ------------------------------------------------------------
+
+    def record(self, *, run_id: str, run_uid: str, argv: list[str], snap: Snapshot, container: Any,
+               watch: EscapeWatch | None, ops: list[str], pid: int, run_dir: str | None) -> dict[str, Any]:
+        """The stop record as persisted. The only place one is made."""
+        ev = {layer: self.layers[layer] for layer in LAYERS if layer in self.layers}
+        ev.setdefault("cancel_requested", evidence(False, "cancel inbox", None) if run_dir else
+                      not_measured("no run directory"))
+        ev.setdefault("signal_sent", {"observed": False, "at": None, "via": "none",
+                                      "detail": "nothing was signalled"})
+        if pid > 0:
+            ev.setdefault("root_exit", evidence(False, "pidfd", "worker running"))
+        elif self.adopted:
+            ev.setdefault("root_exit", not_measured("the owner died before recording the worker's identity"))
+        else:
+            ev.setdefault("root_exit", not_measured("no worker"))
+        if container is None or container.backend == "none":
+            ev.setdefault("container_empty", not_measured("no kernel container (degraded mode)"))
+        else:
+            ev.setdefault("container_empty", evidence(False, "cgroup.events populated 1", None)
+                          if not snap.terminal else not_measured("not observed"))
+        ev.setdefault("descendants_exit", not_measured("not yet observed"))
+        if self.escapes:
+            ev["escapes"] = {"observed": True, "at": self.escapes[0]["at"], "via": self.escapes[0]["via"],
+                             "detail": self.escapes}
+        elif watch is not None and container is not None:
+            ev.setdefault("escapes", watch.evidence(container, snap.terminal))
+        elif container is not None:
+            ev.setdefault("escapes", container.escape_evidence())
+        else:
+            ev.setdefault("escapes", not_measured("no container"))
+        containment: dict[str, Any] = {
+            "backend": container.backend if container is not None else "none",
+            "path": container.path if container is not None else None,
+            "sealed": self.sealed[0],
+            "sealed_reason": self.sealed[1],
+            "placement": self.placement,
+            "seal": getattr(container, "seal_detail", None),
+        }
+        if container is not None and getattr(container, "spawn_via", None):
+            containment["spawn_via"] = container.spawn_via
+        rec: dict[str, Any] = {
+            "schema": SCHEMA,
+            "run_id": run_id,
+            "run_uid": run_uid,
+            "state": snap.state.value,
+            "outcome": None if snap.outcome is None else snap.outcome.value,
+            "exit_code": self.exit_code,
+            "signal": self.signal,
+            "argv": argv,
+            "containment": containment,
+            "evidence": ev,
+            "identity": self.identity.to_dict() if self.identity else None,
+            "timings": dict(self.times),
+            "cpu": self.cpu,
+            "cancellations": sorted(ops),
+            "cleanup": self.cleanup or None,
+            "notes": self.notes,
+            "record_written_at": now_iso(),
+        }
+        if self.adopted:
+            rec["adopted_by"] = {"pid": os.getpid()}
+        rec["nested"] = _nested.describe(self.nested_seen, run_dir)
+        if self.lead is not None:
+            rec["lead"] = self.lead
+        return rec
+
+    @classmethod
+    def from_record(cls, rec: dict[str, Any]) -> "RunEvidence":
+        """What an adopter knows of a run: its last record. Escapers it
+        lists are re-checked at the end, like any escaper."""
+        e = cls()
+        e.adopted = True
+        e.exit_code, e.signal = rec.get("exit_code"), rec.get("signal")
+        e.layers = dict(rec.get("evidence") or {})
+        esc = e.layers.pop("escapes", None) or {}
+        if esc.get("observed") and isinstance(esc.get("detail"), list):
+            e.escapes = list(esc["detail"])
+        e.times.update(rec.get("timings") or {})
+        e.cpu = rec.get("cpu")
+        e.notes = list(rec.get("notes") or [])
+        c = rec.get("containment") or {}
+        e.sealed = (bool(c.get("sealed")), c.get("sealed_reason"))
+        e.placement = c.get("placement")
+        if rec.get("identity"):
+            e.identity = ProcessIdentity.from_dict(rec["identity"])
+        return e

@@ -1,0 +1,123 @@
+"""The owner's side of the cancel inbox: requests in, acknowledgements out.
+
+    pending()          the requests appended since the last read
+    arrive(req, snap)  a request the owner must act on (an `Arrival`), or None
+                       (no op id, repeated, refused for another run uid: the
+                       refusal is acknowledged here)
+    acknowledge(...)   the acknowledgement, written after the driver applied
+                       the cancel, with the state it led to
+    settle(snap)       at the end: every `cancel_requested` becomes what the
+                       run's end proved (`_state.effect_at_end`)
+
+The requesting side (append the intent durably, wait for the answer, adopt
+when the owner is gone) is _cancel.py; the effects themselves are the pure
+functions of _state.py. See docs/protocol.md.
+"""
+from __future__ import annotations
+
+import os
+import signal
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any
+
+    from ._evidence import RunEvidence
+    from ._layout import RunDir
+
+from . import _state as S
+from ._errors import LauncherError
+from ._record import now_iso
+
+
+class Arrival:
+    """A cancel request the owner applies, with its effect on arrival."""
+
+    __slots__ = ("op", "req", "effect", "ack")
+
+    def __init__(self, op: str, req: dict[str, Any], effect: S.Effect, ack: dict[str, Any]) -> None:
+        self.op = op
+        self.req = req
+        self.effect = effect
+        self.ack = ack
+
+
+class Inbox:
+    def __init__(self, layout: RunDir | None, run_id: str, run_uid: str, facts: RunEvidence) -> None:
+        self.layout = layout
+        self.run_id = run_id
+        self.run_uid = run_uid
+        self.facts = facts
+        self.offset = 0
+        self.ops: dict[str, dict[str, Any]] = {}      # op id -> its acknowledgement as written
+
+    def load(self) -> None:
+        """The acknowledgements already written for this run (adoption)."""
+        if self.layout is None:
+            return
+        for ack in self.layout.acks():
+            if ack.get("run_uid") == self.run_uid and ack.get("op_id"):
+                self.ops[ack["op_id"]] = ack
+
+    def pending(self) -> list[dict[str, Any]]:
+        if self.layout is None:
+            return []
+        reqs, self.offset = self.layout.read_requests(self.offset)
+        return reqs
+
+    def arrive(self, req: dict[str, Any], snap: S.Snapshot) -> Arrival | None:
+        assert self.layout is not None
+        op = str(req.get("op_id") or "")
+        if not op:
+            return None
+        try:
+            existing = self.layout.read_ack(op)
+        except LauncherError as e:
+            self.facts.notes.append(str(e))
+            return None
+        if op in self.ops or existing is not None:
+            return None    # a repeated operation never applies twice
+        ack = {"op_id": op, "run_id": self.run_id, "run_uid": self.run_uid,
+               "requested_at": req.get("requested_at"), "acknowledged_at": now_iso(), "by": req.get("by")}
+        if req.get("run_uid") not in (None, self.run_uid):
+            ack.update(effect=S.Effect.UNKNOWN.value, state=snap.state.value,
+                       detail=f"refused: run uid {req.get('run_uid')} is not the current run ({self.run_uid})")
+            self.write(op, ack, durable=snap.terminal)
+            return None
+        return Arrival(op, req, S.effect_on_arrival(snap), ack)
+
+    def acknowledge(self, arrival: Arrival, snap: S.Snapshot) -> None:
+        ack = dict(arrival.ack, effect=arrival.effect.value, state=snap.state.value,
+                   outcome=None if snap.outcome is None else snap.outcome.value)
+        self.write(arrival.op, ack, durable=snap.terminal)
+
+    def settle(self, snap: S.Snapshot) -> None:
+        if self.layout is None:
+            return
+        for op, ack in list(self.ops.items()):
+            eff = S.effect_at_end(S.Effect(ack["effect"]), snap)
+            if eff.value != ack["effect"] or ack.get("state") != snap.state.value:
+                ack = dict(ack, effect=eff.value, state=snap.state.value, settled_at=now_iso(),
+                           outcome=None if snap.outcome is None else snap.outcome.value)
+                self.write(op, ack, durable=snap.terminal)
+
+    def write(self, op: str, ack: dict[str, Any], *, durable: bool) -> None:
+        assert self.layout is not None
+        self.ops[op] = ack
+        self.layout.write_ack(op, ack, durable=durable)
+
+    def request_from_signal(self, signum: int) -> bool:
+        """SIGINT/SIGTERM/SIGHUP to the supervisor cancel the run through the
+        same durable inbox as any other cancel (intent first). False if that
+        signal's operation was already requested."""
+        if self.layout is None:
+            return False
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = str(signum)
+        op = f"signal-{name}-{os.getpid()}"
+        if op in self.ops:
+            return False
+        self.layout.append_request({"op_id": op, "run_uid": self.run_uid, "requested_at": now_iso(),
+                                    "by": {"pid": os.getpid(), "signal": name}})
+        return True

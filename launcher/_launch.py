@@ -1,0 +1,84 @@
+"""Starting a run: claim its id, make its container, spawn its worker inside.
+
+    start(run)              the whole start, in the order that keeps a run
+                            findable: claimed, contained, described (run.json),
+                            then spawned, then described again with the worker
+    spawn_failed(run, err)  a start that failed after the claim still ends
+                            like a run: stopped, observed, recorded
+
+Nothing runs in the container before it is described: an owner killed right
+after the spawn still leaves a run that `ls` shows and `cancel` can adopt.
+"""
+from __future__ import annotations
+
+import os
+import time
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from ._run import Run
+
+from . import _nested
+from . import _state as S
+from ._containers import make_container, spawn_request
+from ._errors import ContainmentUnavailable, LauncherError, SpawnFailed
+from ._layout import RunDir
+from ._escapes import EscapeWatch
+from ._ledger import note_spawn
+from ._platform import host
+
+
+def start(run: Run) -> None:
+    """Raises RunConflict, ContainmentUnavailable or SpawnFailed; in the last
+    two cases a final record with outcome `spawn_failed` exists."""
+    run.attach(RunDir.claim(run.id, run.opts.state_dir))
+    layout = run.layout
+    assert layout is not None
+    layout.journal("claimed", run_uid=run.uid)
+    try:
+        run.set_container(make_container(run.id, run.opts))
+    except ContainmentUnavailable as e:
+        spawn_failed(run, e)
+        raise
+    env = run.opts.env if run.opts.env is not None else os.environ
+    run.facts.lead, problem = _nested.join_lead(run.container, env, {
+        "id": run.id, "run_uid": run.uid, "run_dir": layout.path})
+    if problem is not None:
+        run.facts.notes.append(problem)
+    run.open_channels()
+    req = spawn_request(run.argv, run.opts, run.container, run.id, layout.path)
+    # The fork ledger listens before the spawn, so a worker that forks at
+    # once is not missed (_ledger.py).
+    run.watch = run.stop.watch = EscapeWatch.before_spawn(run.container, req, run.opts.env)
+    layout.write_run(run.facts.run_info(run, None))
+    t0 = time.time()
+    try:
+        sp = run.container.spawn(req)
+    except (SpawnFailed, ContainmentUnavailable, OSError) as e:
+        err = e if isinstance(e, LauncherError) else ContainmentUnavailable(f"spawn: {e}")
+        spawn_failed(run, err)
+        raise err from (None if err is e else e)
+    run.pid, run.root = sp.pid, host.Root(sp.pid, sp.pidfd)
+    run.facts.spawned(sp, run.container, req, t0)
+    if run.facts.identity is not None:
+        note_spawn(sp.pid, run.facts.identity.start_time)
+    run.watch.after_spawn(sp.pid, run.container)
+    layout.write_run(run.facts.run_info(run, sp.via))
+    layout.journal("spawned", pid=sp.pid, via=sp.via)
+    run.publish()
+
+
+def spawn_failed(run: Run, err: LauncherError) -> None:
+    """A failed spawn is stopped like any run: the leaf may hold the dying
+    child, and REAPED still needs an observed populated 0."""
+    run.feed(S.Event.SPAWN_FAILED)
+    run.facts.notes.append(str(err))
+    run.facts.set("root_exit", False, "spawn", {"error": str(err), "stage": getattr(err, "stage", None)})
+    run.facts.exit_code = getattr(err, "exit_code", 125)
+    if run.container is None:
+        run.feed(S.Event.TREE_GONE)
+    else:
+        ev = run.stop.begin(time.monotonic(), 0.0)
+        if ev is None or ev is S.Event.OBSERVE_FAILED:
+            ev = run.stop.wait_empty(run.stop.deadline)
+        run.feed(ev)
+    run.finish()

@@ -1,0 +1,168 @@
+"""Where cgroup v2 hierarchies are mounted, and where our run cgroups go.
+
+Discovered from /proc/self/mountinfo and from what is writable, never
+assumed: `/sys/fs/cgroup` on unified hosts, `/sys/fs/cgroup/unified` on
+hybrid ones, a delegated subtree for a user, a pod's cgroup namespace.
+"""
+from __future__ import annotations
+
+import os
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import NamedTuple
+
+from .._errors import ContainmentUnavailable
+from .._procfs import cgroup_of, mounts
+
+
+if TYPE_CHECKING:
+    class _HierarchyFields(NamedTuple):
+        mount: str        # where the cgroup2 filesystem is mounted
+        root: str         # the mount's root inside the hierarchy (mountinfo field 4)
+        nsdelegate: bool
+else:
+    from collections import namedtuple
+
+    _HierarchyFields = namedtuple("Hierarchy", ("mount", "root", "nsdelegate"))
+
+
+class Hierarchy(_HierarchyFields):
+    __slots__ = ()
+
+    def fs_path(self, cg_path: str) -> str:
+        rel = os.path.relpath(cg_path, self.root) if self.root != "/" else cg_path.lstrip("/")
+        return os.path.normpath(os.path.join(self.mount, rel)) if rel not in ("", ".") else self.mount
+
+    def cg_path(self, fs_path: str) -> str:
+        rel = os.path.relpath(fs_path, self.mount)
+        if rel == ".":
+            return self.root
+        return os.path.normpath(os.path.join(self.root, rel))
+
+
+def hierarchies() -> list[Hierarchy]:
+    """Every cgroup2 mount visible here, read from /proc/self/mountinfo."""
+    return [Hierarchy(m.point, m.root, "nsdelegate" in m.super_options)
+            for m in mounts() if m.fstype == "cgroup2"]
+
+
+def cgroup_mounts() -> tuple[list[str], list[str]]:
+    """(cgroup2 mount points, cgroup v1 mount points) from /proc/self/mountinfo,
+    each without the points that sit below another of its kind (detaching
+    or re-binding the upper one covers them)."""
+    all_mounts = mounts()
+    v2 = [m.point for m in all_mounts if m.fstype == "cgroup2"]
+    v1 = [m.point for m in all_mounts if m.fstype == "cgroup"]
+
+    def top(paths: list[str], above: list[str]) -> list[str]:
+        out: list[str] = []
+        for p in sorted(set(paths), key=len):
+            if not any(p == q or p.startswith(q.rstrip("/") + "/") for q in out + above):
+                out.append(p)
+        return out
+
+    v2 = top(v2, [])
+    return v2, top(v1, v2)
+
+
+def writable_procs_above(uid: int, gids: list[int] | tuple[int, ...], run_dir: str) -> str | None:
+    """The first cgroup.procs above the run that `uid` (with `gids`) may
+    write by its mode bits, or None. Moving a process needs write access to
+    the common ancestor's cgroup.procs (cgroup-v2.rst, "Delegation
+    Containment"), and every way out of the run has its common ancestor
+    above the run. Root is not asked: it may write them all."""
+    d = os.path.dirname(run_dir)
+    while True:
+        try:
+            st = os.stat(os.path.join(d, "cgroup.procs"))
+        except OSError:
+            st = None
+        if st is not None:
+            if st.st_uid == uid:
+                ok = bool(st.st_mode & 0o200)
+            elif st.st_gid in gids:
+                ok = bool(st.st_mode & 0o020)
+            else:
+                ok = bool(st.st_mode & 0o002)
+            if ok:
+                return os.path.join(d, "cgroup.procs")
+        parent = os.path.dirname(d)
+        if parent == d:
+            return None
+        d = parent
+
+
+def _writable_dir(path: str) -> bool:
+    return os.access(path, os.W_OK | os.X_OK) and os.access(os.path.join(path, "cgroup.procs"), os.W_OK)
+
+
+def resolve_base(env: dict[str, str] | os._Environ[str] = os.environ) -> tuple[Hierarchy, str]:
+    """Choose where run directories go: (hierarchy, base filesystem path).
+
+    CONTAIN_CGROUP_BASE if set; as root a `contain` directory under the mount;
+    otherwise the caller's own cgroup when it is delegated to it."""
+    hs = hierarchies()
+    if not hs:
+        raise ContainmentUnavailable("no cgroup v2 hierarchy is mounted")
+    explicit = env.get("CONTAIN_CGROUP_BASE")
+    if explicit:
+        for h in hs:
+            if explicit == h.mount or explicit.startswith(h.mount.rstrip("/") + "/"):
+                path = explicit
+                break
+        else:
+            h = hs[0]
+            path = h.fs_path(explicit)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise ContainmentUnavailable(f"CONTAIN_CGROUP_BASE {path}: {os.strerror(e.errno or 0)}") from e
+        if not _writable_dir(path):
+            raise ContainmentUnavailable(f"CONTAIN_CGROUP_BASE {path} is not writable")
+        return h, path
+    own = cgroup_of("self") or "/"
+    h = next((x for x in hs if own == x.root or own.startswith(x.root.rstrip("/") + "/")), hs[0])
+    if os.geteuid() == 0:
+        path = os.path.join(h.mount, "contain")
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise ContainmentUnavailable(f"cannot create {path}: {os.strerror(e.errno or 0)}") from e
+        return h, path
+    path = h.fs_path(own)
+    if not _writable_dir(path):
+        raise ContainmentUnavailable(f"own cgroup {own} is not delegated to uid {os.geteuid()}")
+    _leave_internal_position(path)
+    return h, path
+
+
+def _leave_internal_position(own_fs: str) -> None:
+    """With a domain controller enabled, a cgroup with children may hold no
+    processes (cgroup-v2.rst, "No Internal Process Constraint"; systemd#26311):
+    a delegated caller moves itself into `<own>/supervisor` first. Only our own
+    pid is ever moved, and only in a subtree delegated to our uid."""
+    try:
+        with open(os.path.join(own_fs, "cgroup.subtree_control")) as f:
+            enabled = f.read().strip()
+    except OSError:
+        return
+    if not enabled:
+        return
+    leaf = os.path.join(own_fs, "supervisor")
+    os.makedirs(leaf, exist_ok=True)
+    with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def available() -> str | None:
+    """None if a cgroup2 container can be made here, else the reason."""
+    try:
+        h, base = resolve_base()
+    except ContainmentUnavailable as e:
+        return e.reason
+    except OSError as e:
+        return str(e)
+    return None
+

@@ -1,0 +1,128 @@
+"""The one parser of each /proc file format we read (STYLE.md, "Rooms").
+
+    /proc/<pid>/stat        stat_fields, read_stat, start_time
+    /proc/<pid>/cgroup      parse_cgroups, cgroups_of (every hierarchy), parse_cgroup, cgroup_of (v2)
+    /proc/self/mountinfo    mounts
+
+Everything read here is input: a malformed line is a ValueError (or None
+where the caller asked for "unreadable means unknown"), never a guess. The C
+scanner (_native/procscan.c) keeps its own readers for speed; tests hold the
+two to the same answers.
+"""
+from __future__ import annotations
+
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import NamedTuple
+else:
+    from collections import namedtuple
+
+
+# -- /proc/<pid>/stat ---------------------------------------------------------
+
+def stat_fields(data: bytes) -> tuple[str, int, int, int, int]:
+    """(state, ppid, pgid, sid, start_time) of one /proc/<pid>/stat line
+    (proc(5)). comm (field 2) may hold spaces and parentheses: the fields
+    after it start after the LAST ')'. Raises ValueError on a malformed line."""
+    rp = data.rfind(b")")
+    rest = data[rp + 2 :].split() if rp >= 0 else []
+    if len(rest) < 20:
+        raise ValueError(f"not a /proc/<pid>/stat line: {data[:80]!r}")
+    return rest[0].decode(), int(rest[1]), int(rest[2]), int(rest[3]), int(rest[19])
+
+
+def read_stat(pid: int | str) -> tuple[str, int, int, int, int] | None:
+    """stat_fields of a process, or None if it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return stat_fields(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def start_time(pid: int) -> int:
+    """Field 22 of /proc/<pid>/stat (clock ticks after boot). Raises OSError."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return stat_fields(f.read())[4]
+
+
+# -- /proc/<pid>/cgroup -------------------------------------------------------
+
+def parse_cgroups(text: str) -> dict[str, str]:
+    """/proc/<pid>/cgroup as {hierarchy: path}: the v2 line ("0::<path>") is
+    "", each v1 hierarchy is named by its sorted controllers ("cpu,cpuacct",
+    as its mount shows them); named hierarchies (name=systemd) are skipped.
+    Hybrid hosts list v1 hierarchies first (cgroups(7))."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        hid, _, rest = line.partition(":")
+        ctrls, _, path = rest.partition(":")
+        if not hid.isdigit():
+            continue
+        if hid == "0" and ctrls == "":
+            out[""] = path
+        elif ctrls and not ctrls.startswith("name="):
+            out[",".join(sorted(ctrls.split(",")))] = path
+    return out
+
+
+def cgroups_of(pid: int | str) -> dict[str, str]:
+    """parse_cgroups of a live process. Raises OSError."""
+    with open(f"/proc/{pid}/cgroup") as f:
+        return parse_cgroups(f.read())
+
+
+def parse_cgroup(text: str) -> str | None:
+    """The cgroup v2 path of a /proc/<pid>/cgroup file, or None if it has none."""
+    for line in text.split("\n"):
+        if line.startswith("0::"):
+            return line[3:]
+    return None
+
+
+def cgroup_of(pid: int | str, *, missing_ok: bool = False) -> str | None:
+    """The v2 path of a process. Raises OSError when the file cannot be
+    read, unless `missing_ok` (then None: the caller treats it as unknown)."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            return parse_cgroup(f.read())
+    except OSError:
+        if missing_ok:
+            return None
+        raise
+
+
+# -- /proc/self/mountinfo -----------------------------------------------------
+
+if TYPE_CHECKING:
+    class Mount(NamedTuple):
+        point: str            # field 5: where it is mounted
+        root: str             # field 4: the mount's root inside its filesystem
+        fstype: str           # after " - "
+        options: tuple[str, ...]         # per-mount options (field 6), in the kernel's order
+        super_options: tuple[str, ...]   # superblock options (last field)
+else:
+    Mount = namedtuple("Mount", ("point", "root", "fstype", "options", "super_options"))
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as octal (proc(5)).
+    return field.encode().decode("unicode_escape") if "\\" in field else field
+
+
+def parse_mountinfo(text: str) -> list[Mount]:
+    out = []
+    for line in text.split("\n"):
+        left, sep, right = line.partition(" - ")
+        lf, rf = left.split(), right.split()
+        if not sep or len(lf) < 6 or not rf:
+            continue
+        out.append(Mount(_unescape(lf[4]), _unescape(lf[3]), rf[0], tuple(lf[5].split(",")),
+                         tuple(rf[2].split(",")) if len(rf) > 2 else ()))
+    return out
+
+
+def mounts() -> list[Mount]:
+    """Every mount visible to this process. Raises OSError."""
+    with open("/proc/self/mountinfo") as f:
+        return parse_mountinfo(f.read())

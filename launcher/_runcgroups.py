@@ -1,0 +1,405 @@
+"""One run's own cgroups beside its v2 leaf: the v1 cgroups on hybrid hosts,
+the limits written into them and read back, the fds its spawn joins, and
+their removal (the layout is in _controllers.py's docstring).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import re
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any, Mapping
+
+from ._controllers import (DOCTOR_HINT, Route, V1Hierarchy, plan, read_file, v1_base_for, v1_hierarchies)
+from ._errors import ContainmentUnavailable
+from ._limits import Limits
+from ._procfs import cgroups_of
+
+_RUN_NAME = re.compile(r"^(run|sub)-[A-Za-z0-9._-]{1,128}-[0-9a-f]{8}$")
+
+
+def _write(path: str, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _swap_total() -> int | None:
+    """SwapTotal in kB from /proc/meminfo, None if unreadable."""
+    txt = read_file("/proc/meminfo")
+    for line in (txt or "").splitlines():
+        if line.startswith("SwapTotal:"):
+            try:
+                return int(line.split()[1])
+            except (IndexError, ValueError):
+                return None
+    return None
+
+
+def _read_back(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+class RunCgroups:
+    """The controllers holding one run: its cgroup v2 directory (made by the
+    backend, `linux.Container`) and the v1 cgroups made here.
+
+    Life: `create()` before the spawn (v1 cgroups made, limits written and
+    read back), `join_fds()` for the spawn, `close_join_fds()` right after
+    it, `verify(pid)` on the spawned pid, the accounting reads while the run
+    lives and after it is empty (`_accounting`), `remove()` after the final
+    snapshot."""
+
+    def __init__(self, name: str, v2_dir: str | None, routes: dict[str, Route],
+                 limits: Limits | None = None) -> None:
+        self.name = name
+        self.v2_dir = v2_dir
+        self.routes = routes
+        self.limits = limits or Limits()
+        self.v1: dict[str, str] = {}          # hierarchy name -> fs dir of our cgroup
+        self.v1_hier: dict[str, V1Hierarchy] = {}
+        self.made: list[str] = []             # v1 dirs created here (removed by remove())
+        self.applied: dict[str, Any] = {}
+        self.notes: list[str] = []
+        self._fds: list[int] = []
+
+    # -- making -------------------------------------------------------------
+
+    @classmethod
+    def create(cls, name: str, limits: Limits | None = None, *, v2_dir: str | None,
+               env: Mapping[str, str] | None = None, hierarchies: list[V1Hierarchy] | None = None) -> "RunCgroups":
+        """Plan, make the v1 cgroups and apply the limits, all before the
+        spawn. On any failure nothing made here is left behind and
+        ContainmentUnavailable says why (the CLI's 125)."""
+        env = os.environ if env is None else env
+        limits = limits or Limits()
+        if not _RUN_NAME.match(name):
+            raise ValueError(f"not a run cgroup name: {name!r}")
+        v2_base = os.path.dirname(v2_dir) if v2_dir else None
+        routes = plan(limits, v2_base=v2_base, env=env, hierarchies=hierarchies)
+        rc = cls(name, v2_dir, routes, limits)
+        try:
+            rc._make_v1(env)
+            rc._apply()
+        except BaseException:
+            rc.remove()
+            raise
+        return rc
+
+    def _make_v1(self, env: Mapping[str, str]) -> None:
+        try:
+            own = cgroups_of("self")
+        except OSError:
+            own = {}
+        asked = set(self.limits.controllers())
+        for c, r in list(self.routes.items()):
+            if r.kind != "v1" or r.hierarchy is None:
+                continue
+            h = r.hierarchy
+            if h.name in self.v1:
+                continue                       # co-mounted with one already made (cpu,cpuacct)
+            parent, why, is_base = v1_base_for(h, env, own)
+            problem = None
+            if parent is not None:
+                try:
+                    pdir = h.fs_path(parent)
+                    if is_base:
+                        try:
+                            os.mkdir(pdir, 0o755)
+                        except FileExistsError:
+                            pass
+                    d = os.path.join(pdir, self.name)
+                    os.mkdir(d, 0o755)
+                except (OSError, ValueError) as e:
+                    problem = f"cgroup v1 {h.name}: cannot create {self.name} under {parent}: " + (
+                        os.strerror(e.errno or 0) if isinstance(e, OSError) else str(e))
+                else:
+                    self.made.append(d)
+                    self.v1[h.name] = d
+                    self.v1_hier[h.name] = h
+                    mine = own.get(h.name)
+                    if mine not in (None, "/") and not (parent == mine or parent.startswith(str(mine).rstrip("/") + "/")):
+                        # Root puts runs at the hierarchy's contain base, beside
+                        # whatever cgroup the host put the supervisor in.
+                        self.notes.append(f"cgroup v1 {h.name}: the run is under {parent}, outside the supervisor's own "
+                                          f"{mine}: a limit set there does not bind the run")
+                    for cc in h.controllers:
+                        if cc in self.routes and self.routes[cc].kind == "v1":
+                            self.routes[cc].note = why
+                    continue
+            else:
+                problem = why
+            # Not made: a limit on it is refused, an accounting-only controller says why.
+            for cc in h.controllers:
+                if cc in self.routes:
+                    self.routes[cc] = Route(cc, None, reason=problem)
+            hit = asked & set(h.controllers)
+            if hit:
+                raise ContainmentUnavailable(
+                    f"--{'-'.join(k for k in ('memory', 'pids', 'cpu') if k in hit)}-max cannot be applied: {problem}",
+                    doctor=DOCTOR_HINT)
+
+    def _dir_for(self, controller: str) -> tuple[str, str]:
+        """(fs dir, how to name it) holding `controller` for this run."""
+        r = self.routes[controller]
+        if r.kind == "v2" and self.v2_dir:
+            return self.v2_dir, "cgroup2"
+        h = r.hierarchy
+        assert h is not None
+        return self.v1[h.name], f"cgroup1 {h.name}"
+
+    def where(self, controller: str) -> tuple[str, str] | None:
+        """(fs dir, "cgroup2" or "cgroup1 <hierarchy>") for a controller the
+        run has, or None."""
+        r = self.routes.get(controller)
+        if r is None or r.kind is None:
+            return None
+        if r.kind == "v2":
+            return (self.v2_dir, "cgroup2") if self.v2_dir else None
+        if r.hierarchy is None or r.hierarchy.name not in self.v1:
+            return None
+        return self._dir_for(controller)
+
+    def cg_path(self, fs_dir: str) -> str:
+        for name, d in self.v1.items():
+            if fs_dir == d:
+                return self.v1_hier[name].cg_path(d)
+        return fs_dir
+
+    def _set(self, d: str, fname: str, value: str) -> str:
+        path = os.path.join(d, fname)
+        try:
+            _write(path, value)
+            return _read_back(path)
+        except OSError as e:
+            raise ContainmentUnavailable(f"cannot write {value!r} to {path}: {os.strerror(e.errno or 0)}",
+                                         doctor=DOCTOR_HINT) from e
+
+    def _apply(self) -> None:
+        lim = self.limits
+        if lim.memory_max is not None:
+            d, via = self._dir_for("memory")
+            files: dict[str, str] = {}
+            if via == "cgroup2":
+                files["memory.max"] = self._set(d, "memory.max", str(lim.memory_max))
+                # RAM only, unless swap is capped too: the tree could page its
+                # way past the limit (cgroup-v2.rst "memory.swap.max").
+                if os.path.exists(os.path.join(d, "memory.swap.max")):
+                    files["memory.swap.max"] = self._set(d, "memory.swap.max", "0")
+                else:
+                    self.notes.append("memory.swap.max absent (no swap accounting): swap use is not limited")
+                value = int(files["memory.max"]) if files["memory.max"].isdigit() else None
+            else:
+                files["memory.limit_in_bytes"] = self._set(d, "memory.limit_in_bytes", str(lim.memory_max))
+                # memory+swap, set after the RAM limit (memsw may not be below
+                # it), only where swap exists: with both limits equal the
+                # memsw counter takes every failure, and it keeps no failcnt
+                # (measured on 6.18: memory.failcnt and memory.memsw.failcnt
+                # both 0 after an OOM kill at the limit; 76 without memsw).
+                swap = _swap_total()
+                if swap == 0:
+                    self.notes.append("no swap on this host: memory.memsw.limit_in_bytes not set "
+                                      "(swap enabled later during the run would not be limited)")
+                elif os.path.exists(os.path.join(d, "memory.memsw.limit_in_bytes")):
+                    files["memory.memsw.limit_in_bytes"] = self._set(d, "memory.memsw.limit_in_bytes",
+                                                                     str(lim.memory_max))
+                else:
+                    self.notes.append("memory.memsw.limit_in_bytes absent (swapaccount off): swap use is not limited")
+                value = int(files["memory.limit_in_bytes"])
+            if value is None or value > lim.memory_max or value < lim.memory_max - 65536:
+                raise ContainmentUnavailable(f"memory limit read back as {files} after writing {lim.memory_max}")
+            # The kernel rounds down to whole pages: say what holds.
+            self.applied["memory_max_bytes"] = {"value": value, "via": via, "cgroup": self.cg_path(d),
+                                                "files": files}
+        if lim.pids_max is not None:
+            d, via = self._dir_for("pids")
+            got = self._set(d, "pids.max", str(lim.pids_max))
+            if got != str(lim.pids_max):
+                raise ContainmentUnavailable(f"pids.max read back as {got!r} after writing {lim.pids_max}")
+            self.applied["pids_max"] = {"value": lim.pids_max, "via": via, "cgroup": self.cg_path(d),
+                                        "files": {"pids.max": got}}
+        if lim.cpu_max is not None:
+            d, via = self._dir_for("cpu")
+            cm = lim.cpu_max
+            if via == "cgroup2":
+                got = self._set(d, "cpu.max", f"{cm.quota_us} {cm.period_us}")
+                files = {"cpu.max": got}
+                ok = got.split() == [str(cm.quota_us), str(cm.period_us)]
+            else:
+                # Period first: the quota is checked against it.
+                files = {"cpu.cfs_period_us": self._set(d, "cpu.cfs_period_us", str(cm.period_us)),
+                         "cpu.cfs_quota_us": self._set(d, "cpu.cfs_quota_us", str(cm.quota_us))}
+                ok = (files["cpu.cfs_period_us"], files["cpu.cfs_quota_us"]) == (str(cm.period_us), str(cm.quota_us))
+            if not ok:
+                raise ContainmentUnavailable(f"cpu limit read back as {files}")
+            self.applied["cpu_max"] = {"value": cm.to_dict(), "via": via, "cgroup": self.cg_path(d), "files": files}
+
+    # -- the spawn ----------------------------------------------------------
+
+    def join_fds(self) -> list[int]:
+        """One `cgroup.procs` fd per v1 cgroup of the run, opened O_WRONLY |
+        O_CLOEXEC by this (privileged) process: the child writes "0" to each
+        before exec, and since 5.16 the kernel checks a migration against the
+        opener's credentials (the fix for CVE-2021-4197), so a child that has
+        already dropped privileges can still join. The caller passes them to
+        the spawn and calls `close_join_fds()` right after it."""
+        self.close_join_fds()
+        try:
+            for name in sorted(self.v1):
+                self._fds.append(os.open(os.path.join(self.v1[name], "cgroup.procs"),
+                                         os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW))
+        except OSError as e:
+            self.close_join_fds()
+            raise ContainmentUnavailable(f"cannot open a cgroup.procs of {self.name}: {os.strerror(e.errno or 0)}") from e
+        return list(self._fds)
+
+    def close_join_fds(self) -> None:
+        for fd in self._fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds = []
+
+    def verify(self, pid: int) -> dict[str, Any]:
+        """Right after the spawn: /proc/<pid>/cgroup names our cgroup on every
+        v1 hierarchy the run joined. Evidence-shaped: observed True (all
+        placed), False (one is elsewhere: the caller must not let the run go
+        on as if limited), None (could not be read)."""
+        via = f"/proc/{pid}/cgroup"
+        if not self.v1:
+            return {"observed": True, "via": via, "detail": {"v1": {}, "note": "no v1 cgroup to join"}}
+        try:
+            where = cgroups_of(pid)
+            with open(f"/proc/{pid}/stat") as f:
+                st = f.read()
+        except OSError as e:
+            return {"observed": None, "via": via, "detail": f"not readable: {os.strerror(e.errno or 0)}"}
+        if st[st.rfind(")") + 2:st.rfind(")") + 3] in ("Z", "X"):
+            # An exited task's cgroup line is no statement about placement.
+            return {"observed": None, "via": via, "detail": f"pid {pid} has exited"}
+        detail: dict[str, Any] = {}
+        ok = True
+        for name, d in sorted(self.v1.items()):
+            want = self.v1_hier[name].cg_path(d)
+            got = where.get(name)
+            inside = got is not None and (got == want or got.startswith(want.rstrip("/") + "/"))
+            detail[name] = {"expected": want, "found": got, "ok": inside}
+            ok = ok and inside
+        return {"observed": ok, "via": via, "detail": {"v1": detail}}
+
+    # -- reading and ending -------------------------------------------------
+
+    def v1_members(self) -> dict[str, list[int]] | None:
+        """Pids still listed in the run's v1 cgroups (and below). After the v2
+        container is observed empty, any pid here is a member that left the
+        v2 container but not this one. None if a list could not be read."""
+        out: dict[str, list[int]] = {}
+        for name, top in self.v1.items():
+            pids: list[int] = []
+            for d, _subdirs, _files in os.walk(top):
+                txt = read_file(os.path.join(d, "cgroup.procs"))
+                if txt is None:
+                    if os.path.isdir(d):
+                        return None
+                    continue
+                pids.extend(int(x) for x in txt.split())
+            out[name] = sorted(set(pids))
+        return out
+
+    def remove(self) -> str | None:
+        """Remove the v1 cgroups made here, bottom-up (nested runs' first).
+        Returns None, or why not (a cgroup with a task cannot be removed:
+        EBUSY, cgroup-v1 docs)."""
+        import time
+
+        self.close_join_fds()
+        problems = []
+        for top in self.made:
+            for d, _subdirs, _files in sorted(os.walk(top, topdown=False), key=lambda t: -len(t[0])):
+                for attempt in range(50):
+                    try:
+                        os.rmdir(d)
+                        break
+                    except FileNotFoundError:
+                        break
+                    except OSError as e:
+                        # The last task can still be leaving when the v2
+                        # container reads empty; EBUSY then clears by itself.
+                        if e.errno == errno.EBUSY and attempt < 49:
+                            time.sleep(0.002)
+                            continue
+                        left = read_file(os.path.join(d, "cgroup.procs"))
+                        problems.append(f"rmdir {d}: {os.strerror(e.errno or 0)}"
+                                        + (f" (still holds pid {' '.join(left.split()[:8])})" if left and left.strip() else ""))
+                        break
+        self.made = [d for d in self.made if os.path.isdir(d)]
+        return "; ".join(problems) or None
+
+    # -- the record ---------------------------------------------------------
+
+    def limits_record(self) -> dict[str, Any]:
+        """The record's `limits`: what was asked and what was applied (the
+        driver adds `hit` from `_accounting.limit_hits` at the end)."""
+        out: dict[str, Any] = {"asked": self.limits.asked(), "applied": dict(self.applied)}
+        if self.notes:
+            out["notes"] = list(self.notes)
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        """What an adopter needs to read and remove these cgroups later (the
+        run info), and what the record's containment says about them."""
+        return {
+            "name": self.name,
+            "v1": {name: {"mount": self.v1_hier[name].mount, "root": self.v1_hier[name].root,
+                          "cgroup": self.v1_hier[name].cg_path(d), "dir": d,
+                          "created": d in self.made} for name, d in sorted(self.v1.items())},
+            "controllers": {c: r.to_dict() for c, r in sorted(self.routes.items())},
+        }
+
+    @classmethod
+    def attach(cls, desc: Mapping[str, Any], *, v2_dir: str | None) -> "RunCgroups":
+        """Take over a run's cgroups from its run info (orphan adoption, or
+        `status` of a live run). The info is untrusted: every v1 directory
+        must sit on a v1 mount that is really there with those controllers,
+        carry the run's name, and contain no symlink; anything else is
+        refused with ValueError, so a forged file cannot make us read or
+        remove another cgroup."""
+        name = desc.get("name")
+        if not isinstance(name, str) or not _RUN_NAME.match(name):
+            raise ValueError("run cgroups: no valid name")
+        if v2_dir is not None and os.path.basename(v2_dir) != name:
+            raise ValueError(f"run cgroups: {name} does not match the v2 directory {v2_dir}")
+        hs = {h.name: h for h in v1_hierarchies()}
+        routes: dict[str, Route] = {}
+        rc = cls(name, v2_dir, routes)
+        v1 = desc.get("v1") or {}
+        if not isinstance(v1, dict):
+            raise ValueError("run cgroups: v1 is not a mapping")
+        for hname, info in v1.items():
+            h = hs.get(hname)
+            if h is None or not isinstance(info, dict):
+                raise ValueError(f"run cgroups: no v1 hierarchy {hname!r} is mounted")
+            cg = info.get("cgroup")
+            if (not isinstance(cg, str) or not cg.startswith("/") or os.path.normpath(cg) != cg
+                    or os.path.basename(cg) != name):
+                raise ValueError(f"run cgroups: {cg!r} is not the run's cgroup")
+            d = h.fs_path(cg)
+            if os.path.realpath(d) != d:
+                raise ValueError(f"run cgroups: {d} is not a plain path")
+            rc.v1[hname] = d
+            rc.v1_hier[hname] = h
+            if info.get("created"):
+                rc.made.append(d)
+            for c in h.controllers:
+                routes[c] = Route(c, "v1", h)
+        ctl = desc.get("controllers") or {}
+        if isinstance(ctl, dict) and v2_dir is not None:
+            for c, r in ctl.items():
+                if isinstance(r, dict) and r.get("via") == "cgroup2" and c not in routes:
+                    routes[c] = Route(str(c), "v2")
+        return rc

@@ -1,0 +1,141 @@
+"""The conventions a shell user relies on: --version and --help, usage
+errors and "no such run" told apart the same way by every command, zero
+timeouts refused, and closed standard descriptors handled without a
+traceback (and without contain reusing them behind the worker's back)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from _proc import ROOT, contain_cmd, holders, run_contain
+from conftest import needs_cgroup
+
+import launcher
+
+
+def _env(tmp_path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["CONTAIN_STATE_DIR"] = str(tmp_path / "state")
+    env["PYTHONPATH"] = ROOT
+    return env
+
+
+def test_version_is_the_package_version(tmp_path):
+    p = run_contain(_env(tmp_path), "--version", timeout=30)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == f"contain {launcher.__version__}"
+
+
+def test_help_names_every_environment_variable_contain_reads(tmp_path):
+    """Every CONTAIN_* name the code reads (grep of launcher/) is in --help."""
+    names: set[str] = set()
+    for d, _subdirs, files in os.walk(os.path.join(ROOT, "launcher")):
+        for f in files:
+            if f.endswith(".py"):
+                with open(os.path.join(d, f)) as fh:
+                    names |= set(re.findall(r"\bCONTAIN_[A-Z_]+\b", fh.read()))
+    names.discard("CONTAIN_TEST_TOKEN")
+    assert {"CONTAIN_STATE_DIR", "CONTAIN_CGROUP_BASE", "CONTAIN_BACKEND", "CONTAIN_LEDGER"} <= names
+    for args in (["--help"], ["run", "--help"]):
+        p = run_contain(_env(tmp_path), *args, timeout=30)
+        assert p.returncode == 0, p.stderr
+        missing = [n for n in sorted(names) if n not in p.stdout]
+        assert missing == [], f"`contain {' '.join(args)}` does not name {missing}"
+
+
+@pytest.mark.parametrize("command", ["status", "wait", "cancel"])
+@pytest.mark.parametrize("run_id, code", [("../etc", 2), ("-x", 2), ("a" * 101, 2), ("a b", 2), ("", 2),
+                                          ("no-such-run", 3), ("x" * 100, 3)])
+def test_an_invalid_id_gives_the_same_status_for_every_command(tmp_path, command, run_id, code):
+    """A malformed ID is a usage error (2) and an unknown one "no such run"
+    (3), whichever command is asked (cancel used to say 2 where status and
+    wait said 3)."""
+    args = [command, "--", run_id] if run_id.startswith("-") else [command, run_id]
+    p = run_contain(_env(tmp_path), *args, timeout=30)
+    assert p.returncode == code, (p.returncode, p.stderr)
+    assert "Traceback" not in p.stderr
+    assert p.stderr.startswith("contain: ") and p.stderr.count("\n") <= 2, p.stderr
+
+
+@pytest.mark.parametrize("option", ["--timeout", "--kill-timeout"])
+@pytest.mark.parametrize("value", ["0", "0.0", "-0", "-1", "nan", "inf", "x"])
+def test_zero_and_unusable_timeouts_are_usage_errors(tmp_path, option, value):
+    """0 used to mean "no timeout" (--timeout) or the default 10 s
+    (--kill-timeout) without a word; now it is refused, like any value that
+    is not a positive number of seconds. Nothing runs."""
+    marker = tmp_path / "ran"
+    p = run_contain(_env(tmp_path), "run", f"{option}={value}", "--", "touch", str(marker), timeout=30)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert option in p.stderr and "Traceback" not in p.stderr
+    assert not marker.exists()
+
+
+@needs_cgroup
+def test_a_small_timeout_means_what_it_says(box):
+    p = run_contain(box.env, "run", "--id", "t", "--timeout", "0.3", "--grace", "0", "--", "sleep", "30",
+                    timeout=60)
+    assert p.returncode == 124, p.stderr
+    assert box.record("t")["outcome"] == "timed_out"
+
+
+@needs_cgroup
+def test_closed_stdout_stays_closed_for_the_worker(box, tmp_path):
+    """`contain run ... 1>&-`: no traceback, the worker's status is the
+    run's, and the worker finds fd 1 closed as it would under `env` (not a
+    file of contain's own that took the free slot)."""
+    report = tmp_path / "fds"
+    code = ("import os, sys\n"
+            "def state(fd):\n"
+            "    try:\n        return os.readlink(f'/proc/self/fd/{fd}')\n"
+            "    except OSError:\n        return 'closed'\n"
+            "seen = state(1)\n"             # before open() takes the lowest free descriptor
+            f"open({str(report)!r}, 'w').write(seen)\n"
+            "sys.exit(3)\n")
+    p = subprocess.run(contain_cmd("run", "--id", "c", "--", sys.executable, "-c", code), env=box.env,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=60,
+                       preexec_fn=lambda: os.close(1))
+    assert "Traceback" not in p.stderr, p.stderr
+    assert p.returncode == 3, p.stderr
+    assert report.read_text() == "closed"
+    assert box.record("c")["exit_code"] == 3
+    assert holders(box.token) == []
+
+
+@needs_cgroup
+def test_closed_stdout_with_nothing_to_write_is_no_error(box):
+    p = subprocess.run(contain_cmd("run", "--", "true"), env=box.env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, text=True, timeout=60, preexec_fn=lambda: os.close(1))
+    assert (p.returncode, p.stderr) == (0, "")
+
+
+@pytest.mark.parametrize("args", [["ls"], ["ls", "--json"], ["--version"], ["doctor", "--json"]])
+def test_output_to_a_closed_stdout_is_a_write_error(tmp_path, args):
+    """`contain ls >&-` used to end in a traceback; output that cannot be
+    written is one line on stderr and status 1 (gnulib's close_stdout)."""
+    p = subprocess.run(contain_cmd(*args), env=_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                       text=True, timeout=60, preexec_fn=lambda: os.close(1))
+    assert p.returncode == 1, (p.returncode, p.stderr)
+    assert p.stderr.strip().splitlines()[-1] == "contain: write error: stdout: Bad file descriptor", p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_closed_stderr_changes_no_status(tmp_path):
+    p = subprocess.run(contain_cmd("status", "no-such-run"), env=_env(tmp_path), capture_output=True,
+                       timeout=60, preexec_fn=lambda: os.close(2))
+    assert p.returncode == 3
+
+
+def test_a_broken_pipe_is_a_quiet_1(tmp_path):
+    """`contain ls | true`: the reader went away first; no traceback."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run(contain_cmd("ls"), env=_env(tmp_path), stdout=w, stderr=subprocess.PIPE, text=True,
+                           timeout=60)
+    finally:
+        os.close(w)
+    assert p.returncode == 1 and p.stderr == "", p.stderr
