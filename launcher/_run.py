@@ -16,7 +16,7 @@ the worker's pidfd (root exit), the run cgroup's `cgroup.events` (POLLPRI on
 process that appends a request, see _layout.RunDir.poke_owner), and a
 wake-up pipe for in-process callers and signals. `sources()` names them,
 `next_deadline()` says how long to sleep, the per-platform waiting is
-`posix.wait_ready` (an event loop does its own, _aio.py), and `turn()` looks
+`host.wait_ready` (an event loop does its own, _aio.py), and `turn()` looks
 at every input once.
 """
 from __future__ import annotations

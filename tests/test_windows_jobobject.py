@@ -255,19 +255,56 @@ def test_job_object_library_raises_containment_unavailable(tmp_path: Path) -> No
         make_container("x", Options(backend="job-object", state_dir=str(tmp_path)))
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="the Linux stubs")
-def test_native_job_symbols_exist_and_say_enosys() -> None:
-    """The one extension carries the Job Object symbols on Linux too."""
-    import errno
+@pytest.mark.skipif(sys.platform == "win32", reason="the Linux build")
+def test_linux_extension_carries_no_windows_module() -> None:
+    """build.py compiles each platform's own modules: no Job Object stubs here."""
+    from launcher._native import lib
 
-    from launcher._native import ffi, lib
+    names = set(dir(lib))
+    assert "ct_spawn" in names and "ct_procscan_read" in names
+    assert not {n for n in names if n.startswith(("ct_job_", "ct_sync_", "CT_JOB_", "CT_SYNC_"))}
 
-    h = ffi.new("uintptr_t*")
-    assert lib.ct_job_create(h) == -errno.ENOSYS and h[0] == 0
-    r = ffi.new("struct ct_job_spawn_result*")
-    assert lib.ct_job_spawn(ffi.new("struct ct_job_spawn_args*"), r) == -errno.ENOSYS
-    assert lib.ct_job_terminate(0, 1) == -errno.ENOSYS
-    assert lib.ct_job_close_take(0) == -errno.ENOSYS
+
+def test_every_native_module_is_built_for_a_platform() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_build_under_test", NATIVE / "build.py")
+    assert spec is not None and spec.loader is not None
+    b = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(b)
+    on_disk = {p.stem for p in NATIVE.glob("*.c") if not p.name.startswith("_")}
+    assert on_disk == set(b.MODULES["linux"]) | set(b.MODULES["win32"])
+    assert not set(b.MODULES["linux"]) & set(b.MODULES["win32"])
+    for m in on_disk:
+        assert (NATIVE / f"{m}.h").is_file() and (NATIVE / f"{m}.cdef").is_file(), m
+
+
+def test_windows_extension_source_is_generated_on_linux(tmp_path: Path) -> None:
+    """What tools/winbuild.py cross-compiles: cffi's C for the win32 modules only."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_build_under_test", NATIVE / "build.py")
+    assert spec is not None and spec.loader is not None
+    b = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(b)
+    out = tmp_path / "_ct.c"
+    b.make("win32").emit_c_code(str(out))
+    text = out.read_text()
+    assert '#include "jobobject.h"' in text and '#include "winsync.h"' in text
+    assert "ct_sync_wait" in text and "ct_job_spawn" in text
+    assert '#include "spawn.h"' not in text and "ct_procscan_read" not in text
+
+
+def test_windows_modules_compile_warning_free_with_mingw(tmp_path: Path) -> None:
+    """The Windows C compiles as tools/winbuild.py compiles it (-Werror), so a
+    break shows in the Linux suite too, not only in the Wine lane."""
+    if shutil.which(MINGW) is None:
+        pytest.skip(f"{MINGW} not installed (apt-get install gcc-mingw-w64-x86-64)")
+    for m in ("jobobject", "winsync"):
+        cc = subprocess.run([MINGW, "-O2", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter", f"-I{NATIVE}",
+                             "-c", str(NATIVE / f"{m}.c"), "-o", str(tmp_path / f"{m}.o")],
+                            capture_output=True, text=True, timeout=120)
+        assert cc.returncode == 0, f"{m}.c:\n{cc.stderr}"
 
 
 def test_environment_block_is_sorted_and_refuses_nul() -> None:

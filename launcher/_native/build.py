@@ -1,36 +1,81 @@
 """Build the `launcher._native._ct` extension (cffi API mode).
 
-Every `NAME.c` in this folder is compiled into the one extension; its
-declarations for Python live beside it in `NAME.cdef` (cffi's parser takes no
-preprocessor lines) and its C prototypes in `NAME.h`. Adding a module means
-adding those three files: this builder never needs editing.
+Each module `NAME` is three files in this folder: `NAME.c`, its C prototypes
+in `NAME.h`, and its declarations for Python in `NAME.cdef` (cffi's parser
+takes no preprocessor lines). A platform builds only its own modules
+(`MODULES`): the Linux ones use clone3, cgroupfs and /proc, the Windows ones
+the Win32 API, and neither compiles on the other. So on each platform `lib`
+carries only what that platform can do; code for the other platform checks
+`sys.platform` before it touches `lib`.
+
+`make(platform)` describes the extension for a platform without building
+it, so tools/winbuild.py can emit the Windows C source on Linux and
+cross-compile it (cffi's emit_c_code), as `pip install .` on Windows would.
 """
+from __future__ import annotations
+
 import os
 import pathlib
+import sys
 
 import cffi
 
 HERE = pathlib.Path(__file__).resolve().parent
 
+MODULES = {
+    "linux": ("cgroup", "init", "procscan", "seal", "spawn"),
+    "win32": ("jobobject", "winsync"),
+}
 
-def _ours(pattern: str) -> list[pathlib.Path]:
-    # Names starting with "_" are generated (cffi writes _ct.c here when
-    # this file is run as a script): never sources.
-    return sorted(p for p in HERE.glob(pattern) if not p.name.startswith("_"))
+# MSVC on Windows (what setuptools uses there); GCC or Clang on Linux.
+# tools/winbuild.py passes its own flags to mingw-w64.
+_COMPILE = {
+    "linux": {"extra_compile_args": ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+              # procscan.c reads /proc with a few threads.
+              # Bind every symbol at load: the CLONE_VM spawn child must not
+              # run the lazy binder (spawn.c).
+              "extra_link_args": ["-pthread", "-Wl,-z,now"]},
+    "win32": {"extra_compile_args": ["/O2", "/W3"],
+              # winsync.c: GetSecurityInfo, EqualSid, OpenProcessToken.
+              "libraries": ["kernel32", "advapi32"]},
+}
 
 
-ffibuilder = cffi.FFI()
-ffibuilder.cdef("\n".join(p.read_text() for p in _ours("*.cdef")))
-ffibuilder.set_source(
-    "launcher._native._ct",
-    "\n".join(f'#include "{p.name}"' for p in _ours("*.h")),
-    # Relative paths: setuptools builds from the project root.
-    sources=[os.path.relpath(p) for p in _ours("*.c")],
-    include_dirs=[os.path.relpath(HERE)],
-    extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
-    # procscan.c reads /proc with a few threads.
-    extra_link_args=["-pthread"],
-)
+def host_platform() -> str:
+    if sys.platform.startswith("linux"):
+        return "linux"
+    if sys.platform == "win32":
+        return "win32"
+    raise RuntimeError(f"contain builds on Linux and Windows only, not {sys.platform}")
+
+
+def _check_every_module_is_listed() -> None:
+    # A new NAME.c that no platform lists would be silently left out.
+    # Names starting with "_" are generated (cffi's _ct.c): never sources.
+    listed = {m for mods in MODULES.values() for m in mods}
+    found = {p.stem for p in HERE.glob("*.c") if not p.name.startswith("_")}
+    if found != listed:
+        raise RuntimeError(f"launcher/_native: modules on disk {sorted(found)} != listed in MODULES {sorted(listed)}")
+
+
+def make(platform: str) -> cffi.FFI:
+    """The extension as built for `platform` ("linux" or "win32")."""
+    _check_every_module_is_listed()
+    mods = MODULES[platform]
+    ffi = cffi.FFI()
+    ffi.cdef("\n".join((HERE / f"{m}.cdef").read_text() for m in mods))
+    ffi.set_source(
+        "launcher._native._ct",
+        "\n".join(f'#include "{m}.h"' for m in mods),
+        # Relative paths: setuptools builds from the project root.
+        sources=[os.path.relpath(HERE / f"{m}.c") for m in mods],
+        include_dirs=[os.path.relpath(HERE)],
+        **_COMPILE[platform],
+    )
+    return ffi
+
+
+ffibuilder = make(host_platform())
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)

@@ -18,11 +18,13 @@
  * decided by QueryInformationJobObject(JobObjectBasicAccountingInformation)
  * .ActiveProcesses == 0, read again after every wake-up.
  *
- * On other platforms every function exists and returns -ENOSYS.
+ * Windows only (build.py compiles it for win32): the Win32 API throughout.
  */
 #include "jobobject.h"
 
-#ifdef _WIN32
+#ifndef _WIN32
+#error "jobobject.c is Windows code: build.py lists it for win32 only"
+#endif
 #ifndef _WIN32_WINNT
 #define _WIN32_WINNT 0x0A00
 #endif
@@ -439,39 +441,61 @@ int ct_job_close_take(uintptr_t handle) {
     return CloseHandle((HANDLE)handle) ? 0 : last_error();
 }
 
-#else /* !_WIN32: the symbols exist so the one extension links everywhere */
-#include <errno.h>
-#include <string.h>
+/* -- the worker as a process: identity, times, console ---------------------- */
 
-int ct_job_create(uintptr_t *job) { *job = 0; return -ENOSYS; }
-int ct_job_port_create(uintptr_t job, uintptr_t *port) { *port = 0; return -ENOSYS; }
-int ct_job_limits(uintptr_t job, uint32_t *limit_flags) { *limit_flags = 0; return -ENOSYS; }
-int ct_job_spawn(const struct ct_job_spawn_args *a, struct ct_job_spawn_result *r) {
-    memset(r, 0, sizeof *r);
-    return -ENOSYS;
+/* SYNCHRONIZE to see it exit, the query right for GetProcessTimes and
+ * GetExitCodeProcess. Wine wants PROCESS_QUERY_INFORMATION where Windows
+ * accepts the limited right (as for IsProcessInJob). The handle pins the
+ * pid: Windows does not reuse it while a handle is open. */
+int ct_job_process_open(uint32_t pid, uintptr_t *process) {
+    HANDLE h;
+    *process = 0;
+    h = OpenProcess(SYNCHRONIZE | PROCESS_QUERY_INFORMATION, FALSE, pid);
+    if (h == NULL && GetLastError() == ERROR_ACCESS_DENIED)
+        h = OpenProcess(SYNCHRONIZE | PROCESS_QUERY_LIMITED_INFORMATION, FALSE, pid);
+    if (h == NULL) return last_error();
+    *process = (uintptr_t)h;
+    return 0;
 }
-int ct_job_accounting(uintptr_t job, struct ct_job_accounting *out) {
-    memset(out, 0, sizeof *out);
-    return -ENOSYS;
+
+static uint64_t ft64(FILETIME f) {
+    return ((uint64_t)f.dwHighDateTime << 32) | f.dwLowDateTime;
 }
-int ct_job_pids(uintptr_t job, uint64_t *pids, uint32_t cap, uint32_t *assigned, uint32_t *listed) {
-    *assigned = *listed = 0;
-    return -ENOSYS;
+
+/* Creation time is what makes a pid an identity (pid + creation time); exit
+ * time is 0 while the process runs. */
+int ct_job_process_times(uintptr_t process, struct ct_job_times *t) {
+    FILETIME c, e, k, u;
+    memset(t, 0, sizeof *t);
+    if (!GetProcessTimes((HANDLE)process, &c, &e, &k, &u)) return last_error();
+    t->creation_100ns = ft64(c);
+    t->exit_100ns = ft64(e);
+    t->kernel_100ns = ft64(k);
+    t->user_100ns = ft64(u);
+    return 0;
 }
-int ct_job_contains(uintptr_t job, uint32_t pid, int *inside) { *inside = 0; return -ENOSYS; }
-int ct_job_wait_empty(uintptr_t job, uintptr_t port, uint32_t timeout_ms, struct ct_job_wait_result *r) {
-    return -ENOSYS;
+
+/* The processes attached to our console: a CTRL_BREAK_EVENT can reach only
+ * those. No console at all fails (ERROR_INVALID_HANDLE, typically). A
+ * list longer than `cap` returns ERROR_MORE_DATA with the true count. */
+int ct_job_console_pids(uint32_t *pids, uint32_t cap, uint32_t *count) {
+    DWORD n;
+    *count = 0;
+    n = GetConsoleProcessList((LPDWORD)pids, cap ? cap : 1);
+    if (n == 0) return last_error();
+    *count = n;
+    return n > cap ? ERROR_MORE_DATA : 0;
 }
-int ct_job_terminate(uintptr_t job, uint32_t exit_code) { return -ENOSYS; }
-int ct_job_ctrl_break(uint32_t process_group) { return -ENOSYS; }
-int ct_job_process_wait(uintptr_t process, uint32_t timeout_ms, int *exited) {
-    *exited = 0;
-    return -ENOSYS;
+
+/* Peak commit of the job and of its largest process. Wine zero-fills this
+ * class (dlls/ntdll/unix/sync.c): Python decides what a 0 means. */
+int ct_job_memory(uintptr_t job, uint64_t *peak_job, uint64_t *peak_process) {
+    JOBOBJECT_EXTENDED_LIMIT_INFORMATION li;
+    *peak_job = *peak_process = 0;
+    if (!QueryInformationJobObject((HANDLE)job, JobObjectExtendedLimitInformation, &li, sizeof li,
+                                   NULL))
+        return last_error();
+    *peak_job = (uint64_t)li.PeakJobMemoryUsed;
+    *peak_process = (uint64_t)li.PeakProcessMemoryUsed;
+    return 0;
 }
-int ct_job_process_status(uintptr_t process, int *running, uint32_t *exit_code) {
-    *running = 0;
-    *exit_code = 0;
-    return -ENOSYS;
-}
-int ct_job_close_take(uintptr_t handle) { return -ENOSYS; }
-#endif

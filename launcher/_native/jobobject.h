@@ -2,11 +2,10 @@
 #define CT_JOBOBJECT_H
 /* Windows Job Objects: the `job-object` container.
  *
- * Handles cross into Python as uintptr_t. Every function returns 0 or, on
- * Windows, the GetLastError() code (a positive DWORD); elsewhere the
- * functions exist but return -ENOSYS, so the one cffi extension links on
- * every platform. Strings are UTF-8; the command line is already quoted
- * (Python's subprocess.list2cmdline, the MSVCRT rules). */
+ * Windows only. Handles cross into Python as uintptr_t. Every function
+ * returns 0 or the GetLastError() code (a positive DWORD). Strings are
+ * UTF-8; the command line is already quoted (Python's
+ * subprocess.list2cmdline, the MSVCRT rules). */
 #include <stdint.h>
 
 /* Where ct_job_spawn failed. */
@@ -66,6 +65,14 @@ struct ct_job_wait_result {
     uint32_t queries;          /* QueryInformationJobObject calls made */
 };
 
+/* 100 ns units; creation and exit are FILETIMEs (since 1601, UTC). */
+struct ct_job_times {
+    uint64_t creation_100ns;
+    uint64_t exit_100ns;       /* 0 while running */
+    uint64_t kernel_100ns;
+    uint64_t user_100ns;
+};
+
 int ct_job_create(uintptr_t *job);
 int ct_job_port_create(uintptr_t job, uintptr_t *port);
 int ct_job_limits(uintptr_t job, uint32_t *limit_flags);
@@ -79,4 +86,8 @@ int ct_job_ctrl_break(uint32_t process_group);
 int ct_job_process_wait(uintptr_t process, uint32_t timeout_ms, int *exited);
 int ct_job_process_status(uintptr_t process, int *running, uint32_t *exit_code);
 int ct_job_close_take(uintptr_t handle);
+int ct_job_process_open(uint32_t pid, uintptr_t *process);
+int ct_job_process_times(uintptr_t process, struct ct_job_times *t);
+int ct_job_console_pids(uint32_t *pids, uint32_t cap, uint32_t *count);
+int ct_job_memory(uintptr_t job, uint64_t *peak_job, uint64_t *peak_process);
 #endif

@@ -1,22 +1,39 @@
 #ifndef CT_SPAWN_H
 #define CT_SPAWN_H
+#include <stdint.h>
 #include <sys/types.h>
 
-/* Where a spawn failed. The child reports its stage and errno through a
- * close-on-exec pipe; the parent turns them into 126/127/125. */
+/* Where a spawn failed. The child reports the stage it enters, and on a
+ * failure its errno, on the report pipe (struct ct_msg); the parent reads
+ * them once the vfork release says the child has exec'd or exited. */
 enum {
     CT_STAGE_NONE = 0,
-    CT_STAGE_CLONE = 1,   /* clone3 itself failed (parent side) */
-    CT_STAGE_BIRTH = 2,   /* the child died before running our code (e.g. the cgroup.kill bug) */
-    CT_STAGE_HOLD = 3,    /* the parent never released a held child */
-    CT_STAGE_STDIO = 4,
-    CT_STAGE_CHDIR = 5,
-    CT_STAGE_PGROUP = 6,
-    CT_STAGE_SEAL = 7,
-    CT_STAGE_CAPS = 8,
-    CT_STAGE_CREDS = 9,
-    CT_STAGE_EXEC = 10,
+    CT_STAGE_CLONE = 1,     /* clone3 itself failed (parent side) */
+    CT_STAGE_BIRTH = 2,     /* the child died before running our code (e.g. the cgroup.kill bug) */
+    CT_STAGE_START = 3,     /* our code ran; signal dispositions reset */
+    CT_STAGE_JOIN = 4,      /* placement: "0" written to each join fd, /proc/self/cgroup verified */
+    CT_STAGE_STDIO = 5,
+    CT_STAGE_CHDIR = 6,
+    CT_STAGE_PGROUP = 7,
+    CT_STAGE_SEAL = 8,
+    CT_STAGE_CAPS = 9,
+    CT_STAGE_CREDS = 10,
+    CT_STAGE_FDS = 11,      /* close-on-exec marking, pass_fds made inheritable */
+    CT_STAGE_SIGNALS = 12,  /* the signal mask emptied */
+    CT_STAGE_EXEC = 13,
+    CT_STAGE_VERIFY = 14,   /* the parent could not tell whether the child exec'd (it is killed) */
+    /* The PID-namespace wall (init.c): the init's own steps. */
+    CT_STAGE_USERNS = 15,   /* user namespace maps */
+    CT_STAGE_INIT = 16,     /* the init's set-up (signals, signalfd, mounts that must work) */
+    CT_STAGE_FORK = 17,     /* the init could not fork the worker */
 };
+
+/* The comm of a child between clone and execve. execve sets comm to the
+ * basename of the file it ran (kbasename(bprm->filename) in fs/exec.c),
+ * which never contains '/'; PR_SET_NAME by the child's own code, or a write
+ * to /proc/<pid>/comm from its own thread group (proc_pid_set_comm refuses
+ * every other writer), are the only other ways to change it. */
+#define CT_SPAWN_MARKER "ct/spawn"
 
 struct ct_spawn_args {
     const char *const *paths;   /* executables to try in order (PATH search is Python's) */
@@ -24,8 +41,11 @@ struct ct_spawn_args {
     char *const *argv;
     char *const *envp;
     const char *cwd;            /* NULL: inherit */
-    int cgroup_fd;              /* -1: spawn in the caller's cgroup (fallback path) */
-    int hold;                   /* 1: the child waits before exec until ct_spawn_finish */
+    int cgroup_fd;              /* -1: spawn in the caller's cgroup */
+    const int *join_fds;        /* the child writes "0" to each (cgroup.procs of v2 or v1) */
+    int njoin;
+    const char *const *cg_expect; /* lines /proc/self/cgroup must contain after joining */
+    int ncg_expect;
     int stdio[3];               /* -1: inherit */
     int new_pgroup;
     int new_session;
@@ -42,18 +62,58 @@ struct ct_spawn_args {
     const char *const *cg2_paths; /* cgroup2 mounts replaced by the run's own view (seal.c) */
     int ncg2;
     int userns;                 /* seal: identity-mapped user namespace (seal.c) */
+    uint64_t sig_ignore;        /* bit s-1 set: signal s is SIG_IGN in the worker; all others SIG_DFL */
+    const int *pass_fds;        /* ascending, each >= 3: left open across exec */
+    int npass;
+    const char *shell;          /* ENOEXEC: run the candidate as shell_argv with this (NULL: don't) */
+    char **shell_argv;          /* {"sh", <slot the child fills with the candidate>, argv[1], ..., NULL} */
+    int clear_caps;             /* empty the bounding set, clear ambient (as far as permitted) */
 };
 
 struct ct_spawn_result {
     int pid;
     int pidfd;
-    int err_fd;    /* open only while a held child awaits ct_spawn_finish */
-    int hold_fd;   /* idem */
-    int stage;     /* CT_STAGE_* of a failure */
+    int stage;       /* CT_STAGE_* of a failure */
     int child_errno;
+    int candidate;   /* exec: index in paths of the candidate the error is about, -1: none existed */
+    int signal;      /* the child was killed by this signal before exec (0: it was not) */
+    int wstatus;     /* the reaped child's wait status, for a failure */
 };
 
 int ct_spawn(const struct ct_spawn_args *a, struct ct_spawn_result *r);
-int ct_spawn_finish(struct ct_spawn_result *r);
 int ct_set_child_subreaper(int on);
+uint64_t ct_sig_ignored_mask(void);
+
+/* Mark every descriptor >= 3 close-on-exec except `keep` (ascending, each
+ * >= 3), which are made inheritable. `how`: 0 close_range, falling back to
+ * a /proc/self/fd scan, then to a loop up to RLIMIT_NOFILE; 1 the scan;
+ * 2 the loop. Async-signal-safe: for a child between clone and execve. */
+int ct_fds_cloexec_except(const int *keep, int nkeep, int how);
+
+/* Shared with init.c (not exported to Python). The child reports each
+ * stage it enters, and a failure, as fixed-size messages on a pipe; the
+ * parent reads them without blocking once the vfork release says the
+ * child has exec'd or exited (EOF is only a wake-up, never the verdict). */
+struct ct_msg {
+    int32_t stage;      /* the stage entered (or failed) */
+    int32_t err;        /* errno of a failure */
+    int32_t candidate;
+    int32_t failed;     /* 1: the child reported a failure and called _exit */
+};
+struct ct_report {
+    int fd;             /* the pipe's write end, in the child */
+};
+__attribute__((noreturn)) void ct_child_exec(const struct ct_spawn_args *a, struct ct_report *rep);
+int ct_child_settle(int pid, int pidfd, int rd, struct ct_spawn_result *r);
+long ct_raw_clone3(uint64_t flags, int *pidfd, int cgroup_fd);
+/* Start a child that runs ct_child_exec(a, rep); the calling thread sleeps
+ * until it exec'd or exited (CLONE_VFORK). Returns its pid, or -1/errno. */
+long ct_vfork_exec(const struct ct_spawn_args *a, struct ct_report *rep, int *pidfd, int cgroup_fd);
+int ct_child_join(const struct ct_spawn_args *a);
+int ct_fds_close_except(const int *keep, int nkeep);
+void ct_reap(int pidfd, struct ct_spawn_result *r);
+char *ct_put_int(char *p, long v);
+int ct_pid_via_fdinfo(int pidfd, long *pid);
+int ct_pid_via_fdinfo_at(int dirfd, const char *proc, int pidfd, long *pid);
+int ct_write_all(int fd, const char *s, size_t n);
 #endif

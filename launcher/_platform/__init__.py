@@ -1,6 +1,7 @@
 """The platform, chosen once (STYLE.md, "Layers").
 
-`host` is the module holding this platform's pieces of the owner loop:
+`host` is the module holding this platform's pieces of the owner loop
+(posixwait.py on Linux):
 `Root` (the worker as the owner watches it), `Wakeups` (the in-process and
 cross-process wake-ups of an owner), `wait_ready` (block on those and the
 container until the next deadline). The containers themselves are chosen
@@ -11,6 +12,6 @@ import sys
 if sys.platform == "win32":
     from . import windows as host
 else:
-    from . import posix as host
+    from . import posixwait as host
 
 __all__ = ["host"]

@@ -6,8 +6,9 @@ Layout of a run (the run's directory is what is killed and watched):
     <base>/run-<id>-<uid>/main/     the worker's leaf (clone3 target)
     <base>/run-<id>-<uid>/sub-*/    nested runs, beside the worker
 
-Nothing is ever written to a `cgroup.procs` except the pid of a child we
-just cloned and are holding before exec (the fallback path), and
+Nothing is ever written to a `cgroup.procs` but this process's own pid
+(`_leave_internal_position`) and, in the fallback path, the child's "0"
+written by the child itself into its own fresh leaf's; and
 `cgroup.kill` is only written in a run directory this process created.
 """
 from __future__ import annotations
@@ -114,8 +115,9 @@ class Container:
     def _spawn(self, req: posix.SpawnRequest) -> posix.Spawned:
         """clone3 straight into the leaf. If the kernel lacks CLONE_INTO_CGROUP,
         or the child is killed at birth (the cgroup.kill fork bug), fall back
-        to a fresh leaf and a child held before exec until its placement is
-        written and verified: it never runs a worker instruction outside."""
+        to a fresh leaf that the child joins itself before exec (it writes "0"
+        to the leaf's cgroup.procs, opened here, and checks /proc/self/cgroup
+        names the leaf): it never runs a worker instruction outside."""
         fd = os.open(self.leaf, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             sp = posix.spawn(req, cgroup_fd=fd)
@@ -128,24 +130,22 @@ class Container:
         finally:
             os.close(fd)
         if sp is not None:
-            sp.via = "clone3(CLONE_INTO_CGROUP|CLONE_PIDFD)"
+            if sp.wall is None:      # a wall's init says how it was made
+                sp.via = "clone3(CLONE_INTO_CGROUP|CLONE_PIDFD)"
             return sp
         leaf = os.path.join(self.dir, f"main-{os.urandom(2).hex()}")
         os.mkdir(leaf)
         self._leaves.append(leaf)
         self.leaf = leaf
-        held = posix.spawn_held(req)
+        procs = os.open(os.path.join(leaf, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
         try:
-            with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
-                f.write(str(held.pid))
-            where = cgroup_of(held.pid)
-            if where != self.hierarchy.cg_path(leaf):
-                raise ContainmentUnavailable(f"held child {held.pid} is in {where}, not {leaf}")
-        except BaseException:
-            held.abort()
-            raise
-        sp = held.release()
-        sp.via = f"held before exec, moved by cgroup.procs ({reason})"
+            sp = posix.spawn(req, join_fds=[procs], expect_cgroup=["0::" + self.hierarchy.cg_path(leaf)])
+        finally:
+            os.close(procs)
+        who = "the init joined the leaf before forking the worker" if sp.wall else "joined its leaf before exec"
+        sp.via = f"{who} (wrote 0 to cgroup.procs, verified /proc/self/cgroup) ({reason})"
+        if sp.wall:
+            sp.via = f"{sp.via}; {posix.wall_via(req)}"
         return sp
 
     empty_via = "cgroup.events populated"

@@ -1,349 +1,95 @@
-"""Spawning through the C extension, and the errors it reports."""
+"""Spawning through the C extension, and the errors it reports.
+
+What the worker inherits is decided here, not in C (spawn.c only does what
+the request says):
+
+- Signals. The worker starts with an empty signal mask, whatever the
+  calling thread blocks, and every disposition at SIG_DFL except the set
+  `SpawnRequest.keep_ignored`, which stays SIG_IGN. The rule the driver
+  follows to fill it: what the supervisor's own caller chose to ignore stays
+  ignored, as across any exec (`nohup contain run ...` keeps SIGHUP
+  ignored); what Python itself ignores (SIGPIPE, SIGXFSZ, set by the
+  interpreter at start-up) is restored, as `subprocess`'s
+  `restore_signals` does; and an ignored SIGCHLD is never handed on (a
+  library caller that ignores it for its own reasons would otherwise give
+  the worker auto-reaped children, and `wait` in a shell would fail).
+  `keep_ignored_now()` computes the set for a library caller from the
+  dispositions at the time of the spawn; the CLI calls
+  `caller_ignored_signals()` once at start-up, before it installs any
+  handler, and passes that set (and should not install a cancelling
+  handler over a signal its caller ignored).
+- Descriptors. Every descriptor >= 3 is closed at exec except
+  `SpawnRequest.pass_fds`, which stay open (made inheritable in the child,
+  even if close-on-exec here), like `subprocess`'s `pass_fds`. The CLI
+  calls `inherited_fds()` at start-up to pass on what its own caller handed
+  it without close-on-exec (`<(...)`, `3<file`, make's jobserver), as `env`
+  and `timeout` do.
+- Exec follows execvp: the candidates of a PATH search in order, a file
+  the kernel will not run (ENOEXEC) run by /bin/sh, and a file that exists
+  but whose interpreter does not is "bad interpreter" (126), not "command
+  not found".
+- Spawned means exec'd: `spawn` returns once the kernel shows the child
+  running the program (spawn.c says how), and a child that died before
+  that is a failed spawn (`KilledBeforeExec` when a signal did it,
+  `DiedAtBirth` when it never ran our code).
+
+The PID-namespace wall (`SpawnRequest(pidns=True)`, init.c): the worker is
+forked by an init of ours at pid 1 of a new PID namespace. `Spawned.pid`/
+`pidfd` are then the worker's (not our child), `init_pid`/`init_pidfd` the
+init's (our child), `report_fd` its message socket. The driver's side:
+- wait on `report_fd` and `init_pidfd` together; `read_init_events` turns
+  what the init said into typed events (`InitWorkerExit` carries the
+  worker's status: its pidfd cannot be waited for);
+- stop: SIGTERM to the init (`pidfd_send_signal(init_pidfd, ...)`; it
+  forwards to every member, then SIGCONT), then SIGKILL to the init (and
+  cgroup.kill where there is a cgroup): the kernel kills every member and
+  holds the init's exit until they are gone;
+- emptiness: the init reaped (`waitid` on `init_pidfd`; `os.wait4` on
+  `init_pid` also gives the whole tree's CPU, as `InitEmpty` does when the
+  init exits by itself). An adopter that is not the parent waits for
+  `pidfd_open(init_pid)` to poll readable. `InitEmpty` alone is the init's
+  word, not the kernel's: with a worker that is real root (no user
+  namespace) a member can reach the init (ptrace) and speak for it.
+"""
 from __future__ import annotations
 
-import errno
-import os
-import select
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import Any, Sequence
 
-from .._errors import SpawnFailed
 from .._native import ffi, lib
-
-_STAGES = {
-    lib.CT_STAGE_CLONE: "clone",
-    lib.CT_STAGE_BIRTH: "birth",
-    lib.CT_STAGE_HOLD: "hold",
-    lib.CT_STAGE_STDIO: "stdio",
-    lib.CT_STAGE_CHDIR: "chdir",
-    lib.CT_STAGE_PGROUP: "setsid/setpgid",
-    lib.CT_STAGE_SEAL: "seal",
-    lib.CT_STAGE_CAPS: "drop capabilities",
-    lib.CT_STAGE_CREDS: "set credentials",
-    lib.CT_STAGE_EXEC: "exec",
-}
-
-
-class CloneUnsupported(Exception):
-    """clone3 or CLONE_INTO_CGROUP is not available: use the held fallback."""
+# The request, the result and the errors (spawnreq.py), and the wall
+# (wall.py), are part of this module's face: callers import them from here.
+from .spawnreq import (NEVER_KEPT as NEVER_KEPT, SHELL as SHELL, BadInterpreter as BadInterpreter,
+                       CloneUnsupported as CloneUnsupported, DiedAtBirth as DiedAtBirth,
+                       KilledBeforeExec as KilledBeforeExec, SpawnRequest as SpawnRequest, Spawned as Spawned,
+                       caller_ignored_signals as caller_ignored_signals, candidates as candidates,
+                       ignored_signals as ignored_signals, inherited_fds as inherited_fds,
+                       keep_ignored_now as keep_ignored_now, raise_failure, spawn_args)
+from .wall import (InitClosed as InitClosed, InitEmpty as InitEmpty, InitEvent as InitEvent,
+                   InitExec as InitExec, InitFailed as InitFailed, InitForwarded as InitForwarded,
+                   InitNote as InitNote, InitStarted as InitStarted, InitUnknown as InitUnknown,
+                   InitWorkerExit as InitWorkerExit, pid_of_pidfd as pid_of_pidfd,
+                   read_init_events as read_init_events, spawn_wall, wall_available as wall_available,
+                   wall_via as wall_via)
 
 
-class DiedAtBirth(Exception):
-    """The child was killed before running any of our code."""
+def spawn(req: SpawnRequest, cgroup_fd: int = -1, join_fds: Sequence[int] = (),
+          expect_cgroup: Sequence[str] = ()) -> Spawned:
+    """Start the worker; return once it has exec'd (or raise).
 
-
-class SpawnRequest:
-    __slots__ = ("argv", "env", "cwd", "stdio", "new_pgroup", "new_session", "uid", "gid",
-                 "groups", "seal_ro_paths", "drop_caps", "no_new_privs", "seal_cg2_paths",
-                 "seal_userns")
-
-    def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
-                 stdio: tuple[int, int, int] = (-1, -1, -1), new_pgroup: bool = False,
-                 new_session: bool = False, uid: int = -1, gid: int = -1, groups: Sequence[int] = (),
-                 seal_ro_paths: Sequence[str] | None = None, drop_caps: Sequence[int] = (),
-                 no_new_privs: bool = False, seal_cg2_paths: Sequence[str] = (),
-                 seal_userns: bool = False) -> None:
-        if not argv:
-            raise ValueError("argv must not be empty")
-        self.argv = [os.fsdecode(a) for a in argv]
-        self.env = dict(os.environ) if env is None else env
-        self.cwd = cwd
-        self.stdio = stdio
-        self.new_pgroup = new_pgroup
-        self.new_session = new_session
-        self.uid = uid
-        self.gid = gid
-        self.groups = list(groups)
-        self.seal_ro_paths = seal_ro_paths    # None: no seal
-        self.drop_caps = list(drop_caps)
-        self.no_new_privs = no_new_privs
-        self.seal_cg2_paths = list(seal_cg2_paths)   # replaced by the run's own view (seal.c)
-        self.seal_userns = seal_userns
-
-
-class Spawned:
-    __slots__ = ("pid", "pidfd", "via")
-
-    def __init__(self, pid: int, pidfd: int, via: str = "") -> None:
-        self.pid = pid
-        self.pidfd = pidfd
-        self.via = via
-
-
-def candidates(argv0: str, env: dict[str, str]) -> list[str]:
-    """What execvpe would try, in order (the search itself runs in the child)."""
-    if "/" in argv0:
-        return [argv0]
-    return [os.path.join(d or ".", argv0) for d in os.get_exec_path(env)]
-
-
-def _cstrs(items: Sequence[str], keep: list[Any]) -> Any:
-    cs = [ffi.new("char[]", os.fsencode(s)) for s in items]
-    arr = ffi.new("char*[]", cs + [ffi.NULL])
-    keep.extend(cs)
-    keep.append(arr)   # cffi struct fields hold no reference: keep the array alive
-    return arr
-
-
-def _args(req: SpawnRequest, cgroup_fd: int, hold: bool, keep: list[Any]) -> Any:
-    a = ffi.new("struct ct_spawn_args*")
-    paths = candidates(req.argv[0], req.env)
-    a.paths = _cstrs(paths, keep)
-    a.npaths = len(paths)
-    a.argv = _cstrs(req.argv, keep)
-    a.envp = _cstrs([f"{k}={v}" for k, v in req.env.items()], keep)
-    if req.cwd is not None:
-        cwd = ffi.new("char[]", os.fsencode(req.cwd))
-        keep.append(cwd)
-        a.cwd = cwd
-    a.cgroup_fd = cgroup_fd
-    a.hold = 1 if hold else 0
-    a.stdio = list(req.stdio)
-    a.new_pgroup = int(req.new_pgroup)
-    a.new_session = int(req.new_session)
-    a.uid = req.uid
-    a.gid = req.gid
-    if req.groups:
-        g = ffi.new("unsigned int[]", req.groups)
-        keep.append(g)
-        a.groups = g
-    a.ngroups = len(req.groups)
-    if req.seal_ro_paths is not None:
-        a.seal = 1
-        a.ro_paths = _cstrs(req.seal_ro_paths, keep)
-        a.nro = len(req.seal_ro_paths)
-        a.cg2_paths = _cstrs(req.seal_cg2_paths, keep)
-        a.ncg2 = len(req.seal_cg2_paths)
-        a.userns = int(req.seal_userns)
-    if req.drop_caps:
-        caps = ffi.new("int[]", req.drop_caps)
-        keep.append(caps)
-        a.drop_caps = caps
-        a.ndrop = len(req.drop_caps)
-    a.no_new_privs = int(req.no_new_privs)
-    keep.append(a)
-    return a
-
-
-def _raise(rc: int, r: Any, req: SpawnRequest, cgroup: bool) -> None:
-    err = -rc
-    stage = _STAGES.get(r.stage, "spawn")
-    if r.stage == lib.CT_STAGE_CLONE and cgroup and err in (errno.ENOSYS, errno.E2BIG, errno.EINVAL):
-        raise CloneUnsupported(os.strerror(err))
-    if r.stage == lib.CT_STAGE_BIRTH:
-        raise DiedAtBirth()
-    what = req.argv[0]
-    if stage == "exec":
-        msg = f"{what}: {'command not found' if err in (errno.ENOENT, errno.ENOTDIR) else os.strerror(err)}"
-    else:
-        msg = f"{what}: {stage} failed: {os.strerror(err)}"
-    raise SpawnFailed(msg, errno=err, stage=stage, path=what)
-
-
-def spawn(req: SpawnRequest, cgroup_fd: int = -1) -> Spawned:
+    `cgroup_fd`: a cgroup2 directory fd for clone3(CLONE_INTO_CGROUP), -1
+    for the caller's cgroup. `join_fds`: cgroup.procs files (v2 or v1,
+    opened for writing by the caller) the child writes "0" to before
+    anything else, and `expect_cgroup`: lines /proc/self/cgroup must then
+    hold (e.g. "0::/contain/run-x/main"), or the spawn fails at "placement"
+    without running a worker instruction."""
+    if req.pidns:
+        return spawn_wall(req, cgroup_fd, join_fds, expect_cgroup)
     keep: list[Any] = []
-    a = _args(req, cgroup_fd, False, keep)
+    a = spawn_args(req, cgroup_fd, join_fds, expect_cgroup, keep)
     r = ffi.new("struct ct_spawn_result*")
     rc = lib.ct_spawn(a, r)
     if rc < 0:
-        _raise(rc, r, req, cgroup_fd >= 0)
+        raise_failure(rc, r, req, candidates(req.argv[0], req.env), cgroup_fd >= 0)
     return Spawned(r.pid, r.pidfd)
-
-
-class Held:
-    """A child stopped before exec, for placement by cgroup.procs."""
-
-    def __init__(self, req: SpawnRequest, keep: list[Any], r: Any) -> None:
-        self._req = req
-        self._keep = keep
-        self._r = r
-        self.pid: int = r.pid
-
-    def release(self) -> Spawned:
-        rc = lib.ct_spawn_finish(self._r)
-        if rc < 0:
-            _raise(rc, self._r, self._req, False)
-        return Spawned(self._r.pid, self._r.pidfd)
-
-    def abort(self) -> None:
-        """Kill the held child (it has run none of the worker's code) and reap it."""
-        import signal
-
-        try:
-            signal.pidfd_send_signal(self._r.pidfd, signal.SIGKILL)
-            os.waitid(os.P_PIDFD, self._r.pidfd, os.WEXITED)
-        except OSError:
-            pass
-        for fd in (self._r.pidfd, self._r.err_fd, self._r.hold_fd):
-            if fd >= 0:
-                os.close(fd)
-
-
-def spawn_held(req: SpawnRequest) -> Held:
-    keep: list[Any] = []
-    a = _args(req, -1, True, keep)
-    r = ffi.new("struct ct_spawn_result*")
-    rc = lib.ct_spawn(a, r)
-    if rc < 0:
-        _raise(rc, r, req, False)
-    return Held(req, keep, r)
-
-
-# -- the owner's view of the worker and its wake-ups ---------------------------
-
-class RootExit:
-    """How the worker ended, as observed: its status (None where it could
-    not be known) and the `root_exit` evidence layer saying how."""
-
-    __slots__ = ("how", "exit_code", "signal", "layer")
-
-    def __init__(self, how: str | None, exit_code: int | None, signal: int | None, layer: dict[str, Any]) -> None:
-        self.how = how          # "exited", "signaled", or None (status unknown)
-        self.exit_code = exit_code
-        self.signal = signal
-        self.layer = layer
-
-
-class Root:
-    """The worker, pinned by its pidfd. Our child: `waitid(P_PIDFD)` takes
-    its status. Adopted (not our child): its pidfd polls readable on exit,
-    but the status went to whoever reaped it (pidfd_open(2))."""
-
-    def __init__(self, pid: int, pidfd: int, *, adopted: bool = False) -> None:
-        self.pid = pid
-        self.pidfd = pidfd
-        self.adopted = adopted
-
-    @classmethod
-    def reattach(cls, identity: Any) -> "Root | None":
-        """The worker of an adopted run, if this very process still lives."""
-        try:
-            fd = os.pidfd_open(identity.pid)
-        except OSError:
-            return None
-        if identity.is_alive():
-            return cls(identity.pid, fd, adopted=True)   # pinned: the pid cannot be reused now
-        os.close(fd)
-        return None
-
-    def source(self) -> tuple[int, int] | None:
-        return (self.pidfd, select.POLLIN) if self.pidfd >= 0 else None
-
-    def poll(self) -> RootExit | None:
-        """The worker's end if it has ended (then the pidfd is closed)."""
-        if self.pidfd < 0:
-            return None
-        from .._record import evidence
-
-        if self.adopted:
-            p = select.poll()
-            p.register(self.pidfd, select.POLLIN)
-            if not p.poll(0):
-                return None
-            self.close()
-            return RootExit(None, None, None, evidence(True, "pidfd readable (adopted: not our child)",
-                                                       "exit status unknown: reaped by another process"))
-        try:
-            info = os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG)
-        except ChildProcessError:
-            self.close()
-            return RootExit(None, None, None, evidence(None, "waitid(P_PIDFD)",
-                                                       "ECHILD: status taken by another waiter"))
-        if info is None:
-            return None
-        self.close()
-        if info.si_code == os.CLD_EXITED:
-            return RootExit("exited", info.si_status, None, evidence(
-                True, "pidfd readable + waitid(P_PIDFD)", {"exit_code": info.si_status}))
-        return RootExit("signaled", None, info.si_status, evidence(
-            True, "pidfd readable + waitid(P_PIDFD)", {"signal": info.si_status}))
-
-    def close(self) -> None:
-        if self.pidfd >= 0:
-            os.close(self.pidfd)
-            self.pidfd = -1
-
-
-def reap_orphans(root: Root | None) -> RootExit | None:
-    """As child subreaper, reap whatever reparented to us. WNOWAIT first so
-    the worker's own status is left for its pidfd (returned if it ended)."""
-    ended = None
-    while True:
-        try:
-            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            return ended
-        if info is None:
-            return ended
-        if root is not None and info.si_pid == root.pid and root.pidfd >= 0:
-            ended = root.poll() or ended
-            continue
-        try:
-            os.waitpid(info.si_pid, os.WNOHANG)
-        except ChildProcessError:
-            return ended
-
-
-POLLIN, POLLPRI, POLLERR = select.POLLIN, select.POLLPRI, select.POLLERR
-
-
-class Wakeups:
-    """An owner's wake-ups besides the kernel's: a pipe for in-process
-    callers and signal handlers (`wake()` is thread- and signal-safe), and the
-    run directory's inbox FIFO, poked by any process that appends a cancel
-    request. A FIFO rather than inotify on the inbox: closing an inotify fd
-    that holds a watch waits for an SRCU grace period (0.1 to 24 ms here),
-    and every run closes it (docs/performance.md)."""
-
-    def __init__(self, layout: Any) -> None:
-        self.r, self.w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self.inbox_fd = -1
-        self.problem: str | None = None    # why the inbox has no wake-up (it is then read on a timer)
-        if layout is not None:
-            try:
-                self.inbox_fd = layout.open_wake()
-            except OSError as e:
-                self.problem = f"cancel wake-up FIFO unavailable ({e})"
-
-    @property
-    def inbox_woken(self) -> bool:
-        return self.inbox_fd >= 0
-
-    def sources(self) -> list[tuple[int, int]]:
-        return [(fd, POLLIN) for fd in (self.inbox_fd, self.r) if fd >= 0]
-
-    def drain(self, ready: Sequence[int]) -> None:
-        for fd in ready:
-            if fd >= 0 and fd in (self.r, self.inbox_fd):
-                try:
-                    while os.read(fd, 4096):
-                        pass
-                except (BlockingIOError, InterruptedError):
-                    pass
-
-    def wake(self) -> None:
-        try:
-            os.write(self.w, b"!")
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        for fd in (self.r, self.w, self.inbox_fd):
-            if fd >= 0:
-                os.close(fd)
-        self.r = self.w = self.inbox_fd = -1
-
-
-def wait_ready(sources: Sequence[tuple[int, int]], timeout: float) -> list[int]:
-    """Block until one of `sources` ((fd, poll events)) is ready or `timeout`
-    seconds pass; the ready fds. Any finite timeout is honoured: poll's
-    millisecond argument is clamped and the caller's loop comes back."""
-    p = select.poll()
-    for fd, events in sources:
-        p.register(fd, events)
-    if timeout == float("inf"):
-        ms = None
-    else:
-        ms = min(max(0, int(timeout * 1000) + 1), 2**31 - 1)
-    return [fd for fd, _ in p.poll(ms)]

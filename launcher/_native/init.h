@@ -1,0 +1,67 @@
+#ifndef CT_INIT_H
+#define CT_INIT_H
+#include <stdint.h>
+
+#include "spawn.h"
+
+/* The PID-namespace wall (init.c): a tiny init of our own at pid 1 of a new
+ * PID namespace, which forks the worker and reaps every member. */
+
+enum {
+    CT_USERNS_NONE = 0,   /* no user namespace (a root caller) */
+    CT_USERNS_SELF = 1,   /* the caller's euid/egid mapped to themselves (unprivileged) */
+    CT_USERNS_MAP = 2,    /* the parent writes the uid/gid maps it is given */
+};
+
+/* The init's messages to the supervisor (struct ct_init_msg.kind). */
+enum {
+    CT_EV_STARTED = 1,    /* (unused: a zombie init named ct/init ran our code) */
+    CT_EV_EXEC = 2,       /* a = the worker's pid in the namespace, b = its pid in the caller's
+                           * /proc (-1: unknown); the worker's pidfd rides along */
+    CT_EV_FAILED = 3,     /* a = stage, b = errno, c = candidate, d = signal (the worker never ran) */
+    CT_EV_EXIT = 4,       /* a = the worker's pid in the namespace, b = its wait status */
+    CT_EV_NOTE = 5,       /* a = CT_NOTE_*, b = errno: something that did not work but is not fatal */
+    CT_EV_EMPTY = 6,      /* no member left, the init exits 0: x/y = user/system CPU of every
+                           * member it reaped (us), c = their largest max RSS (KiB) */
+    CT_EV_FORWARDED = 7,  /* a = the signal forwarded to every member, b = errno of kill(-1) */
+};
+
+enum {
+    CT_NOTE_MOUNT_PRIVATE = 1,  /* mounts could not be made private: no /proc of our own */
+    CT_NOTE_MOUNT_PROC = 2,     /* a fresh /proc could not be mounted */
+    CT_NOTE_DEVNULL = 3,        /* the init could not point its own stdio at /dev/null */
+};
+
+/* The init's comm from its first instruction of ours on. */
+#define CT_INIT_NAME "ct/init"
+
+struct ct_wall_args {
+    int userns;            /* CT_USERNS_* */
+    long uid;              /* SELF: the caller's euid and egid, mapped to themselves */
+    long gid;
+    const char *uid_map;   /* MAP: written by the parent to /proc/<init>/uid_map, gid_map */
+    const char *gid_map;
+    int mount_proc;        /* a mount namespace with every mount private and a fresh /proc */
+    int die_with_parent;   /* PR_SET_PDEATHSIG(SIGKILL) on the init (dies with the calling thread) */
+};
+
+struct ct_wall_result {
+    int init_pid;          /* in the caller's PID namespace */
+    int init_pidfd;        /* a child's pidfd: waitid works */
+    int report_fd;         /* nonblocking, close-on-exec: read with ct_init_recv */
+    int stage;             /* of a failure of ct_wall_spawn itself (clone, maps) */
+    int child_errno;
+};
+
+struct ct_init_msg {
+    int32_t kind;
+    int32_t a, b, c, d;
+    int32_t pad;
+    int64_t x, y;
+};
+
+int ct_wall_spawn(const struct ct_spawn_args *a, const struct ct_wall_args *w, struct ct_wall_result *r);
+/* 1: a message (and *passed_fd, or -1), 0: none now, 2: the init's end is
+ * closed (a hint only: the init's pidfd says whether it exited), -errno. */
+int ct_init_recv(int fd, struct ct_init_msg *m, int *passed_fd);
+#endif

@@ -1,0 +1,347 @@
+"""The PID-namespace wall: spawning behind our own init (init.c), and what
+the init says. See posix.py's docstring for the driver's side of it.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import select
+import signal as _signal
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any, Sequence
+
+from .._errors import SpawnFailed
+from .._native import ffi, lib
+from .spawnreq import DiedAtBirth, SpawnRequest, Spawned, candidates, close_fds, raise_failure, spawn_args
+
+class InitEvent:
+    """One message of the wall's init, parsed from its fixed shape. The init
+    runs inside the run's namespaces, so a member could never have written
+    it (the socket is the init's alone), but it is still input: anything
+    that does not fit is an `InitUnknown`, never an exception."""
+
+    __slots__ = ()
+    kind = ""
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={getattr(self, k)!r}" for k in getattr(self, "__slots__", ()))
+        return f"{type(self).__name__}({fields})"
+
+
+class InitStarted(InitEvent):
+    __slots__ = ()
+    kind = "started"
+
+
+class InitExec(InitEvent):
+    """The worker exec'd. `pidfd`: the worker's, passed by the init (ours to
+    close). `host_pid`: its pid in the supervisor's /proc as the init read
+    it (-1: unknown). The init says EXEC once per spawn: another one is not
+    its word (close its pidfd)."""
+
+    __slots__ = ("ns_pid", "host_pid", "pidfd")
+    kind = "exec"
+
+    def __init__(self, ns_pid: int, host_pid: int, pidfd: int) -> None:
+        self.ns_pid = ns_pid
+        self.host_pid = host_pid
+        self.pidfd = pidfd
+
+
+class InitFailed(InitEvent):
+    """The worker never ran: its set-up or exec failed, or the init's own
+    set-up did (stage `user namespace`, `placement`, ...)."""
+
+    __slots__ = ("stage", "errno", "candidate", "signal", "wstatus")
+    kind = "failed"
+
+    def __init__(self, stage: int, errno: int, candidate: int, signal: int, wstatus: int) -> None:
+        self.stage = stage
+        self.errno = errno
+        self.candidate = candidate
+        self.signal = signal
+        self.wstatus = wstatus
+
+
+class InitWorkerExit(InitEvent):
+    """The init reaped the worker: its wait status."""
+
+    __slots__ = ("ns_pid", "status")
+    kind = "worker_exit"
+
+    def __init__(self, ns_pid: int, status: int) -> None:
+        self.ns_pid = ns_pid
+        self.status = status
+
+    @property
+    def exit_code(self) -> int | None:
+        return os.WEXITSTATUS(self.status) if os.WIFEXITED(self.status) else None
+
+    @property
+    def signal(self) -> int | None:
+        return os.WTERMSIG(self.status) if os.WIFSIGNALED(self.status) else None
+
+
+_NOTES = {
+    lib.CT_NOTE_MOUNT_PRIVATE: "mounts could not be made private (no /proc of the namespace's own)",
+    lib.CT_NOTE_MOUNT_PROC: "a /proc of the namespace could not be mounted",
+    lib.CT_NOTE_DEVNULL: "the init could not point its stdio at /dev/null",
+}
+
+
+class InitNote(InitEvent):
+    __slots__ = ("what", "errno")
+    kind = "note"
+
+    def __init__(self, what: int, errno: int) -> None:
+        self.what = what
+        self.errno = errno
+
+    @property
+    def text(self) -> str:
+        return f"{_NOTES.get(self.what, f'note {self.what}')}: {os.strerror(self.errno)}"
+
+
+class InitEmpty(InitEvent):
+    """No member is left and the init exits 0. The CPU time and peak RSS of
+    every member the init reaped (it reaps them all): whole-tree
+    accounting without a cgroup."""
+
+    __slots__ = ("utime_us", "stime_us", "maxrss_kib")
+    kind = "empty"
+
+    def __init__(self, utime_us: int, stime_us: int, maxrss_kib: int) -> None:
+        self.utime_us = utime_us
+        self.stime_us = stime_us
+        self.maxrss_kib = maxrss_kib
+
+
+class InitForwarded(InitEvent):
+    """A signal from outside, forwarded to every member (errno ESRCH: none left)."""
+
+    __slots__ = ("signal", "errno")
+    kind = "forwarded"
+
+    def __init__(self, signal: int, errno: int) -> None:
+        self.signal = signal
+        self.errno = errno
+
+
+class InitClosed(InitEvent):
+    """The init's end of the socket is closed. A hint only: the init's pidfd
+    says whether it exited."""
+
+    __slots__ = ()
+    kind = "closed"
+
+
+class InitUnknown(InitEvent):
+    __slots__ = ("raw",)
+    kind = "unknown"
+
+    def __init__(self, raw: tuple[int, ...]) -> None:
+        self.raw = raw
+
+
+def _event(m: Any, fd: int) -> InitEvent:
+    k = m.kind
+    if k == lib.CT_EV_EXEC and fd >= 0:
+        return InitExec(m.a, m.b, fd)
+    if fd >= 0:
+        os.close(fd)        # a descriptor with any other message is not ours to keep
+    if k == lib.CT_EV_STARTED:
+        return InitStarted()
+    if k == lib.CT_EV_FAILED:
+        return InitFailed(m.a, m.b, m.c, m.d, m.x)
+    if k == lib.CT_EV_EXIT:
+        return InitWorkerExit(m.a, m.b)
+    if k == lib.CT_EV_NOTE:
+        return InitNote(m.a, m.b)
+    if k == lib.CT_EV_EMPTY and m.x >= 0 and m.y >= 0:
+        return InitEmpty(m.x, m.y, m.c)
+    if k == lib.CT_EV_FORWARDED:
+        return InitForwarded(m.a, m.b)
+    return InitUnknown((k, m.a, m.b, m.c, m.d, m.x, m.y))
+
+
+def read_init_events(fd: int) -> list[InitEvent]:
+    """Every message waiting on the init's socket, without blocking ([] when
+    there is none). Ends with `InitClosed` once the init's end is closed."""
+    out: list[InitEvent] = []
+    m = ffi.new("struct ct_init_msg*")
+    passed = ffi.new("int*")
+    while True:
+        rc = lib.ct_init_recv(fd, m, passed)
+        if rc == 0:
+            return out
+        if rc == 2:
+            out.append(InitClosed())
+            return out
+        if rc < 0:
+            if rc == -errno.EPROTO:
+                out.append(InitUnknown(()))
+                continue
+            raise OSError(-rc, f"recvmsg from the init: {os.strerror(-rc)}")
+        out.append(_event(m, passed[0]))
+
+
+def pid_of_pidfd(pidfd: int) -> int:
+    """The pid of a pidfd's process as this /proc names it (fdinfo "Pid:"),
+    -1 once it has been reaped."""
+    with open(f"/proc/self/fdinfo/{pidfd}") as f:
+        for line in f:
+            if line.startswith("Pid:"):
+                return int(line.split()[1])
+    raise OSError(errno.ENOTSUP, "fdinfo of a pidfd has no Pid line")
+
+
+INIT_NAME = "ct/init"     # init.h CT_INIT_NAME: set by the init's first instruction of ours
+
+
+def _comm_of_pidfd(pidfd: int) -> str | None:
+    """comm of a pidfd's (unreaped) process, or None."""
+    try:
+        pid = pid_of_pidfd(pidfd)
+        if pid <= 0:
+            return None
+        with open(f"/proc/{pid}/comm") as f:
+            comm = f.read().rstrip("\n")
+        _signal.pidfd_send_signal(pidfd, 0)        # still unreaped: the read was of it
+        return comm
+    except OSError:
+        return None
+
+
+def reap_init(pidfd: int) -> os.waitid_result | None:
+    try:
+        return os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
+    except ChildProcessError:
+        return None
+
+
+def wall_via(req: SpawnRequest, into_cgroup: bool = False) -> str:
+    flags = ["CLONE_NEWPID"] + (["CLONE_NEWUSER"] if req.userns else []) + \
+        (["CLONE_NEWNS"] if req.mount_proc else []) + (["CLONE_INTO_CGROUP"] if into_cgroup else [])
+    return f"clone3({'|'.join(flags)}) init at pid 1, worker forked by it"
+
+
+def spawn_wall(req: SpawnRequest, cgroup_fd: int = -1, join_fds: Sequence[int] = (),
+               expect_cgroup: Sequence[str] = ()) -> Spawned:
+    keep: list[Any] = []
+    a = spawn_args(req, cgroup_fd, join_fds, expect_cgroup, keep)
+    w = ffi.new("struct ct_wall_args*")
+    w.userns = {None: lib.CT_USERNS_NONE, "self": lib.CT_USERNS_SELF, "map": lib.CT_USERNS_MAP}[req.userns]
+    w.uid = os.geteuid()
+    w.gid = os.getegid()
+    for name in ("uid_map", "gid_map"):
+        text = getattr(req, name)
+        if text is not None:
+            c = ffi.new("char[]", (text if text.endswith("\n") else text + "\n").encode())
+            keep.append(c)
+            setattr(w, name, c)
+    w.mount_proc = int(req.mount_proc)
+    w.die_with_parent = int(req.die_with_parent)
+    r = ffi.new("struct ct_wall_result*")
+    paths = candidates(req.argv[0], req.env)
+    rc = lib.ct_wall_spawn(a, w, r)
+    if rc < 0:
+        fail = ffi.new("struct ct_spawn_result*")
+        fail.stage = r.stage
+        fail.child_errno = r.child_errno
+        fail.candidate = -1
+        raise_failure(rc, fail, req, paths, cgroup_fd >= 0)
+    via = wall_via(req, cgroup_fd >= 0)
+    events: list[InitEvent] = []
+    worker: InitExec | None = None
+    failed: InitFailed | None = None
+    p = select.poll()
+    p.register(r.report_fd, select.POLLIN)
+    p.register(r.init_pidfd, select.POLLIN)
+    try:
+        init_gone = closed = False
+        while worker is None and failed is None:
+            for ev in read_init_events(r.report_fd) if not closed else []:
+                if isinstance(ev, InitExec) and worker is None:
+                    worker = ev
+                elif isinstance(ev, InitFailed) and failed is None:
+                    failed = ev
+                elif isinstance(ev, InitClosed):
+                    closed = True
+                    p.unregister(r.report_fd)
+                else:
+                    events.append(ev)
+            if worker is not None or failed is not None or init_gone:
+                break
+            for fd, _ev in p.poll():
+                if fd == r.init_pidfd:
+                    init_gone = True      # read what it said once more, then decide
+    except BaseException:
+        kill_init(r.init_pidfd)
+        close_fds(r.init_pidfd, r.report_fd, worker.pidfd if worker else -1)
+        raise
+    if worker is None:
+        ran = _comm_of_pidfd(r.init_pidfd) == INIT_NAME     # read before the reaping
+        info = reap_init(r.init_pidfd) if failed is not None or init_gone else None
+        close_fds(r.init_pidfd, r.report_fd)
+        if failed is not None:
+            res = ffi.new("struct ct_spawn_result*")
+            res.stage, res.child_errno, res.candidate, res.signal = (failed.stage, failed.errno,
+                                                                     failed.candidate, failed.signal)
+            raise_failure(-(failed.errno or errno.ECANCELED), res, req, paths, False)
+        if not ran:
+            raise DiedAtBirth()
+        how = "without a word"
+        if info is not None and info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+            how = f"killed by signal {info.si_status}"
+        elif info is not None:
+            how = f"with status {info.si_status} and no report"
+        raise SpawnFailed(f"{req.argv[0]}: the pid namespace init died {how}", errno=errno.ECHILD,
+                          stage="pid namespace init", path=req.argv[0])
+    # The pidfd's word first; once the init has reaped a worker that exited
+    # at once, the pidfd names no pid, and the init's reading (made while the
+    # worker was its unreaped child) stands in.
+    pid = pid_of_pidfd(worker.pidfd)
+    if pid <= 0:
+        pid = worker.host_pid
+    return Spawned(pid, worker.pidfd, via, wall="pidns", init_pid=r.init_pid, init_pidfd=r.init_pidfd,
+                   report_fd=r.report_fd, events=events)
+
+
+def wall_available(userns: str | None = None, mount_proc: bool = True) -> str | None:
+    """None if a PID-namespace wall of this shape can be made here (it
+    spawns /bin/true behind one and waits for the init to say EMPTY), else
+    the reason. For `contain doctor` and for `auto` to choose with."""
+    shell = "/bin/true" if os.path.exists("/bin/true") else "/usr/bin/true"
+    try:
+        sp = spawn_wall(SpawnRequest([shell], env={"PATH": "/usr/bin:/bin"}, pidns=True, userns=userns,
+                                mount_proc=mount_proc, clear_caps=True, no_new_privs=True,
+                                keep_ignored=()))
+    except (SpawnFailed, DiedAtBirth, OSError) as e:
+        return str(e)
+    notes: list[str] = [e.text for e in sp.events if isinstance(e, InitNote)]
+    try:
+        p = select.poll()
+        p.register(sp.init_pidfd, select.POLLIN)
+        if not p.poll(5000):
+            return "the init of a probe did not exit within 5 s"
+        info = os.waitid(os.P_PIDFD, sp.init_pidfd, os.WEXITED)
+        evs = read_init_events(sp.report_fd)
+        notes += [e.text for e in evs if isinstance(e, InitNote)]
+        if info is None or info.si_code != os.CLD_EXITED or info.si_status != 0 or \
+                not any(isinstance(e, InitEmpty) for e in sp.events + evs):
+            return f"the probe's init did not report an empty namespace ({evs})"
+    finally:
+        kill_init(sp.init_pidfd)
+        close_fds(sp.pidfd, sp.init_pidfd, sp.report_fd)
+    if mount_proc and notes:
+        return "; ".join(notes)
+    return None
+
+
+def kill_init(init_pidfd: int) -> None:
+    try:
+        _signal.pidfd_send_signal(init_pidfd, _signal.SIGKILL)
+    except OSError:
+        pass
+    reap_init(init_pidfd)
