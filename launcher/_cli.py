@@ -49,6 +49,18 @@ def _positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _argtype(parse: Any) -> Any:
+    """An argparse `type=` from a parser that raises ValueError."""
+    def convert(text: str) -> Any:
+        import argparse
+
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return convert
+
+
 def _run_id(text: str) -> str:
     """An ID argument. One that no run could have (CONTRACT: letters,
     digits, '.', '_', '-'; at most 100) is a usage error, 2; a well-formed
@@ -67,7 +79,11 @@ def _run_id(text: str) -> str:
 # --help. Keep in step with README.md.
 _ENVIRONMENT = """environment:
   CONTAIN_STATE_DIR     the state directory (default /run/contain for root,
-                        $XDG_RUNTIME_DIR/contain otherwise, else /tmp/contain-UID)
+                        $XDG_RUNTIME_DIR/contain or /run/user/UID/contain
+                        otherwise; without either, set this); it must be
+                        yours and private, or contain refuses it (125)
+  CONTAIN_KEEP_RUNS     how many run directories a run start keeps (default
+                        1000; 0: no automatic removal; see `contain gc`)
   CONTAIN_CGROUP_BASE   the cgroup v2 directory runs are made under (default:
                         contain/ under the mount for root, your own delegated
                         cgroup otherwise)
@@ -92,7 +108,8 @@ _RUN_OPTIONS: tuple[tuple[str, str, Any, Any, str], ...] = (
     ("--timeout", "timeout", "positive", None, "cancel the run after this many seconds (exit 124); > 0"),
     ("--kill-timeout", "kill_timeout", "positive", 10.0,
      "seconds to wait for the container to empty after SIGKILL (default 10); > 0"),
-    ("--record", "record", "text", None, "also write the stop record to FILE"),
+    ("--record", "record", "text", None, "also write the final stop record to FILE (`-`: stdout); only a "
+     "regular file is ever replaced, a device or FIFO is written in place; exit 125 if it cannot be written"),
     ("--backend", "backend", ("auto", "cgroup2", "job-object", "none"), None,
      "container kind (default auto, or CONTAIN_BACKEND)"),
     ("--seal", "seal", "flag", False,
@@ -140,7 +157,7 @@ def _fast_run(argv: Sequence[str]) -> SimpleNamespace | None:
                 return None
             value = argv[i + 1]
             i += 1
-        if not value or value.startswith("-"):
+        if not value or (value.startswith("-") and value != "-"):
             return None
         if isinstance(kind, tuple):
             if value not in kind:
@@ -210,8 +227,9 @@ def _parser() -> argparse.ArgumentParser:
             r.add_argument(flag, dest=dest, default=default, metavar=_METAVARS.get(flag), help=help_text)
     r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
 
-    ls = sub.add_parser("ls", help="list runs")
-    ls.add_argument("--json", action="store_true")
+    from . import _commands
+
+    _commands.add_parsers(sub, _argtype)
 
     st = sub.add_parser("status", help="show one run and every evidence layer")
     st.add_argument("id", type=_run_id)
@@ -241,6 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd is None:
         _parser().print_help(sys.stderr)
         return EXIT_USAGE
+    from ._safefs import UnsafePath
+
     try:
         if args.cmd == "run":
             return _cmd_run(args)
@@ -250,6 +270,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
+        return 1
+    except UnsafePath as e:          # the state directory is not ours: one line, 125
+        _say(str(e))
+        return EXIT_CONTAIN_FAILED
+    except OSError as e:             # e.g. a run directory this user may not read
+        _say(f"{args.cmd}: {e.filename + ': ' if e.filename else ''}{e.strerror or e}")
         return 1
 
 
@@ -364,7 +390,7 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
     # --kill-timeout are > 0, so 0 never turns into "none" or the default.
     kw: dict[str, Any] = dict(grace=args.grace, timeout=args.timeout, kill_timeout=args.kill_timeout,
                               backend=backend, seal=args.seal or None, user=args.user, workspace=args.workspace,
-                              record_file=args.record, subreaper=True, check_sockets=args.check_sockets)
+                              subreaper=True, check_sockets=args.check_sockets)
     if "quiet" in Options.__slots__:     # the driver's "weaker container" line reads it (issue 12)
         kw["quiet"] = args.quiet
     try:
@@ -374,6 +400,15 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
     except ValueError as e:
         _say(f"run: {e}")
         return EXIT_USAGE
+    # --record is checked before anything runs and written once the run has
+    # ended (_recordfile): 125 and one line if it cannot take the record.
+    from ._recordfile import finish, prepare
+
+    try:
+        target = None if args.record is None else prepare(args.record)
+    except OSError as e:
+        _say(f"run: --record {e}")
+        return EXIT_CONTAIN_FAILED
 
     # Signals cancel the run; they are turned into wake-ups of the owner
     # loop, which records the intent durably before anything is signalled.
@@ -393,20 +428,20 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
         return EXIT_USAGE
     except SpawnFailed as e:
         _say(str(e))
-        return e.exit_code
+        return finish(run, target, e.exit_code)
     except ContainmentUnavailable as e:
         _say(f"no container: {e}")
-        return EXIT_CONTAIN_FAILED
+        return finish(run, target, EXIT_CONTAIN_FAILED)
     except OSError as e:
         _say(f"run: {e}")
-        return EXIT_CONTAIN_FAILED
+        return finish(run, target, EXIT_CONTAIN_FAILED)
     rec = run.supervise()
     if rec.state == "UNCONFIRMED":
         _say(f"run {run.id}: stop not confirmed: the container did not empty; "
              f"`contain cancel {run.id}` repeats the kill")
     elif rec.state == "BREACHED":
         _say(f"run {run.id}: BREACHED: a process left the container and is not proven gone")
-    return run.exit_status()
+    return finish(run, target, run.exit_status())
 
 
 if __name__ == "__main__":

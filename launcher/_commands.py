@@ -1,18 +1,53 @@
-"""The commands other than `run`: ls, status, cancel, wait, doctor."""
+"""The commands other than `run`: ls, status, cancel, wait, gc, doctor.
+
+Readers never trust the run directory: every file comes through the typed
+parsers (_runfiles, via RunDir.load_*), a file that does not parse makes the
+run UNREADABLE with the reason, and a directory this user may not read is
+UNREADABLE too ("permission denied"), never a traceback.
+"""
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any
 
 from ._errors import LauncherError, RunConflict, RunNotFound
 from ._layout import RunDir
-from ._state import TERMINAL_STATES as TERMINAL
+from ._runfiles import TERMINAL, RunInfo, Unreadable
+from ._safefs import UnsafePath
+from ._views import (ID_WIDTH, UNREADABLE, age, cut, empty_view, exit_text, fill_view, layers, live_view,
+                     observed, parse_iso, signame, text)
 
-EXIT_OK, EXIT_DID_NOT_HOLD, EXIT_USAGE, EXIT_NOT_FOUND = 0, 1, 2, 3
+EXIT_OK, EXIT_DID_NOT_HOLD, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_CONTAIN_FAILED = 0, 1, 2, 3, 125
+
+
+def add_parsers(sub: Any, argtype: Any) -> None:
+    """The ls and gc subcommands, for _cli's parser (`argtype` makes an
+    argparse type from a function that raises ValueError)."""
+    from ._gc import parse_count, parse_duration
+
+    ls = sub.add_parser("ls", help="list live runs (--all: every run)",
+                        description="List runs: by default those not ended (running, unconfirmed, orphaned, "
+                        "unreadable); --all, --state or --since select from every run.")
+    ls.add_argument("-a", "--all", action="store_true", help="ended runs too")
+    ls.add_argument("--state", action="append", metavar="STATE",
+                    help="only runs in STATE (RUNNING, REAPED, EXITED, UNCONFIRMED, BREACHED, UNREADABLE, "
+                    "ORPHANED; repeat or separate with commas)")
+    ls.add_argument("--since", metavar="WHEN", help="only runs started since WHEN: a duration ago (15m, 2h, "
+                    "7d) or an ISO-8601 UTC time")
+    ls.add_argument("--no-trunc", action="store_true", help="do not shorten long run ids")
+    ls.add_argument("--json", action="store_true")
+    g = sub.add_parser("gc", help="remove ended runs' directories",
+                       description="Remove the directories of ended runs (a terminal record and no owner). "
+                       "Live, orphaned and unreadable runs are never removed. Without options every ended "
+                       "run goes. Automatically, a run start keeps at most CONTAIN_KEEP_RUNS (default 1000) "
+                       "run directories.")
+    g.add_argument("--older-than", type=argtype(parse_duration), metavar="DURATION",
+                   help="only runs that ended more than DURATION ago (90s, 15m, 2h, 7d, 2w)")
+    g.add_argument("--keep", type=argtype(parse_count), metavar="N", help="keep the N most recently ended runs")
+    g.add_argument("--json", action="store_true")
 
 
 def _err(msg: str) -> None:
@@ -23,83 +58,78 @@ def _print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2) + "\n")
 
 
-def _parse_iso(s: str | None) -> float | None:
-    if not s:
-        return None
-    import calendar
-
-    try:
-        base, _, frac = s.rstrip("Z").partition(".")
-        return calendar.timegm(time.strptime(base, "%Y-%m-%dT%H:%M:%S")) + (float("0." + frac) if frac else 0.0)
-    except ValueError:
-        return None
+def _ended(v: dict[str, Any]) -> bool:
+    return v["state"] in TERMINAL
 
 
-def _age(s: str | None) -> str:
-    t = _parse_iso(s)
-    if t is None:
-        return "-"
-    d = max(0, time.time() - t)
-    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
-        if d >= n:
-            return f"{int(d // n)}{unit}"
-    return f"{int(d)}s"
+# -- ls ---------------------------------------------------------------------------
 
+def _since(text: str) -> float:
+    """`--since`: a duration back from now (15m, 2h, 7d) or an ISO time."""
+    from ._gc import parse_duration
 
-def live_view(d: RunDir) -> dict[str, Any]:
-    """What a reader can tell from the layout alone, plus the live cgroup."""
-    info = d.read_run() or {}
-    rec = d.read_record() or {}
-    owner = d.owner_alive()
-    state = rec.get("state", "RUNNING")
-    view: dict[str, Any] = {
-        "id": d.id, "run_uid": info.get("run_uid"), "state": state, "outcome": rec.get("outcome"),
-        "orphaned": (not owner) and state not in TERMINAL,
-        "owner_alive": owner,
-        "pid": (rec.get("identity") or info.get("worker") or {}).get("pid"),
-        "started_at": info.get("started_at"), "argv": info.get("argv"),
-        "members": None, "cpu_usec": (rec.get("cpu") or {}).get("usage_usec"),
-    }
-    cg = info.get("cgroup_dir")
-    if cg and state not in TERMINAL and os.path.isdir(cg):
-        members = 0
-        for sub, _dirs, _files in os.walk(cg):
-            try:
-                with open(os.path.join(sub, "cgroup.procs")) as f:
-                    members += len(f.read().split())
-            except OSError:
-                pass
-        view["members"] = members
-        try:
-            with open(os.path.join(cg, "cpu.stat")) as f:
-                for line in f:
-                    if line.startswith("usage_usec "):
-                        view["cpu_usec"] = int(line.split()[1])
-        except OSError:
-            pass
-    return view
+    t = parse_iso(text if text.endswith("Z") else text + "Z") if "T" in text else None
+    if t is not None:
+        return t
+    return time.time() - parse_duration(text)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    views = [live_view(d) for d in RunDir.all()]
+    states = None
+    if getattr(args, "state", None):
+        states = {s.strip().upper() for arg in args.state for s in arg.split(",") if s.strip()}
+        known = {"RUNNING", "REAPED", "EXITED", "UNCONFIRMED", "BREACHED", UNREADABLE, "ORPHANED"}
+        bad = states - known
+        if bad:
+            _err(f"ls: unknown state {', '.join(sorted(bad))} (one of {', '.join(sorted(known))})")
+            return EXIT_USAGE
+    since = None
+    if getattr(args, "since", None):
+        try:
+            since = _since(args.since)
+        except ValueError as e:
+            _err(f"ls: --since: {e}")
+            return EXIT_USAGE
+    show_all = bool(getattr(args, "all", False)) or states is not None or since is not None
+    views, hidden = [], 0
+    for d in RunDir.all():
+        v = live_view(d, summary=True)
+        if states is not None and v["state"] not in states and not ("ORPHANED" in states and v["orphaned"]):
+            continue
+        if since is not None:
+            t = parse_iso(v["started_at"])
+            if t is None or t < since:
+                continue
+        if not show_all and _ended(v):
+            hidden += 1
+            continue
+        views.append(v)
     if args.json:
-        _print_json(views)
+        # One view per line: the C encoder (indent= is pure Python), and
+        # still valid JSON for any parser.
+        sys.stdout.write("[\n" + ",\n".join(json.dumps(v) for v in views) + ("\n]\n" if views else "]\n"))
         return EXIT_OK
     if not views:
-        print("no runs")
+        print(f"no live runs ({hidden} ended: `contain ls --all` lists them)" if hidden else "no runs")
         return EXIT_OK
-    rows = [("ID", "STATE", "AGE", "PID", "MEMBERS", "CPU", "COMMAND")]
+    now = time.time()
+    width = None if getattr(args, "no_trunc", False) else ID_WIDTH
+    rows = [("ID", "STATE", "OUTCOME", "EXIT", "AGE", "MEMBERS", "COMMAND")]
     for v in views:
         state = v["state"] + (" (orphaned)" if v["orphaned"] else "")
-        cpu = "-" if v["cpu_usec"] is None else f"{v['cpu_usec'] / 1e6:.2f}s"
         members = "-" if v["members"] is None else str(v["members"])
-        rows.append((v["id"], state, _age(v["started_at"]), str(v["pid"] or "-"), members, cpu,
-                     " ".join(v["argv"] or [])[:60]))
+        what = (f"({v['unreadable']})" if v["unreadable"] else " ".join(v["argv"] or []))
+        rows.append((v["id"] if width is None else cut(v["id"], width), state, v["outcome"] or "-",
+                     exit_text(v), age(v["started_at"], now), members, cut(what, 80)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    out = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+    if hidden:
+        out.append(f"({hidden} ended run{'s' if hidden != 1 else ''} not shown: `contain ls --all`)")
+    sys.stdout.write("\n".join(out) + "\n")
     return EXIT_OK
 
+
+# -- status -----------------------------------------------------------------------
 
 def cmd_status(args: argparse.Namespace) -> int:
     try:
@@ -110,33 +140,90 @@ def cmd_status(args: argparse.Namespace) -> int:
     except ValueError as e:               # a malformed ID is a usage error, as for cancel (README)
         _err(str(e))
         return EXIT_USAGE
-    rec = d.read_record() or {}
-    view = live_view(d)
+    with d.opened():
+        rec = d.load_record()
+        view = fill_view(d, empty_view(d), live=True)
+        acks = d.acks()
+        info = d.load_run()
+    record = rec if isinstance(rec, dict) else None
     if args.json:
-        _print_json({"record": rec, "live": view, "cancellations": d.acks()})
+        _print_json({"record": record, "live": view, "cancellations": acks,
+                     "unreadable": rec.reason if isinstance(rec, Unreadable) else None})
         return EXIT_OK
-    print(f"run {d.id}  uid {view['run_uid']}")
-    print(f"  state     {view['state']}{'  (orphaned: supervisor gone)' if view['orphaned'] else ''}")
-    print(f"  outcome   {rec.get('outcome')}  exit_code {rec.get('exit_code')}  signal {rec.get('signal')}")
-    c = rec.get("containment") or {}
-    print(f"  container {c.get('backend')} {c.get('path') or ''}  sealed {c.get('sealed')}"
-          + (f" ({c.get('sealed_reason')})" if c.get("sealed_reason") else ""))
-    ident = rec.get("identity") or {}
-    print(f"  worker    pid {ident.get('pid')} start {ident.get('start_time')}  members {view['members']}")
-    print("  evidence")
-    for layer, ev in (rec.get("evidence") or {}).items():
-        obs = {True: "yes", False: "no", None: "unknown"}[ev.get("observed")]
-        detail = ev.get("detail")
-        detail_s = "" if detail is None else "  " + (json.dumps(detail) if not isinstance(detail, str) else detail)
-        print(f"    {layer:<20} {obs:<8} {ev.get('at') or '':<28} {ev.get('via')}{detail_s[:160]}")
-    for ack in d.acks():
-        print(f"  cancel    {ack.get('op_id')}: {ack.get('effect')} (requested {ack.get('requested_at')})")
+    out: list[str] = []
+    add = out.append
+    add(f"run {d.id}" + (f"  (uid {view['run_uid']})" if view["run_uid"] else ""))
+    state = view["state"]
+    if state == UNREADABLE:
+        add(f"  state      UNREADABLE: {view['unreadable']}")
+    elif view["orphaned"]:
+        add(f"  state      {state}, orphaned: its supervisor is gone; `contain cancel {d.id}` adopts and stops it")
+    else:
+        add(f"  state      {state}")
+    if record is not None:
+        how = record.get("outcome") or "-"
+        if record.get("signal") is not None:
+            how += f", the worker died of {signame(record['signal'])}"
+        elif record.get("exit_code") is not None:
+            how += f", exit code {record['exit_code']}"
+        add(f"  outcome    {how}")
+    argv = view["argv"]
+    if argv:
+        add(f"  command    {' '.join(argv)}")
+    t = (record or {}).get("timings") or {}
+    if t.get("spawned_at") or view["started_at"]:
+        started = t.get("spawned_at") or view["started_at"]
+        add(f"  started    {started} ({age(started)} ago)"
+            + (f", ended {t['ended_at']}" if t.get("ended_at") else ""))
+    if record is not None:
+        c = record.get("containment") or {}
+        sealed = "yes" if c.get("sealed") else "no" + (f" ({c['sealed_reason']})" if c.get("sealed_reason") else "")
+        add(f"  container  {c.get('backend') or '-'} {c.get('path') or ''}".rstrip() + f"; sealed: {sealed}")
+        ident = record.get("identity") or {}
+        if ident:
+            add(f"  worker     pid {ident.get('pid')}, start time {ident.get('start_time')} (clock ticks after boot)")
+        ev = record.get("evidence") or {}
+        add(f"  evidence   as recorded at {record.get('record_written_at') or '-'}")
+        for layer in layers(ev):
+            lay = ev[layer]
+            add(f"    {layer:<20} {observed(lay.get('observed')):<8} "
+                f"{('at ' + lay['at']) if lay.get('at') else '-':<31} via {lay.get('via') or '-'}")
+            if lay.get("detail") is not None:
+                add(f"    {'':<20} {text(lay['detail'])}")
+        for note in record.get("notes") or []:
+            add(f"  note       {text(note)}")
+    elif isinstance(info, RunInfo):
+        add(f"  container  {info.backend or '-'} {info.cgroup or ''}".rstrip())
+    add("  now")
+    owner = {True: "alive", False: "gone", None: "cannot tell"}[view["owner_alive"]]
+    add(f"    owner      {owner}")
+    if state in ("RUNNING", "UNCONFIRMED"):
+        add(f"    members    {'-' if view['members'] is None else view['members']} (processes in its cgroup now)")
+        if view["cpu_usec"] is not None:
+            add(f"    cpu        {view['cpu_usec'] / 1e6:.2f} s")
+    for ack in acks:
+        add(f"  cancel     {ack.get('op_id')}: {ack.get('effect')}"
+            + (f" (requested {ack['requested_at']})" if ack.get("requested_at") else "")
+            + (f": {ack['detail']}" if ack.get("detail") else ""))
+    sys.stdout.write("\n".join(out) + "\n")
     return EXIT_OK
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     from ._cancel import cancel
+    from ._statedir import StateDir
 
+    # A cancel writes (the intent, perhaps the whole stop): only into a
+    # state directory of this user's own. Another user's is refused here,
+    # with the reason, before anything is read from it.
+    try:
+        StateDir.open(None, write=True).close()
+    except FileNotFoundError:
+        _err(f"no run {args.id!r}: there is no state directory yet")
+        return EXIT_NOT_FOUND
+    except UnsafePath as e:
+        _err(f"cancel: {e}")
+        return EXIT_CONTAIN_FAILED
     try:
         ack = cancel(args.id, op_id=args.op_id, grace=args.grace, run_uid=args.run_uid, wait=args.wait,
                      timeout=args.timeout)
@@ -146,6 +233,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     except (RunConflict, ValueError) as e:
         _err(f"cancel: {e}")
         return EXIT_USAGE
+    except UnsafePath as e:
+        _err(f"cancel: {e}")
+        return EXIT_CONTAIN_FAILED
     except LauncherError as e:
         _err(f"cancel: {e}")
         return EXIT_DID_NOT_HOLD
@@ -154,7 +244,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         _print_json(d)
     else:
         extra = f" ({d['detail']})" if d.get("detail") else ""
-        print(f"run {args.id}: {d.get('effect')}  state {d.get('state')}  op {d.get('op_id')}{extra}")
+        print(f"run {args.id}: {d.get('effect')}  state {d.get('state') or '-'}  op {d.get('op_id')}{extra}")
     effect = d.get("effect")
     if effect == "unknown":
         return EXIT_DID_NOT_HOLD
@@ -175,19 +265,24 @@ def cmd_wait(args: argparse.Namespace) -> int:
         _err(str(e))
         return EXIT_USAGE
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
-    watch = Watcher(d, (d.read_run() or {}).get("supervisor"))
+    info = d.load_run()
+    watch = Watcher(d, info.supervisor if isinstance(info, RunInfo) else None)
+    rec: dict[str, Any] | Unreadable | None = None
     try:
         while True:
-            rec = d.read_record() or {}
-            state = rec.get("state", "RUNNING")
+            rec = d.load_record()
+            state = rec["state"] if isinstance(rec, dict) else "RUNNING"
             if state in TERMINAL:
                 break
             if not d.owner_alive():
-                rec = d.read_record() or rec
-                if rec.get("state") in TERMINAL:
+                rec = d.load_record()
+                if isinstance(rec, dict) and rec["state"] in TERMINAL:
                     break
-                _err(f"run {d.id} is {rec.get('state', 'RUNNING')} and its owner is gone; "
-                     f"`contain cancel {d.id}` adopts and stops it")
+                if isinstance(rec, Unreadable):
+                    _err(f"run {d.id}: its record is unreadable ({rec.reason}) and its owner is gone")
+                else:
+                    _err(f"run {d.id} is {state} and its owner is gone; "
+                         f"`contain cancel {d.id}` adopts and stops it")
                 break
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -196,13 +291,41 @@ def cmd_wait(args: argparse.Namespace) -> int:
             watch.wait(0.5 if remaining is None else min(0.5, remaining))
     finally:
         watch.close()
-    rec = d.read_record() or {}
+    record = rec if isinstance(rec, dict) else {}
     if args.json:
-        _print_json(rec)
+        _print_json(record)
     else:
-        print(f"run {d.id}: {rec.get('state')}  outcome {rec.get('outcome')}  exit_code {rec.get('exit_code')}"
-              f"  signal {rec.get('signal')}")
-    return EXIT_OK if rec.get("state") in ("REAPED", "EXITED") else EXIT_DID_NOT_HOLD
+        print(f"run {d.id}: {record.get('state') or UNREADABLE}  outcome {record.get('outcome') or '-'}  "
+              f"exit {exit_text(record)}")
+    return EXIT_OK if record.get("state") in ("REAPED", "EXITED") else EXIT_DID_NOT_HOLD
+
+
+# -- gc -----------------------------------------------------------------------------
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from ._gc import gc
+    from ._statedir import StateDir
+
+    try:
+        st = StateDir.open(None, write=True)
+    except FileNotFoundError:
+        if args.json:
+            _print_json({"removed": [], "kept": 0, "live": 0, "unreadable": 0, "failed": []})
+        else:
+            print("no runs")
+        return EXIT_OK
+    with st:
+        res = gc(st, older_than=args.older_than, keep=args.keep)
+    if args.json:
+        _print_json(res.to_dict())
+    else:
+        n = len(res.removed)
+        print(f"removed {n} ended run{'s' if n != 1 else ''}; left {res.kept} ended, "
+              f"{res.live} live or orphaned, {res.unreadable} unreadable")
+    if res.failed:
+        _err(f"gc: could not remove {', '.join(res.failed[:10])}{' ...' if len(res.failed) > 10 else ''}")
+        return EXIT_DID_NOT_HOLD
+    return EXIT_OK
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

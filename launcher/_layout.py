@@ -4,15 +4,25 @@ what happened to it, or cancel it after a reconnect.
     <state>/runs/<id>/run.json                    who and what (written once per run uid)
     <state>/runs/<id>/journal.ndjson              transitions, appended (diagnostic)
     <state>/runs/<id>/record.json                 the stop record (atomic)
-    <state>/runs/<id>/owner.lock                  flock held by the owner for its lifetime
+    <state>/runs/<id>/owner.lock                  OFD write lock held by the owner for its lifetime
     <state>/runs/<id>/cancellations/requests.ndjson   one line per cancel request (the inbox)
     <state>/runs/<id>/cancellations/wake          FIFO the owner reads; a requester pokes it
     <state>/runs/<id>/waiters/<pid>-<hex>         one FIFO per waiting process; the owner pokes
                                                   each after writing a record or an acknowledgement
     <state>/runs/<id>/cancellations/<op>.json     acknowledgement, written only by the owner
 
-The owner's flock is how death is detected: the kernel drops it when the
-owner dies, whatever happens to its pid afterwards.
+Every file is opened relative to a held, verified directory fd with
+O_NOFOLLOW (_safefs, _statedir); directories are 0700 and files 0600 whatever
+the umask; what is read is parsed in one place (_runfiles) and what does not
+fit is rejected, never indexed into (docs/protocol.md, "What the layout
+trusts and what it verifies").
+
+The owner's lock is how death is detected: the kernel drops it when the
+owner dies, whatever happens to its pid afterwards. It is an OFD lock
+(fcntl F_OFD_SETLK), and observers ask about it with F_OFD_GETLK on a
+read-only descriptor: they take no lock, so they can neither block the owner
+nor make a live run look orphaned (with flock, a reader's LOCK_SH made a
+concurrent adopter fail and a claim lose its lock).
 
 What is fsynced, and why only that: every write here is visible to every
 other process as soon as it is made (the page cache is shared), whatever
@@ -22,45 +32,42 @@ RUNNING record, pending acknowledgements, the journal) describe nothing that
 could outlive it; they are written atomically but not fsynced. What does
 outlive the processes is made durable: the terminal stop record and the
 settled acknowledgements (`durable=True`), and the cancel intent, which is
-fsynced before the owner may act on it (_cancel.py). The default state
-directories (/run, $XDG_RUNTIME_DIR) are tmpfs, where fsync costs nothing;
-on a disk each fsync cost 0.3 to 2.5 ms here, eight of them per run
+fsynced before the owner may act on it (append_request). On a file system
+that lives in memory (tmpfs, ramfs: the default /run and $XDG_RUNTIME_DIR)
+nothing survives the crash fsync protects against, so it is skipped there
+(_safefs.in_memory); on a disk each fsync cost 0.3 to 2.5 ms here
 (benchmarks/bench_cli.py, docs/performance.md).
 """
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
-import re
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
-    from typing import Any, Iterator
+    from typing import Any
 
-from ._errors import RunConflict, RunNotFound
-from ._record import fsync_dir, now_iso, read_json, write_json_atomic
+from . import _fifos, _gc, _requests
+from . import _safefs as F
+from ._errors import RunConflict
+from ._record import now_iso
+from ._requests import InboxRead, op_filename
+from ._rundir import RunDirBase, check_id
+from ._runfiles import (MAX_RECORD, MAX_RUN_INFO, RunInfo, Unreadable, encode, loads, parse_record,
+                        parse_run_info)
+from ._safefs import PersistError, UnsafePath
 from ._state import LIVE_STATES
+from ._statedir import FILE_MODE, RUN_DIR_MODE, StateDir, StateDirError, claim_lock, location
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-_OP_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+__all__ = ["RunDir", "InboxRead", "PersistError", "UnsafePath", "StateDirError", "state_dir", "check_id",
+           "new_id", "new_uid", "token_hex", "op_filename", "encode"]
 
 
 def state_dir(env: dict[str, str] | os._Environ[str] = os.environ) -> str:
-    explicit = env.get("CONTAIN_STATE_DIR")
-    if explicit:
-        return explicit
-    if os.geteuid() == 0:
-        return "/run/contain"
-    xdg = env.get("XDG_RUNTIME_DIR")
-    return os.path.join(xdg, "contain") if xdg else f"/tmp/contain-{os.geteuid()}"
-
-
-def check_id(run_id: str) -> str:
-    if not _ID_RE.match(run_id):
-        raise ValueError(f"invalid run id {run_id!r}: use letters, digits, '.', '_' or '-' (at most 100)")
-    return run_id
+    """The state directory's path (_statedir.location). Raises StateDirError."""
+    return location(env)
 
 
 def new_id() -> str:
@@ -79,307 +86,253 @@ def token_hex(nbytes: int) -> str:
     return os.urandom(nbytes).hex()
 
 
-def op_filename(op: str) -> str:
-    """A file name for an operation id. Ids that are already safe map to
-    themselves; others get a digest suffix, so two different ids can only
-    share a file if they are equal (and equality is checked on read)."""
-    if not op or len(op) > 200:
-        raise ValueError("operation id must be 1 to 200 characters")
-    safe = _OP_SAFE.sub("_", op)
-    if safe != op or safe.startswith("."):
-        import hashlib      # only for odd ids: kept off the `contain run` path
-
-        safe = f"{safe.lstrip('.')[:80]}~{hashlib.sha256(op.encode()).hexdigest()[:12]}"
-    return safe + ".json"
-
-
-class RunDir:
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.id = os.path.basename(path)
-        self.cancellations = os.path.join(path, "cancellations")
-        self.requests = os.path.join(self.cancellations, "requests.ndjson")
-        self._lock_fd = -1
-
-    # -- finding -----------------------------------------------------------
-
-    @staticmethod
-    def runs_root(sd: str | None = None) -> str:
-        return os.path.join(sd or state_dir(), "runs")
-
-    @classmethod
-    def find(cls, run_id: str, sd: str | None = None) -> "RunDir":
-        check_id(run_id)
-        d = cls(os.path.join(cls.runs_root(sd), run_id))
-        # A claimed directory is a run being born: findable before run.json.
-        if not os.path.isdir(d.cancellations):
-            raise RunNotFound(f"no run {run_id!r} in {cls.runs_root(sd)}")
-        return d
-
-    @classmethod
-    def all(cls, sd: str | None = None) -> Iterator["RunDir"]:
-        root = cls.runs_root(sd)
-        try:
-            names = sorted(os.listdir(root))
-        except FileNotFoundError:
-            return
-        for n in names:
-            if not n.startswith(".") and os.path.exists(os.path.join(root, n, "run.json")):
-                yield cls(os.path.join(root, n))
+class RunDir(RunDirBase):
+    """One run's directory and what is in it. Constructed from its path
+    (`<state>/runs/<id>`); nothing is opened until it is used, and every
+    use opens through the verified state directory, unless this object owns
+    the run (claim(), take_ownership()): then it holds the directory fds
+    until release() (_rundir)."""
 
     # -- claiming ----------------------------------------------------------
 
     @classmethod
-    def claim(cls, run_id: str, sd: str | None = None) -> "RunDir":
-        """Create the directory for a new run and take ownership (the flock).
-        A live run's id cannot be taken; an ended run's id is reused after
-        its directory is moved aside (it keeps its own run uid)."""
+    def claim(cls, run_id: str, sd: str | None = None, *, info: dict[str, Any] | None = None) -> "RunDir":
+        """Create the directory for a new run and take ownership: the run
+        appears under its id (by rename) with the owner lock already held,
+        its cancellations/ made and, when `info` is given, its run.json
+        written. A live run's id cannot be taken (RunConflict); an ended
+        run's directory is moved aside to `runs/.ended-<id>-<uid>` (it keeps
+        its own run uid). Claims are serialised by `runs/.claim.lock`.
+        Raises RunConflict, StateDirError, PersistError."""
         check_id(run_id)
-        root = cls.runs_root(sd)
-        os.makedirs(root, mode=0o755, exist_ok=True)
-        d = cls(os.path.join(root, run_id))
-        guard = os.open(os.path.join(root, ".claim.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(guard, fcntl.LOCK_EX)
-            if os.path.exists(d.path):
-                if d.is_live():
-                    raise RunConflict(f"run id {run_id!r} is held by a live run")
-                old_uid = (d.read_run() or {}).get("run_uid", token_hex(4))
-                os.rename(d.path, os.path.join(root, f".ended-{run_id}-{old_uid}"))
-            os.mkdir(d.path)
-            os.mkdir(d.cancellations)
-            d.take_ownership()
-        finally:
-            os.close(guard)
+        if info is not None:
+            parse_run_info(info, run_id)
+        with StateDir.open(sd, write=True, create=True) as st:
+            guard = claim_lock(st)
+            try:
+                d = cls(os.path.join(st.path, "runs", run_id), _state=st)
+                try:
+                    old = F.open_private_dir(st.runs_fd, run_id, d.path, owners=st.owners)
+                except FileNotFoundError:
+                    old = -1
+                except UnsafePath as e:
+                    if e.errno != errno.ENOTDIR:
+                        raise
+                    old = -2      # not a directory: never a run; moved aside below
+                if old != -1:
+                    if old >= 0:
+                        os.close(old)
+                        if d.is_live():
+                            raise RunConflict(f"run id {run_id!r} is held by a live run")
+                    old_info = d.load_run()
+                    _gc.move_aside(st, run_id, old_info.run_uid if isinstance(old_info, RunInfo) else None)
+                d._create(st, info)
+                _gc.maybe_prune(st)
+            finally:
+                os.close(guard)
+            d._state = None
         return d
 
-    def take_ownership(self) -> bool:
-        """Hold the owner lock. False if a live owner holds it."""
-        fd = os.open(os.path.join(self.path, "owner.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    def _create(self, st: StateDir, info: dict[str, Any] | None) -> None:
+        tmp = f".claim-{self.id}-{token_hex(4)}"
+        os.mkdir(tmp, RUN_DIR_MODE, dir_fd=st.runs_fd)
+        fd = -1
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        self._lock_fd = fd
-        return True
-
-    def release(self) -> None:
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
-
-    def owner_alive(self) -> bool:
-        """Whether some process holds the owner lock right now."""
-        if self._lock_fd >= 0:
-            return True
-        try:
-            fd = os.open(os.path.join(self.path, "owner.lock"), os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return False
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
+            fd = F.open_private_dir(st.runs_fd, tmp, os.path.join(st.path, "runs", tmp), owners=st.owners)
+            os.fchmod(fd, RUN_DIR_MODE)
+            self._hold(fd)
+            lock = os.open("owner.lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                           FILE_MODE, dir_fd=fd)
+            os.fchmod(lock, FILE_MODE)
+            if not F.take_lock(lock):
+                os.close(lock)
+                raise RunConflict(f"run {self.id}: the owner lock of a new directory is taken")
+            self._lock_fd = lock
+            if info is not None:
+                F.replace_file(fd, "run.json", encode(info), self.file("run.json"), mode=FILE_MODE)
+            try:
+                os.rename(tmp, self.id, src_dir_fd=st.runs_fd, dst_dir_fd=st.runs_fd)
+            except OSError as e:
+                if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
+                    raise RunConflict(f"run id {self.id!r} was taken while it was claimed") from None
+                raise
+        except BaseException:
+            self.release()
+            if fd >= 0:
+                os.close(fd)
+            try:
+                F.remove_tree(st.runs_fd, tmp)
+            except OSError:
+                pass
+            raise
+        os.close(fd)
 
     def is_live(self) -> bool:
-        """A run is live while its owner lives or its last record is not terminal."""
+        """A run is live while its owner lives, or while its last record is
+        not terminal, or, with no record yet, once it has a run.json (an
+        owner that died before the first record leaves a run to adopt). A
+        record that is unreadable is not live (it never holds an id for
+        ever); its directory is moved aside, not removed, on reuse."""
         if self.owner_alive():
             return True
-        rec = self.read_record()
-        return rec is None or rec.get("state") in LIVE_STATES
+        rec = self.load_record()
+        if rec is None:
+            return self.load_run() is not None
+        if isinstance(rec, Unreadable):
+            return False
+        return rec["state"] in LIVE_STATES
 
     # -- files -------------------------------------------------------------
 
-    def file(self, name: str) -> str:
-        return os.path.join(self.path, name)
+    def _load(self, name: str, limit: int, parse: Any, sub: bool = False) -> Any:
+        try:
+            data = self.read_bytes(name, limit, sub=sub)
+        except FileNotFoundError:
+            return None
+        except UnsafePath as e:
+            return Unreadable(e.problem)
+        except OSError as e:
+            return Unreadable(f"{name}: {os.strerror(e.errno or errno.EIO)}")
+        if data is None:
+            return None
+        try:
+            return parse(loads(data, name))
+        except ValueError as e:
+            return Unreadable(str(e))
 
     def write_run(self, info: dict[str, Any]) -> None:
-        write_json_atomic(self.file("run.json"), info, fsync=False)
-
-    def read_run(self) -> dict[str, Any] | None:
+        """Raises PersistError."""
+        fd = self.dir_fd(write=True)
         try:
-            return read_json(self.file("run.json"))
-        except (FileNotFoundError, ValueError):
-            return None
-
-    def write_record(self, rec: dict[str, Any], *, durable: bool) -> None:
-        write_json_atomic(self.file("record.json"), rec, fsync=durable)
-        self.poke_waiters()
-
-    def read_record(self) -> dict[str, Any] | None:
-        try:
-            return read_json(self.file("record.json"))
-        except (FileNotFoundError, ValueError):
-            return None
-
-    def journal(self, event: str, sync: bool = False, **fields: Any) -> None:
-        line = json.dumps({"at": now_iso(), "event": event, **fields}, separators=(",", ":")) + "\n"
-        fd = os.open(self.file("journal.ndjson"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            os.write(fd, line.encode())
-            if sync:
-                os.fsync(fd)
+            F.replace_file(fd, "run.json", encode(info), self.file("run.json"), mode=FILE_MODE)
         finally:
             os.close(fd)
+
+    def load_run(self) -> RunInfo | Unreadable | None:
+        """run.json, checked: RunInfo, Unreadable (with why), or None (none)."""
+        return self._load("run.json", MAX_RUN_INFO, lambda o: parse_run_info(o, self.id))
+
+    def read_run(self) -> dict[str, Any] | None:
+        info = self.load_run()
+        return info.raw if isinstance(info, RunInfo) else None
+
+    def write_record(self, rec: dict[str, Any] | bytes, *, durable: bool) -> None:
+        """Replace record.json (atomic; fsynced when `durable`), then wake
+        the waiters. `rec` may be already encoded (encode()): one encoding
+        per record for every place it goes. Raises PersistError; the
+        previous record is then intact."""
+        data = rec if isinstance(rec, bytes) else encode(rec, pretty=durable)
+        fd = self.dir_fd(write=True)
+        try:
+            F.replace_file(fd, "record.json", data, self.file("record.json"), mode=FILE_MODE, durable=durable)
+        finally:
+            os.close(fd)
+        self.poke_waiters()
+
+    def load_record(self, *, summary: bool = False) -> dict[str, Any] | Unreadable | None:
+        """record.json, checked: the record, Unreadable (with why), or None.
+        `summary`: only the fields a listing shows are checked (ls)."""
+        return self._load("record.json", MAX_RECORD, lambda o: parse_record(o, self.id, summary=summary))
+
+    def read_record(self) -> dict[str, Any] | None:
+        rec = self.load_record()
+        return None if rec is None or isinstance(rec, Unreadable) else rec
+
+    def journal(self, event: str, sync: bool = False, **fields: Any) -> None:
+        """Append one line to the journal (diagnostic). Raises PersistError."""
+        line = (json.dumps({"at": now_iso(), "event": event, **fields}, separators=(",", ":")) + "\n").encode()
+        with self._mu:
+            fd = self._journal_fd
+            if fd < 0:
+                d = self.dir_fd(write=True)
+                try:
+                    fd, _created = F.open_append(d, "journal.ndjson", self.file("journal.ndjson"), mode=FILE_MODE)
+                finally:
+                    os.close(d)
+                if self._lock_fd >= 0:
+                    self._journal_fd = fd       # the owner appends many times
+            try:
+                F.append_line(fd, line, self.file("journal.ndjson"), durable=sync)
+            finally:
+                if fd != self._journal_fd:
+                    os.close(fd)
 
     def read_journal(self) -> list[dict[str, Any]]:
         try:
-            with open(self.file("journal.ndjson"), "rb") as f:
-                return [json.loads(x) for x in f if x.strip()]
-        except FileNotFoundError:
+            data = self.read_bytes("journal.ndjson", MAX_RECORD)
+        except (OSError, UnsafePath):
             return []
+        out = []
+        for line in (data or b"").splitlines():
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(obj, dict):
+                out.append(obj)
+        return out
 
-    # -- cancel inbox ------------------------------------------------------
+    # -- cancel inbox, acknowledgements, nested runs (_requests) -----------------
 
     def append_request(self, req: dict[str, Any]) -> None:
-        """Durably record a cancel intent: one O_APPEND write (atomic for a
-        line under PIPE_BUF), fsynced before anyone may act on it."""
-        data = (json.dumps(req, separators=(",", ":")) + "\n").encode()
-        if len(data) > 4000:
-            raise ValueError("cancel request too large")
-        fd = os.open(self.requests, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        fsync_dir(self.cancellations)
-        self.poke_owner()
+        """Durably record a cancel intent (_requests.append_request). Raises
+        ValueError, PersistError: then nothing may be signalled for it."""
+        _requests.append_request(self, req)
+
+    def read_inbox(self, offset: int = 0, run_uid: str | None = None, *,
+                   require_uid: bool = True) -> InboxRead:
+        """Checked requests after `offset`, rejected lines with why, the next
+        offset (_requests.read_inbox). Never raises for the file's content."""
+        return _requests.read_inbox(self, offset, run_uid, require_uid=require_uid)
+
+    def read_requests(self, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+        """The checked requests after `offset` as dicts, and the next offset."""
+        return _requests.read_requests(self, offset)
+
+    def ack_path(self, op: str) -> str:
+        return f"{self.cancellations}/{op_filename(op)}"
+
+    def read_ack(self, op: str) -> dict[str, Any] | None:
+        """Raises RunConflict when the file names another operation."""
+        return _requests.read_ack(self, op)
+
+    def write_ack(self, op: str, ack: dict[str, Any], *, durable: bool = False) -> None:
+        """Raises RunConflict, PersistError."""
+        _requests.write_ack(self, op, ack, durable=durable)
+
+    def acks(self) -> list[dict[str, Any]]:
+        return _requests.acks(self)
+
+    def append_nested(self, entry: dict[str, Any]) -> None:
+        """Register a run nested in this one. Raises ValueError, UnsafePath,
+        PersistError."""
+        _requests.append_nested(self, entry)
+
+    def read_nested(self, limit: int = 10_000) -> list[dict[str, Any]]:
+        return _requests.read_nested(self, limit)
+
+    # -- wake-ups (_fifos) -----------------------------------------------------
 
     @property
     def wake_fifo(self) -> str:
-        return os.path.join(self.cancellations, "wake")
-
-    def open_wake(self) -> int:
-        """The owner's end of the inbox's wake-up FIFO. Opened read-write, so
-        the owner is always a writer too and never polls a hung-up FIFO
-        (fifo(7)). A byte in it carries no authority, only "read the inbox",
-        so anyone may write it."""
-        try:
-            os.mkfifo(self.wake_fifo, 0o600)
-            os.chmod(self.wake_fifo, 0o622)
-        except FileExistsError:
-            pass
-        return os.open(self.wake_fifo, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
-
-    def poke_owner(self) -> None:
-        """Wake the owner to read the inbox. No FIFO, or no reader (ENXIO),
-        means no owner is listening; whoever cares checks owner_alive()."""
-        try:
-            fd = os.open(self.wake_fifo, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            return
-        try:
-            os.write(fd, b"!")
-        except OSError:
-            pass     # full (EAGAIN): a wake-up is already pending
-        finally:
-            os.close(fd)
-
-    def read_requests(self, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
-        """Complete lines after `offset`, and the offset after them."""
-        try:
-            with open(self.requests, "rb") as f:
-                f.seek(offset)
-                data = f.read()
-        except FileNotFoundError:
-            return [], offset
-        end = data.rfind(b"\n") + 1
-        out = []
-        for line in data[:end].splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue   # a torn line cannot be an intent; it is skipped, not guessed
-        return out, offset + end
-
-    def ack_path(self, op: str) -> str:
-        return os.path.join(self.cancellations, op_filename(op))
-
-    def read_ack(self, op: str) -> dict[str, Any] | None:
-        try:
-            ack = read_json(self.ack_path(op))
-        except (FileNotFoundError, ValueError):
-            return None
-        if ack.get("op_id") != op:
-            raise RunConflict(f"operation id {op!r} collides with {ack.get('op_id')!r} in {self.ack_path(op)}")
-        return ack
-
-    def write_ack(self, op: str, ack: dict[str, Any], *, durable: bool = False) -> None:
-        path = self.ack_path(op)
-        try:
-            existing = read_json(path)
-        except (FileNotFoundError, ValueError):
-            existing = None
-        if existing is not None and existing.get("op_id") != op:
-            raise RunConflict(f"operation id {op!r} collides with {existing.get('op_id')!r}")
-        write_json_atomic(path, ack, fsync=durable)
-        self.poke_waiters()
-
-    # -- waiters -------------------------------------------------------------
+        return self.cancellations + "/wake"
 
     @property
     def waiters(self) -> str:
-        return os.path.join(self.path, "waiters")
+        return self.path + "/waiters"
+
+    def open_wake(self) -> int:
+        """The owner's end of the wake-up FIFO. Raises OSError."""
+        return _fifos.open_wake(self)
+
+    def poke_owner(self) -> None:
+        _fifos.poke_owner(self)
 
     def add_waiter(self) -> tuple[int, str]:
-        """A FIFO for this process to wait on: (read fd, path). It is opened
-        before it is renamed into waiters/, so a FIFO found there without a
-        reader (ENXIO) belongs to a waiter that is gone."""
-        os.makedirs(self.waiters, exist_ok=True)
-        name = f"{os.getpid()}-{os.urandom(4).hex()}"
-        tmp = os.path.join(self.waiters, "." + name)
-        os.mkfifo(tmp, 0o600)
-        try:
-            os.chmod(tmp, 0o622)     # the owner may be another uid; a poke carries no data
-            fd = os.open(tmp, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            os.unlink(tmp)
-            raise
-        path = os.path.join(self.waiters, name)
-        os.rename(tmp, path)
-        return fd, path
+        """A FIFO of this process's own to wait on: (read fd, path)."""
+        return _fifos.add_waiter(self)
 
     def poke_waiters(self) -> None:
-        """Wake every waiter (after a write it may be waiting for)."""
-        try:
-            names = os.listdir(self.waiters)
-        except OSError:
-            return
-        for n in names:
-            if n.startswith("."):
-                continue
-            path = os.path.join(self.waiters, n)
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-            except OSError as e:
-                if e.errno == errno.ENXIO:       # its reader is gone
-                    try:
-                        os.unlink(path)
-                    except OSError:
-                        pass
-                continue
-            try:
-                os.write(fd, b"!")
-            except OSError:
-                pass         # full (EAGAIN): a wake-up is already pending
-            finally:
-                os.close(fd)
+        _fifos.poke_waiters(self)
 
-    def acks(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        try:
-            names = os.listdir(self.cancellations)
-        except FileNotFoundError:
-            return out
-        for n in sorted(names):
-            if n.endswith(".json"):
-                try:
-                    out.append(read_json(os.path.join(self.cancellations, n)))
-                except (OSError, ValueError):
-                    continue
-        return out
+

@@ -7,8 +7,10 @@ the other.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
@@ -27,6 +29,7 @@ LAYERS = (
     "escapes",
     "workspace_quiescent",
     "sockets_closed",
+    "locks_released",
 )
 
 
@@ -147,21 +150,30 @@ class CancelRecord(_View):
 
 def write_json_atomic(path: str, obj: Any, *, fsync: bool = True) -> None:
     """Write `obj` as JSON to `path` by temp file + rename: readers see the
-    old file or the new one, never a torn one."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    # Pretty only when durable (the files people read once a run has ended):
-    # json's indent switches to the pure-Python encoder, ~0.1 ms a write.
+    old file or the new one, never a torn one. The temp file has a random
+    name and is made O_EXCL|O_NOFOLLOW in the same directory; the write is
+    complete or raises PersistError (an OSError) with the old file intact.
+    Only a regular file (or nothing) is replaced: anything else at `path`
+    raises UnsafePath (an OSError too). For --record, use _recordfile."""
+    from . import _safefs as F
+
+    parent, name = os.path.split(path)
     data = (json.dumps(obj, indent=2 if fsync else None) + "\n").encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    dfd = os.open(parent or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        os.write(fd, data)
-        if fsync:
-            os.fsync(fd)
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        mode = 0o600
+        if st is not None:
+            if not stat.S_ISREG(st.st_mode):
+                raise F.UnsafePath(path, "is not a regular file: not replaced", errno.EEXIST)
+            if st.st_uid == os.geteuid():
+                mode = stat.S_IMODE(st.st_mode) & 0o666
+        F.replace_file(dfd, name, data, path, mode=mode, durable=fsync)
     finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    if fsync:
-        fsync_dir(os.path.dirname(path) or ".")
+        os.close(dfd)
 
 
 def fsync_dir(path: str) -> None:

@@ -1,0 +1,335 @@
+"""Retention: ended runs' directories are removed, never a live one.
+
+`contain gc [--older-than DURATION] [--keep N]` removes ended runs; the
+automatic bound (a claim that finds more than KEEP_RUNS + PRUNE_SLACK run
+directories, _layout._maybe_prune) removes the oldest ended ones until
+KEEP_RUNS are left. Both count `runs/<id>/` and the `runs/.ended-*` that id
+reuse moved aside.
+
+Ended means: no process holds the owner lock, and the record is readable and
+terminal (REAPED, EXITED, BREACHED). A run that is live, orphaned (record
+RUNNING or UNCONFIRMED, nobody owning it: `contain cancel` adopts it), or
+whose files cannot be read, is never removed: nothing proves it over. A
+moved-aside `.ended-*` directory was not live when it was moved, and is
+removed unless an owner holds it now; a `.claim-*` directory is a claim that
+died before its run appeared, removed a minute after.
+
+A run is made to disappear by a rename to `runs/.gc-<hex>` under the claim
+lock, after its state is read again under that lock (so an id reused in the
+meantime is never touched), and only then removed, file by file, without
+following any link (_safefs.remove_tree). A `.gc-*` left by a crash is removed
+by the next pass.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import time
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any
+
+from . import _safefs as F
+from ._runfiles import ID_RE, MAX_RECORD, TERMINAL, iso_epoch, loads, parse_record
+from ._safefs import UnsafePath
+from ._statedir import PRUNE_SLACK, StateDir, claim_lock, keep_runs
+
+CLAIM_STALE_S = 60.0
+# Entries re-checked and renamed per hold of the claim lock: a big gc never
+# keeps `contain run` waiting for long.
+BATCH = 256
+
+
+class Entry:
+    __slots__ = ("name", "kind", "mtime", "status", "ended_at")
+
+    def __init__(self, name: str, kind: str, mtime: float) -> None:
+        self.name = name
+        self.kind = kind          # run, ended (moved aside), claim, gc
+        self.mtime = mtime
+        self.status = ""          # ended, live, unreadable (after examine)
+        self.ended_at = mtime
+
+    def __repr__(self) -> str:
+        return f"Entry({self.name!r}, {self.kind}, {self.status})"
+
+
+class GcResult:
+    """What a pass did: names removed, and how many runs it left and why."""
+
+    __slots__ = ("removed", "kept", "live", "unreadable", "failed")
+
+    def __init__(self) -> None:
+        self.removed: list[str] = []
+        self.kept = 0
+        self.live = 0
+        self.unreadable = 0
+        self.failed: list[str] = []
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"removed": self.removed, "kept": self.kept, "live": self.live, "unreadable": self.unreadable,
+                "failed": self.failed}
+
+
+def _kind(name: str) -> str | None:
+    if name.startswith(".ended-"):
+        return "ended"
+    if name.startswith(".claim-"):
+        return "claim"
+    if name.startswith(".gc-"):
+        return "gc"
+    if ID_RE.match(name):
+        return "run"
+    return None     # .claim.lock and anything else: not ours to remove
+
+
+def entries(st: StateDir) -> list[Entry]:
+    """Every directory in runs/ that retention may consider."""
+    out = []
+    with os.scandir(st.runs_fd) as it:
+        for e in it:
+            kind = _kind(e.name)
+            if kind is None:
+                continue
+            try:
+                if not e.is_dir(follow_symlinks=False):
+                    continue
+                mtime = e.stat(follow_symlinks=False).st_mtime
+            except OSError:
+                continue
+            out.append(Entry(e.name, kind, mtime))
+    return out
+
+
+def examine(st: StateDir, e: Entry, now: float) -> str:
+    """Set and return e.status: ended, live or unreadable."""
+    e.status = _status(st, e, now)
+    return e.status
+
+
+def _status(st: StateDir, e: Entry, now: float) -> str:
+    if e.kind == "gc":
+        return "ended"
+    path = os.path.join(st.path, "runs", e.name)
+    try:
+        fd = F.open_private_dir(st.runs_fd, e.name, path, owners=st.owners)
+    except (OSError, UnsafePath):
+        return "unreadable"
+    try:
+        try:
+            lock = os.open("owner.lock", F.O_READ, dir_fd=fd)
+        except FileNotFoundError:
+            lock = -1
+        except OSError:
+            return "unreadable"
+        if lock >= 0:
+            try:
+                if F.lock_held(lock):
+                    return "live"
+            except OSError:
+                return "unreadable"
+            finally:
+                os.close(lock)
+        if e.kind == "claim":
+            return "ended" if now - e.mtime > CLAIM_STALE_S else "live"
+        if e.kind == "ended":
+            return "ended"
+        try:
+            data = F.read_file(fd, "record.json", os.path.join(path, "record.json"), MAX_RECORD)
+        except FileNotFoundError:
+            try:
+                os.stat("run.json", dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                # Claimed, never described, owner gone: nothing ever ran.
+                return "ended" if now - e.mtime > CLAIM_STALE_S else "live"
+            except OSError:
+                return "unreadable"
+            return "live"      # an orphan before its first record: `contain cancel` adopts it
+        except (OSError, UnsafePath):
+            return "unreadable"
+        try:
+            rec = parse_record(loads(data, "record.json"), e.name)
+        except ValueError:
+            return "unreadable"
+        if rec["state"] not in TERMINAL:
+            return "live"
+        ended = iso_epoch((rec.get("timings") or {}).get("ended_at"))
+        if ended is not None:
+            e.ended_at = ended
+        return "ended"
+    finally:
+        os.close(fd)
+
+
+def _remove(st: StateDir, chosen: list[Entry], now: float, result: GcResult) -> None:
+    """Re-check each chosen entry under the claim lock, rename the ones still
+    ended out of sight, then remove them."""
+    doomed: list[tuple[Entry, str]] = []
+    for i in range(0, len(chosen), BATCH):
+        guard = claim_lock(st)
+        try:
+            for e in chosen[i:i + BATCH]:
+                if examine(st, e, now) != "ended":
+                    if e.status == "live":
+                        result.live += 1
+                    else:
+                        result.unreadable += 1
+                    continue
+                tmp = e.name if e.kind == "gc" else f".gc-{os.urandom(6).hex()}"
+                if tmp != e.name:
+                    try:
+                        os.rename(e.name, tmp, src_dir_fd=st.runs_fd, dst_dir_fd=st.runs_fd)
+                    except OSError:
+                        result.failed.append(e.name)
+                        continue
+                doomed.append((e, tmp))
+        finally:
+            os.close(guard)
+    for e, tmp in doomed:
+        try:
+            F.remove_tree(st.runs_fd, tmp)
+        except OSError as err:
+            if err.errno != errno.ENOENT:
+                result.failed.append(e.name)
+                continue
+        if e.kind in ("run", "ended"):
+            result.removed.append(e.name)
+
+
+def gc(st: StateDir, *, older_than: float | None = None, keep: int | None = None,
+       now: float | None = None) -> GcResult:
+    """`contain gc`: remove every ended run, except the newest `keep` of them
+    and those that ended less than `older_than` seconds ago."""
+    now = time.time() if now is None else now
+    result = GcResult()
+    ended: list[Entry] = []
+    chosen: list[Entry] = []
+    for e in entries(st):
+        status = examine(st, e, now)
+        if e.kind in ("claim", "gc"):
+            if status == "ended":
+                chosen.append(e)
+            continue
+        if status == "ended":
+            ended.append(e)
+        elif status == "live":
+            result.live += 1
+        else:
+            result.unreadable += 1
+    ended.sort(key=lambda x: x.ended_at, reverse=True)
+    for i, e in enumerate(ended):
+        if keep is not None and i < keep:
+            result.kept += 1
+        elif older_than is not None and now - e.ended_at < older_than:
+            result.kept += 1
+        else:
+            chosen.append(e)
+    _remove(st, chosen, now, result)
+    return result
+
+
+def auto_prune(st: StateDir, keep: int, count: int | None) -> GcResult:
+    """The automatic bound (called by a claim, which holds the claim lock):
+    remove the oldest ended runs until at most `keep` run directories are
+    left. `count` is how many there are (from the link count), if known.
+    Looks at the oldest first and stops once enough were removed, so a pass
+    reads only the records it needs."""
+    now = time.time()
+    result = GcResult()
+    all_entries = entries(st)
+    excess = len(all_entries) - keep
+    if excess <= 0:
+        return result
+    all_entries.sort(key=lambda x: x.mtime)
+    doomed: list[tuple[Entry, str]] = []
+    for e in all_entries:
+        if len(doomed) >= excess:
+            break
+        if examine(st, e, now) != "ended":
+            continue
+        tmp = e.name if e.kind == "gc" else f".gc-{os.urandom(6).hex()}"
+        if tmp != e.name:
+            try:
+                os.rename(e.name, tmp, src_dir_fd=st.runs_fd, dst_dir_fd=st.runs_fd)
+            except OSError:
+                continue
+        doomed.append((e, tmp))
+    for e, tmp in doomed:
+        try:
+            F.remove_tree(st.runs_fd, tmp)
+            if e.kind in ("run", "ended"):
+                result.removed.append(e.name)
+        except OSError:
+            result.failed.append(e.name)
+    return result
+
+
+def parse_count(text: str) -> int:
+    """`--keep N`: an integer >= 0. Raises ValueError."""
+    if not text.isdigit() or len(text) > 9:
+        raise ValueError(f"not a count (an integer >= 0): {text!r}")
+    return int(text)
+
+
+def parse_duration(text: str) -> float:
+    """`90`, `90s`, `15m`, `2h`, `7d`, `2w` (or combined: `1d12h`) as seconds.
+    Raises ValueError with the message the CLI shows."""
+    import re
+
+    t = text.strip().lower()
+    if not t:
+        raise ValueError("empty duration")
+    try:
+        v = float(t)
+    except ValueError:
+        v = None
+    if v is None:
+        parts = re.fullmatch(r"(?:(\d+(?:\.\d+)?)([smhdw]))+", t)
+        if parts is None:
+            raise ValueError(f"not a duration: {text!r} (use e.g. 30s, 15m, 2h, 7d, 2w)")
+        unit = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+        v = sum(float(n) * unit[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)([smhdw])", t))
+    if v != v or v < 0 or v == float("inf"):
+        raise ValueError(f"a duration must be finite and >= 0: {text!r}")
+    return v
+
+
+def move_aside(st: StateDir, run_id: str, uid: str | None) -> None:
+    """Rename an ended run's directory (or whatever is in its place) out of
+    the way of a new claim of its id, keeping it for `gc`: `.ended-<id>-<uid>`.
+    Raises RunConflict when no free name is found, OSError."""
+    from ._errors import RunConflict
+
+    uid = uid or os.urandom(4).hex()
+    for _ in range(4):
+        try:
+            os.rename(run_id, f".ended-{run_id}-{uid}", src_dir_fd=st.runs_fd, dst_dir_fd=st.runs_fd)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
+                raise
+            uid = f"{uid}-{os.urandom(2).hex()}"
+    raise RunConflict(f"run id {run_id!r}: its ended directory cannot be moved aside")
+
+
+def maybe_prune(st: StateDir) -> None:
+    """The automatic retention bound, checked at every claim (which holds
+    the claim lock) for the cost of one fstat: a directory's link count is
+    2 + its subdirectories on tmpfs, ext4 and xfs (btrfs says 1: there, one
+    claim in 64 looks). Retention never fails a run."""
+    keep = keep_runs()
+    if keep <= 0:
+        return
+    try:
+        nlink = os.fstat(st.runs_fd).st_nlink
+    except OSError:
+        return
+    if nlink >= 2:
+        if nlink - 2 <= keep + PRUNE_SLACK:
+            return
+    elif os.urandom(1)[0] >= 4:
+        return
+    try:
+        auto_prune(st, keep, nlink - 2 if nlink >= 2 else None)
+    except (OSError, ValueError):
+        pass

@@ -1,0 +1,216 @@
+"""`--record PATH`: where the stop record also goes, checked before the spawn.
+
+The rules (CONTRACT.md, "--record FILE never replaces anything but a
+regular file"):
+- `-` is this process's stdout (a dup of fd 1 taken now): the final record
+  is written there once, after the run.
+- A path that names the file already open as our stdout or stderr
+  (`/dev/stdout`, `/dev/fd/2`, `/proc/self/fd/1`, or the file stdout is
+  redirected to) is written through that descriptor, as a shell would:
+  at its offset, never truncated, never replaced.
+- A regular file (or no file yet) is replaced atomically: a temp file with a
+  random name made O_EXCL|O_NOFOLLOW in the same directory, written
+  completely, fsynced, renamed over it. Its mode is kept when it is ours,
+  else 0600 (records carry argv). A read-only file is refused.
+- A character device or a FIFO (`/dev/null`, `/dev/full`, `/dev/tty`, a
+  named pipe with a reader) is written in place: opened without O_CREAT or
+  O_TRUNC, the final record written once. `/dev/full` therefore fails, as
+  it should, and stays a device.
+- A symlink is followed only when it belongs to root or to us (as
+  fs.protected_symlinks would require in a sticky directory, everywhere);
+  what it names then follows the rules above (a regular file is replaced
+  where it is, the link itself never). Anything else, a directory, a
+  socket, a block device, a dangling link, is refused.
+
+prepare() applies these before anything runs and raises UnsafePath with one
+line; a write that fails raises PersistError. The CLI turns both into
+exit 125 (CONTRACT.md: "the record could not be written").
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+import sys
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any
+
+from . import _safefs as F
+from ._safefs import PersistError, UnsafePath
+
+
+class RecordTarget:
+    """A checked --record destination. `update()` for each record the run
+    writes (only a regular-file target follows along), `final()` once with
+    the last one. Raise PersistError."""
+
+    __slots__ = ("path", "kind", "_dir_fd", "_name", "_fd", "_mode")
+
+    def __init__(self, path: str, kind: str, *, dir_fd: int = -1, name: str = "", fd: int = -1,
+                 mode: int = 0o600) -> None:
+        self.path = path
+        self.kind = kind          # "file" (replaced atomically) or "stream" (written in place)
+        self._dir_fd = dir_fd
+        self._name = name
+        self._fd = fd
+        self._mode = mode
+
+    def update(self, data: bytes) -> None:
+        if self.kind == "file":
+            self._swap(data, durable=False)
+
+    def final(self, data: bytes) -> None:
+        if self.kind == "file":
+            self._swap(data, durable=True)
+            return
+        if self._fd < 0:
+            raise PersistError(errno.EBADF, "write", self.path, "already written or closed")
+        try:
+            F.write_all(self._fd, data)
+        except OSError as e:
+            raise F.persist_error(e, "write", self.path) from None
+        finally:
+            self.close()
+
+    def _swap(self, data: bytes, durable: bool) -> None:
+        try:
+            st = os.stat(self._name, dir_fd=self._dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        except OSError as e:
+            raise F.persist_error(e, "stat", self.path) from None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise PersistError(errno.EEXIST, "replace", self.path,
+                               "is no longer a regular file: not replaced")
+        F.replace_file(self._dir_fd, self._name, data, self.path, mode=self._mode, durable=durable)
+
+    def close(self) -> None:
+        for attr in ("_fd", "_dir_fd"):
+            fd = getattr(self, attr)
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+                setattr(self, attr, -1)
+
+    def __repr__(self) -> str:
+        return f"RecordTarget({self.path!r}, {self.kind})"
+
+
+def _dup(fd: int) -> int:
+    return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+
+
+def _stdio_match(st: os.stat_result) -> int:
+    """The fd (1 or 2) that is open on the same file as `st`, or -1."""
+    for fd in (1, 2):
+        try:
+            s = os.fstat(fd)
+        except OSError:
+            continue
+        if (s.st_dev, s.st_ino) == (st.st_dev, st.st_ino):
+            return fd
+    return -1
+
+
+def prepare(path: str) -> RecordTarget:
+    """Check `path` as a --record destination before anything runs.
+    Raises UnsafePath with the reason (one line)."""
+    if path == "-":
+        try:
+            return RecordTarget("stdout", "stream", fd=_dup(1))
+        except OSError:
+            raise UnsafePath("-", "stdout is closed", errno.EBADF) from None
+    if not path:
+        raise UnsafePath("''", "is an empty path", errno.ENOENT)
+    euid = os.geteuid()
+    try:
+        lst = os.lstat(path)
+    except FileNotFoundError:
+        lst = None
+    except OSError as e:
+        raise UnsafePath(path, os.strerror(e.errno or errno.EIO), e.errno or errno.EIO) from None
+    real = path
+    target = lst
+    if lst is not None and stat.S_ISLNK(lst.st_mode):
+        if lst.st_uid not in (0, euid):
+            raise UnsafePath(path, f"is a symlink owned by uid {lst.st_uid}: not followed", errno.ELOOP)
+        try:
+            target = os.stat(path)
+        except OSError as e:
+            raise UnsafePath(path, f"is a symlink to nothing usable ({os.strerror(e.errno or 0)}): not followed",
+                             errno.ELOOP) from None
+        real = os.path.realpath(path)
+    if target is not None:
+        m = target.st_mode
+        if stat.S_ISDIR(m):
+            raise UnsafePath(path, "is a directory", errno.EISDIR)
+        std = _stdio_match(target)
+        if std >= 0:
+            return RecordTarget(path, "stream", fd=_dup(std))
+        if stat.S_ISCHR(m) or stat.S_ISFIFO(m):
+            return _in_place(path, target)
+        if not stat.S_ISREG(m):
+            kind = "a socket" if stat.S_ISSOCK(m) else "a block device" if stat.S_ISBLK(m) else "not a file"
+            raise UnsafePath(path, f"is {kind}: not written", errno.EINVAL)
+        if not os.access(real, os.W_OK, effective_ids=True):
+            raise UnsafePath(path, "is not writable", errno.EACCES)
+    parent, name = os.path.split(os.path.abspath(real))
+    try:
+        dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise UnsafePath(path, f"its directory {parent}: {os.strerror(e.errno or errno.EIO)}",
+                         e.errno or errno.EIO) from None
+    if not os.access(parent, os.W_OK | os.X_OK, effective_ids=True):
+        os.close(dfd)
+        raise UnsafePath(path, f"its directory {parent} is not writable", errno.EACCES)
+    mode = 0o600
+    if target is not None and target.st_uid == euid:
+        mode = stat.S_IMODE(target.st_mode) & 0o666
+    return RecordTarget(path, "file", dir_fd=dfd, name=name, mode=mode)
+
+
+def _in_place(path: str, expect: os.stat_result) -> RecordTarget:
+    """A device or FIFO, opened for writing now (no O_CREAT, no O_TRUNC;
+    O_NONBLOCK so a FIFO with no reader fails instead of waiting), then
+    checked to be what was examined."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        why = "is a FIFO with no reader" if e.errno == errno.ENXIO else os.strerror(e.errno or errno.EIO)
+        raise UnsafePath(path, why, e.errno or errno.EIO) from None
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino, st.st_mode) != (expect.st_dev, expect.st_ino, expect.st_mode):
+        os.close(fd)
+        raise UnsafePath(path, "changed while it was opened", errno.EAGAIN)
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)
+    return RecordTarget(path, "stream", fd=fd)
+
+
+def finish(run: Any, target: RecordTarget | None, status: int) -> int:
+    """`contain run`'s last step: the final record to --record's target (if
+    any). Returns `status`, or 125 with one line on stderr when the record
+    cannot be written (CONTRACT.md), naming where it is instead."""
+    if target is None or run.layout is None:
+        if target is not None:
+            target.close()
+        return status
+    from ._runfiles import encode
+
+    try:
+        target.final(encode(run.record().to_dict(), pretty=True))
+    except OSError as e:
+        try:
+            sys.stderr.write(f"contain: run {run.id}: the record could not be written to --record {e}; "
+                             f"it is in {os.path.join(run.layout.path, 'record.json')}\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        return 125
+    finally:
+        target.close()
+    return status

@@ -1,0 +1,278 @@
+"""A run's directory as a place: finding it, opening it (verified, by held
+fds), and owning it (the OFD owner lock). What is in it is _layout's
+(RunDir, built on this), _requests' and _fifos'.
+
+Every use opens through the verified state directory (_statedir) unless the
+object owns the run (claim, take_ownership): then it holds the directory
+fds until release(). The owner lock is an OFD lock (fcntl F_OFD_SETLK);
+observers ask with F_OFD_GETLK on a read-only descriptor and take nothing,
+so they can neither block the owner nor make a live run look orphaned
+(with flock, a reader's LOCK_SH made a concurrent adopter fail and a claim
+lose its lock).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import threading
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Iterator, TypeVar
+
+    D = TypeVar("D", bound="RunDirBase")
+
+from . import _safefs as F
+from ._errors import RunNotFound
+from ._runfiles import ID_RE
+from ._safefs import UnsafePath
+from ._statedir import FILE_MODE, RUN_DIR_MODE, StateDir, location
+
+
+def check_id(run_id: str) -> str:
+    if not isinstance(run_id, str) or not ID_RE.match(run_id):
+        raise ValueError(f"invalid run id {run_id!r}: use letters, digits, '.', '_' or '-' (at most 100)")
+    return run_id
+
+
+
+class RunDirBase:
+    """One run's directory, `<state>/runs/<id>`, constructed from its path;
+    nothing is opened until it is used."""
+
+    def __init__(self, path: str, _state: StateDir | None = None) -> None:
+        # (Plain string work, not os.path.join: `ls` makes one per run.)
+        self.path = path if _state is not None else os.path.normpath(path)
+        self.id = self.path.rpartition("/")[2]
+        self.cancellations = self.path + "/cancellations"
+        self.requests = self.cancellations + "/requests.ndjson"
+        self._state = _state
+        self._mu = threading.RLock()
+        self._lock_fd = -1
+        self._fd = -1           # held while owning
+        self._cfd = -1
+        self._journal_fd = -1
+
+    def __repr__(self) -> str:
+        return f"RunDir({self.path!r})"
+
+    # -- finding -----------------------------------------------------------
+
+    @staticmethod
+    def runs_root(sd: str | None = None) -> str:
+        return os.path.join(sd or location(), "runs")
+
+    @classmethod
+    def find(cls: type[D], run_id: str, sd: str | None = None) -> D:
+        """The run `run_id`. Raises ValueError (not an id), RunNotFound,
+        StateDirError / UnsafePath (the directory is not ours)."""
+        check_id(run_id)
+        try:
+            st = StateDir.open(sd, write=False)
+        except FileNotFoundError:
+            raise RunNotFound(f"no run {run_id!r} in {cls.runs_root(sd)}") from None
+        with st:
+            d = cls(os.path.join(st.path, "runs", run_id))
+            try:
+                fd = F.open_private_dir(st.runs_fd, run_id, d.path, owners=st.owners)
+            except FileNotFoundError:
+                raise RunNotFound(f"no run {run_id!r} in {os.path.join(st.path, 'runs')}") from None
+            try:
+                # A claimed directory is a run being born: findable before run.json.
+                os.close(F.open_private_dir(fd, "cancellations", d.cancellations, owners=st.owners))
+            except FileNotFoundError:
+                raise RunNotFound(f"no run {run_id!r} in {os.path.join(st.path, 'runs')}") from None
+            finally:
+                os.close(fd)
+        return d
+
+    @classmethod
+    def all(cls: type[D], sd: str | None = None) -> Iterator[D]:
+        """Every run directory name in `runs/`, sorted, as RunDirs that open
+        through one verified state directory while the iteration lasts.
+        Entries that are not directories are yielded too (they read as
+        UNREADABLE, with why); names that cannot be run ids are not."""
+        try:
+            st = StateDir.open(sd, write=False)
+        except FileNotFoundError:
+            return
+        with st:
+            with os.scandir(st.runs_fd) as it:
+                names = sorted(e.name for e in it if ID_RE.match(e.name))
+            root = os.path.join(st.path, "runs") + "/"
+            for n in names:
+                yield cls(root + n, _state=st)
+
+    # -- opening -----------------------------------------------------------
+
+    def _open_fd(self, write: bool) -> int:
+        """A new fd of this run's directory, verified. Caller closes it."""
+        runs_root = os.path.dirname(self.path)
+        if os.path.basename(runs_root) != "runs" or not ID_RE.match(self.id):
+            raise UnsafePath(self.path, "is not a run directory (<state>/runs/<id>)")
+        st = self._state
+        if st is not None and st.runs_fd >= 0 and (st.write or not write):
+            return F.open_private_dir(st.runs_fd, self.id, self.path, owners=st.owners)
+        with StateDir.open(os.path.dirname(runs_root), write=write) as st2:
+            return F.open_private_dir(st2.runs_fd, self.id, self.path, owners=st2.owners)
+
+    def dir_fd(self, write: bool = False) -> int:
+        """An fd of the run directory that the caller closes: a dup of the
+        held one while owning (so a concurrent release() cannot make it
+        name another file), else a freshly verified one (for writing: only
+        in a state directory of this user's own). Raises UnsafePath,
+        StateDirError, OSError."""
+        with self._mu:
+            if self._fd >= 0:
+                return os.dup(self._fd)
+        return self._open_fd(write)
+
+    def cancellations_fd(self, write: bool = False, create: bool = False) -> int:
+        """An fd of cancellations/ that the caller closes (made, 0700, with
+        `create`). Raises like dir_fd."""
+        with self._mu:
+            if self._cfd >= 0:
+                return os.dup(self._cfd)
+        fd = self.dir_fd(write)
+        try:
+            return F.open_private_dir(fd, "cancellations", self.cancellations, owners=(os.geteuid(), 0)
+                                      if not write else (os.geteuid(),),
+                                      create_mode=RUN_DIR_MODE if create else None)
+        finally:
+            os.close(fd)
+
+    def _hold(self, fd: int) -> None:
+        """Keep `fd` (the run directory) and its cancellations/ for the
+        owner's lifetime."""
+        with self._mu:
+            if self._fd < 0:
+                self._fd = os.dup(fd)
+            if self._cfd < 0:
+                self._cfd = F.open_private_dir(self._fd, "cancellations", self.cancellations,
+                                               owners=(os.geteuid(),), create_mode=RUN_DIR_MODE)
+
+    def opened(self) -> "_Opened":
+        """`with d.opened():` opens the directory once (verified) for a batch
+        of reads, as `ls` does for thousands of runs. A no-op while owning."""
+        return _Opened(self)
+
+    def _borrow(self) -> tuple[int, ...]:
+        with self._mu:
+            if self._fd >= 0:
+                return ()
+        fd = self._open_fd(False)
+        with self._mu:
+            if self._fd >= 0:          # took ownership meanwhile
+                os.close(fd)
+                return ()
+            self._fd = fd
+        return (fd,)
+
+    def _give_back(self, fd: int) -> None:
+        with self._mu:
+            if self._fd == fd and self._lock_fd < 0:
+                self._fd = -1
+                cfd, self._cfd = self._cfd, -1
+                for x in (fd, cfd):
+                    if x >= 0:
+                        os.close(x)
+
+    def take_ownership(self) -> bool:
+        """Hold the owner lock. False if a live owner holds it."""
+        with self._mu:
+            if self._lock_fd >= 0:
+                return True
+        fd = self.dir_fd(write=True)
+        try:
+            try:
+                lock = os.open("owner.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                               FILE_MODE, dir_fd=fd)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise UnsafePath(self.file("owner.lock"), "is a symlink (not followed)", errno.ELOOP) from None
+                raise
+            if not stat.S_ISREG(os.fstat(lock).st_mode) or not F.take_lock(lock):
+                os.close(lock)
+                return False
+            with self._mu:
+                self._lock_fd = lock
+            self._hold(fd)
+            return True
+        finally:
+            os.close(fd)
+
+    def release(self) -> None:
+        """Give up ownership: the lock, the journal, the held directories."""
+        with self._mu:
+            for name in ("_lock_fd", "_journal_fd", "_cfd", "_fd"):
+                fd = getattr(self, name)
+                if fd >= 0:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+                    setattr(self, name, -1)
+
+    def owner(self) -> bool | None:
+        """Whether a process holds the owner lock now: True, False, or None
+        when that cannot be told (e.g. the directory is not readable by
+        this user). Takes no lock (F_OFD_GETLK)."""
+        with self._mu:
+            if self._lock_fd >= 0:
+                return True
+        try:
+            fd = self.dir_fd()
+        except (OSError, UnsafePath):
+            return None
+        try:
+            lock = os.open("owner.lock", F.O_READ, dir_fd=fd)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        try:
+            if not stat.S_ISREG(os.fstat(lock).st_mode):
+                return None
+            return F.lock_held(lock)
+        except OSError:
+            return None
+        finally:
+            os.close(lock)
+
+    def owner_alive(self) -> bool:
+        """Whether some process holds the owner lock right now. When that
+        cannot be told, True: nobody adopts or reuses a run on a guess."""
+        return self.owner() is not False
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def read_bytes(self, name: str, limit: int, *, sub: bool = False) -> bytes | None:
+        """A regular file of the run directory (or of cancellations/, with
+        `sub`), at most `limit` bytes, or None when it does not exist.
+        Raises UnsafePath (a link, not a regular file, too large), OSError."""
+        fd = self.cancellations_fd() if sub else self.dir_fd()
+        try:
+            return F.read_file(fd, name, f"{self.cancellations if sub else self.path}/{name}", limit)
+        except FileNotFoundError:
+            return None
+        finally:
+            os.close(fd)
+
+
+class _Opened:
+    __slots__ = ("d", "fds")
+
+    def __init__(self, d: RunDirBase) -> None:
+        self.d = d
+        self.fds: tuple[int, ...] = ()
+
+    def __enter__(self) -> RunDirBase:
+        self.fds = self.d._borrow()
+        return self.d
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fds:
+            self.d._give_back(self.fds[0])

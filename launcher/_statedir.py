@@ -1,0 +1,275 @@
+"""Where the state directory is, and opening it only once it is ours.
+
+Location (first that applies):
+1. `CONTAIN_STATE_DIR`, unless the process runs with privilege its caller
+   lacks (uid != euid, gid != egid, or AT_SECURE): a setuid or file-capability
+   `contain` never lets its caller choose where it writes.
+2. root: `/run/contain`.
+3. `$XDG_RUNTIME_DIR/contain`, when XDG_RUNTIME_DIR is a directory owned by
+   this user (not one inherited through `su` from another user).
+4. `/run/user/<euid>/contain`, when logind made `/run/user/<euid>` for us.
+5. Otherwise there is none: `contain` refuses with advice (set
+   CONTAIN_STATE_DIR). There is no predictable fallback in /tmp: whoever
+   creates `/tmp/contain-<uid>` first owns the victim's runs.
+
+Verification, at every open (`StateDir.open`):
+- every directory above the state directory is owned by root or by us, and
+  is writable by others only with the sticky bit (as /tmp is), checked on
+  the real path, one component at a time with O_NOFOLLOW;
+- the state directory and `runs/` are real directories (not symlinks), owned
+  by the effective uid (readers also accept root's), not writable by group
+  or others. What we create gets exactly 0700 (root's top and `runs/` 0755,
+  so other users can list root's run ids, never read them: run directories
+  are 0700), whatever the umask.
+A directory that fails is refused with `StateDirError` (exit 125), naming the
+directory and what is wrong; nothing in it is read or written.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+import time
+
+from . import _safefs as F
+from ._safefs import UnsafePath
+
+ENV = "CONTAIN_STATE_DIR"
+AT_SECURE = 23        # include/uapi/linux/auxvec.h
+
+
+class StateDirError(UnsafePath):
+    """The state directory cannot be used: there is none, or it fails the
+    ownership and mode checks. One line, naming the directory and why."""
+
+    def __str__(self) -> str:
+        return f"state directory {self.path}: {self.problem}"
+
+
+_secure: bool | None = None
+
+
+def _at_secure() -> bool:
+    """AT_SECURE from /proc/self/auxv (os.getauxval is not in Python): set
+    when the kernel gave this process privilege at exec (setuid, setgid,
+    file capabilities)."""
+    global _secure
+    if _secure is None:
+        import struct
+
+        try:
+            with open("/proc/self/auxv", "rb") as f:
+                data = f.read()
+            fmt = "@LL"
+            n = len(data) - len(data) % struct.calcsize(fmt)
+            _secure = any(k == AT_SECURE and v != 0 for k, v in struct.iter_unpack(fmt, data[:n]))
+        except OSError:
+            _secure = False
+    return _secure
+
+
+def elevated() -> bool:
+    """Whether this process holds privilege its caller may not have: then
+    the caller's environment must not choose paths or policy."""
+    return os.getuid() != os.geteuid() or os.getgid() != os.getegid() or _at_secure()
+
+
+def policy_env(name: str, env: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
+    """A CONTAIN_* setting from the supervisor's own environment, or None
+    when the process is elevated (elevated()). Use it for every variable that
+    chooses a path or a policy: CONTAIN_STATE_DIR, CONTAIN_CGROUP_BASE,
+    CONTAIN_BACKEND, CONTAIN_LEDGER, CONTAIN_KEEP_RUNS."""
+    if elevated():
+        return None
+    return env.get(name) or None
+
+
+def location(env: dict[str, str] | os._Environ[str] = os.environ) -> str:
+    """The state directory's path (see the module docstring). Raises
+    StateDirError when this user has none."""
+    explicit = policy_env(ENV, env)
+    if explicit:
+        return os.path.abspath(explicit)
+    euid = os.geteuid()
+    if euid == 0:
+        return "/run/contain"
+    why = []
+    xdg = None if elevated() else env.get("XDG_RUNTIME_DIR")
+    if xdg:
+        own = _owned_dir(xdg, euid)
+        if own is None:
+            return os.path.join(os.path.abspath(xdg), "contain")
+        why.append(f"XDG_RUNTIME_DIR {xdg} {own}")
+    else:
+        why.append("XDG_RUNTIME_DIR is not set")
+    run_user = f"/run/user/{euid}"
+    own = _owned_dir(run_user, euid)
+    if own is None:
+        return os.path.join(run_user, "contain")
+    why.append(f"{run_user} {own}")
+    raise StateDirError("(none)", f"{'; '.join(why)}: set {ENV} to a directory of your own "
+                        f"(for example ~/.cache/contain)", errno.ENOENT)
+
+
+def _owned_dir(path: str, euid: int) -> str | None:
+    """None if `path` is a directory owned by `euid`; else what it is."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return "does not exist" if e.errno == errno.ENOENT else f"cannot be read ({os.strerror(e.errno or 0)})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != euid:
+        return f"belongs to uid {st.st_uid}"
+    return None
+
+
+def top_mode() -> int:
+    return 0o755 if os.geteuid() == 0 else 0o700
+
+
+RUN_DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+# Retention (docs/protocol.md, "Retention"): at most KEEP_RUNS run
+# directories are kept; a claim that finds more than KEEP_RUNS + PRUNE_SLACK
+# removes the oldest ended ones. CONTAIN_KEEP_RUNS=N sets N, 0 turns it off.
+KEEP_RUNS = 1000
+PRUNE_SLACK = 100
+# How long a claim waits for another claim of the same state directory.
+CLAIM_WAIT_S = 10.0
+
+
+def keep_runs(env: dict[str, str] | os._Environ[str] = os.environ) -> int:
+    """CONTAIN_KEEP_RUNS (a count >= 0; 0: no automatic bound), else KEEP_RUNS."""
+    v = policy_env("CONTAIN_KEEP_RUNS", env)
+    if v is not None and v.isdigit() and len(v) <= 9:
+        return int(v)
+    return KEEP_RUNS
+
+
+class StateDir:
+    """An open, verified state directory: `fd` (the top) and `runs_fd`
+    (`runs/`), both O_RDONLY|O_DIRECTORY. `write` says whether it was opened
+    to write (only the euid's own then) or to read (root's accepted too).
+    Close it (or use it as a context manager); nothing is cached between
+    opens, so every open is verified afresh."""
+
+    __slots__ = ("path", "fd", "runs_fd", "write", "owners")
+
+    def __init__(self, path: str, fd: int, runs_fd: int, write: bool, owners: tuple[int, ...]) -> None:
+        self.path = path
+        self.fd = fd
+        self.runs_fd = runs_fd
+        self.write = write
+        self.owners = owners
+
+    @classmethod
+    def open(cls, path: str | None = None, *, write: bool, create: bool = False) -> "StateDir":
+        """Open and verify. `create` makes what is missing (with the modes
+        above). Raises StateDirError, or FileNotFoundError when the directory
+        (or its runs/) does not exist and `create` is false."""
+        path = os.path.normpath(os.path.abspath(path or location()))
+        parent, name = os.path.split(path)
+        if not name:
+            raise StateDirError(path, "is the root directory")
+        euid = os.geteuid()
+        owners = (euid,) if write or euid == 0 else (euid, 0)
+        mode = top_mode()
+        try:
+            try:
+                anc = F.open_ancestors(parent)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                _make_parents(parent)
+                anc = F.open_ancestors(parent)
+            try:
+                fd = F.open_private_dir(anc, name, path, owners=owners, create_mode=mode if create else None)
+            finally:
+                os.close(anc)
+            try:
+                runs = F.open_private_dir(fd, "runs", os.path.join(path, "runs"), owners=owners,
+                                          create_mode=mode if create else None)
+            except BaseException:
+                os.close(fd)
+                raise
+        except StateDirError:
+            raise
+        except UnsafePath as e:
+            raise StateDirError(e.path, e.problem, e.errno or errno.EPERM) from None
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise StateDirError(path, os.strerror(e.errno or errno.EIO), e.errno or errno.EIO) from None
+        return cls(path, fd, runs, write, owners)
+
+    def close(self) -> None:
+        for fd in (self.runs_fd, self.fd):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.runs_fd = -1
+
+    def __enter__(self) -> "StateDir":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _make_parents(parent: str) -> None:
+    """Create the missing directories above the state directory, 0700 (as
+    `mkdir -p -m 0700` would, but the mode is exact): an explicit
+    CONTAIN_STATE_DIR may name a path that does not exist yet. Only the
+    missing levels are made; each is then verified like any ancestor."""
+    missing = []
+    p = parent
+    while not os.path.lexists(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            continue
+        fd = os.open(d, F.O_DIR)
+        try:
+            os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
+
+
+def claim_lock(st: StateDir) -> int:
+    """`runs/.claim.lock`, held (flock LOCK_EX) by the caller until it closes
+    the returned fd: claims, and the renames of retention, are serialised by
+    it. Waits at most CLAIM_WAIT_S for another holder (a stopped process
+    holding it must not wedge every later run). Raises StateDirError."""
+    path = os.path.join(st.path, "runs", ".claim.lock")
+    try:
+        fd = os.open(".claim.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     FILE_MODE, dir_fd=st.runs_fd)
+    except OSError as e:
+        raise StateDirError(path, "is a symlink (not followed)" if e.errno == errno.ELOOP
+                            else os.strerror(e.errno or errno.EIO), e.errno or errno.EIO) from None
+    try:
+        s = os.fstat(fd)
+        if not stat.S_ISREG(s.st_mode) or s.st_uid != os.geteuid():
+            raise StateDirError(path, "is not a regular file of this user")
+        if stat.S_IMODE(s.st_mode) != FILE_MODE:
+            os.fchmod(fd, FILE_MODE)
+        deadline = time.monotonic() + CLAIM_WAIT_S
+        pause = 0.001
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise StateDirError(path, f"another claim held it for {CLAIM_WAIT_S:.0f} s",
+                                        errno.EAGAIN) from None
+                time.sleep(pause)
+                pause = min(pause * 2, 0.05)
+    except BaseException:
+        os.close(fd)
+        raise

@@ -1,0 +1,218 @@
+"""What a reader shows of a run: its view (from the layout, and its cgroup
+as it is now) and the text for people that `ls` and `status` print.
+
+Readers never trust the run directory: every file comes through the typed
+parsers (_runfiles, via RunDir.load_*), a file that does not parse makes the
+run UNREADABLE with the reason, and a directory this user may not read is
+UNREADABLE too ("permission denied"), never a traceback.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from typing import Any
+
+from ._layout import RunDir
+from ._record import LAYERS
+from ._runfiles import TERMINAL, RunInfo, Unreadable, iso_epoch
+from ._safefs import UnsafePath
+
+UNREADABLE = "UNREADABLE"
+ID_WIDTH = 24               # `ls` truncates longer ids (`--no-trunc` shows them whole)
+MAX_MEMBER_DIRS = 1000      # a live view walks at most this many cgroups of one run
+_LEAF_RE = re.compile(r"^(run|sub)-[A-Za-z0-9._-]+-[0-9a-f]{8}$")
+
+
+parse_iso = iso_epoch
+
+
+def age(s: Any, now: float | None = None) -> str:
+    t = parse_iso(s)
+    if t is None:
+        return "-"
+    d = max(0.0, (time.time() if now is None else now) - t)
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if d >= n:
+            return f"{int(d // n)}{unit}"
+    return f"{int(d)}s"
+
+
+def signame(n: Any) -> str:
+    try:
+        return signal.Signals(n).name
+    except (ValueError, TypeError):
+        return f"signal {n}"
+
+
+# -- one run as a reader sees it --------------------------------------------------
+
+def members_now(cgroup_dir: str | None) -> tuple[int | None, int | None]:
+    """(processes in the run's cgroup subtree, its cpu usage in µs) now, or
+    None where that cannot be read. `cgroup_dir` comes from run.json, so it
+    is read only if it is one of our leaves on a cgroup2 mount, and the walk
+    is bounded."""
+    if not cgroup_dir or not _LEAF_RE.match(os.path.basename(cgroup_dir)):
+        return None, None
+    try:
+        from ._platform import linux
+
+        mounts = [h.mount.rstrip("/") + "/" for h in linux.hierarchies()]
+    except Exception:      # noqa: BLE001 - a reader shows "-" rather than fail
+        return None, None
+    if os.path.normpath(cgroup_dir) != cgroup_dir or not any(cgroup_dir.startswith(m) for m in mounts):
+        return None, None
+    members, seen, stack = 0, 0, [cgroup_dir]
+    try:
+        os.stat(cgroup_dir)
+    except OSError:
+        return None, None
+    while stack and seen < MAX_MEMBER_DIRS:
+        d = stack.pop()
+        seen += 1
+        try:
+            with open(os.path.join(d, "cgroup.procs"), "rb") as f:
+                members += len(f.read(1 << 20).split())
+            with os.scandir(d) as it:
+                stack.extend(e.path for e in it if e.is_dir(follow_symlinks=False))
+        except OSError:
+            continue
+    cpu = None
+    try:
+        with open(os.path.join(cgroup_dir, "cpu.stat"), "rb") as f:
+            for line in f.read(1 << 16).splitlines():
+                if line.startswith(b"usage_usec "):
+                    cpu = int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return members, cpu
+
+
+def live_view(d: RunDir, *, live: bool = True, summary: bool = False) -> dict[str, Any]:
+    """What a reader can tell from the layout alone, plus (with `live`) the
+    run's cgroup as it is now. `state` is the record's, or UNREADABLE with
+    `unreadable` saying why; `owner_alive` is True, False or None (cannot
+    tell)."""
+    view = empty_view(d)
+    try:
+        with d.opened():
+            return fill_view(d, view, live, summary)
+    except (OSError, UnsafePath) as e:
+        view["unreadable"] = why(e)
+        return view
+
+
+def why(e: BaseException) -> str:
+    if isinstance(e, UnsafePath):
+        return e.problem
+    if isinstance(e, OSError) and e.errno:
+        return os.strerror(e.errno).lower() if e.errno == 13 else os.strerror(e.errno)
+    return str(e)
+
+
+def fill_view(d: RunDir, view: dict[str, Any], live: bool, summary: bool = False) -> dict[str, Any]:
+    rec = d.load_record(summary=summary)
+    if isinstance(rec, dict):
+        view.update(run_uid=rec.get("run_uid"), state=rec["state"], outcome=rec.get("outcome"),
+                    exit_code=rec.get("exit_code"), signal=rec.get("signal"), argv=rec.get("argv"),
+                    pid=(rec.get("identity") or {}).get("pid"))
+        timings = rec.get("timings") or {}
+        view["started_at"] = timings.get("spawned_at")
+        view["ended_at"] = timings.get("ended_at")
+        view["cpu_usec"] = (rec.get("cpu") or {}).get("usage_usec") if isinstance(rec.get("cpu"), dict) else None
+        if rec["state"] in TERMINAL:
+            view["owner_alive"] = d.owner()
+            return view
+    owner = d.owner()
+    view["owner_alive"] = owner
+    info = d.load_run()
+    if isinstance(info, RunInfo):
+        view["run_uid"] = view["run_uid"] or info.run_uid
+        view["argv"] = view["argv"] or info.argv
+        view["started_at"] = view["started_at"] or info.started_at
+        view["pid"] = view["pid"] or (info.worker or {}).get("pid")
+    if isinstance(rec, Unreadable):
+        view["state"], view["unreadable"] = UNREADABLE, rec.reason
+    elif rec is None:
+        if isinstance(info, Unreadable):
+            view["state"], view["unreadable"] = UNREADABLE, info.reason
+        elif info is None and owner is not True:
+            view["state"], view["unreadable"] = UNREADABLE, ("no run.json and no record: it never started"
+                                                              if owner is False else "cannot be read")
+        else:
+            view["state"] = "RUNNING"       # being born, or an orphan before its first record
+    if view["state"] in ("RUNNING", "UNCONFIRMED"):
+        view["orphaned"] = owner is False
+        if live and isinstance(info, RunInfo) and info.backend == "cgroup2":
+            members, cpu = members_now(info.cgroup_dir)
+            view["members"] = members
+            view["cpu_usec"] = cpu if cpu is not None else view["cpu_usec"]
+    return view
+
+
+def exit_text(v: dict[str, Any]) -> str:
+    if v.get("signal") is not None:
+        return signame(v["signal"])
+    if v.get("exit_code") is not None:
+        return str(v["exit_code"])
+    return "-"
+
+
+def cut(s: str, width: int) -> str:
+    return s if len(s) <= width else s[:width - 1] + "…"
+
+
+def text(v: Any, budget: int = 240) -> str:
+    """A value from the record as text for people: strings whole, numbers
+    and booleans as words, objects as `key: value` lists, long lists
+    summarised by their count. Never a Python repr, never cut mid-word."""
+    s = render(v)
+    if len(s) <= budget:
+        return s
+    if isinstance(v, dict):
+        keys = ", ".join(str(k) for k in list(v)[:8])
+        return f"{len(v)} fields ({keys}{', ...' if len(v) > 8 else ''}): `contain status ID --json` shows them"
+    if isinstance(v, list):
+        return f"{len(v)} entries: `contain status ID --json` shows them"
+    return s
+
+
+def render(v: Any) -> str:
+    if v is None:
+        return "-"
+    if v is True:
+        return "yes"
+    if v is False:
+        return "no"
+    if isinstance(v, str):
+        return v
+    if isinstance(v, (int, float)):
+        return str(v)
+    if isinstance(v, dict):
+        return ", ".join(f"{k}: {render(x)}" for k, x in v.items())
+    if isinstance(v, list):
+        if all(isinstance(x, (str, int, float)) for x in v):
+            return ", ".join(render(x) for x in v) or "none"
+        return "; ".join(f"({render(x)})" for x in v) or "none"
+    return json.dumps(v)
+
+
+def observed(v: Any) -> str:
+    return {True: "yes", False: "no"}.get(v, "unknown") if v is not None else "unknown"
+
+
+def layers(evidence: dict[str, Any]) -> list[str]:
+    """Layers in the one fixed order (_record.LAYERS), then any others."""
+    return [x for x in LAYERS if x in evidence] + sorted(x for x in evidence if x not in LAYERS)
+
+
+def empty_view(d: RunDir) -> dict[str, Any]:
+    return {"id": d.id, "run_uid": None, "state": UNREADABLE, "outcome": None, "exit_code": None, "signal": None,
+            "orphaned": False, "owner_alive": None, "pid": None, "started_at": None, "ended_at": None,
+            "argv": None, "members": None, "cpu_usec": None, "unreadable": None}
+
+
+# -- cancel, wait -----------------------------------------------------------------
+

@@ -1,0 +1,159 @@
+"""Retention (issue 10, item 11): ended runs' directories are removed by
+`contain gc` and by the automatic bound; a live, orphaned or unreadable run
+never is. Runs are made with the layout directly (fast); what is left is
+read from the directory listing, not from contain."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from _proc import run_contain
+from _users import ROOT
+
+UID = "0123456789abcdef"
+
+
+def iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + ".000000Z"
+
+
+def make(sd: str, rid: str, state: str | None = "REAPED", *, ended: float | None = None,
+         keep_owner: bool = False, record: bytes | None = None, describe: bool = True):
+    from launcher._layout import RunDir
+
+    d = RunDir.claim(rid, sd)
+    if describe:
+        d.write_run({"run_id": rid, "run_uid": UID, "argv": ["true"]})
+    if record is not None:
+        with open(os.path.join(d.path, "record.json"), "wb") as f:
+            f.write(record)
+    elif state is not None:
+        t = time.time() if ended is None else ended
+        rec = {"run_id": rid, "run_uid": UID, "state": state, "outcome": None if state == "RUNNING" else "exited",
+               "exit_code": 0, "argv": ["true"], "timings": {"spawned_at": iso(t - 1), "ended_at": iso(t)}}
+        d.write_record(rec, durable=False)
+    if keep_owner:
+        return d
+    d.release()
+    return None
+
+
+def names(sd: str) -> set[str]:
+    return set(os.listdir(os.path.join(sd, "runs"))) - {".claim.lock"}
+
+
+def test_gc_removes_only_ended_runs(tmp_path):
+    sd = str(tmp_path / "state")
+    env = dict(os.environ, CONTAIN_STATE_DIR=sd)
+    for rid, state in (("reaped", "REAPED"), ("exited", "EXITED"), ("breached", "BREACHED")):
+        make(sd, rid, state)
+    make(sd, "orphan", "RUNNING")                  # owner gone, record RUNNING: `cancel` adopts it
+    make(sd, "unconfirmed", "UNCONFIRMED")
+    make(sd, "prerecord", None)                    # owner died before the first record
+    make(sd, "unreadable", record=b'{"state": "REA')
+    live = make(sd, "live", "RUNNING", keep_owner=True)
+    live_ended = make(sd, "ending", "REAPED", keep_owner=True)   # record written, acks not yet settled
+    make(sd, "reused", "REAPED")
+    make(sd, "reused", "REAPED")                   # moves the first aside to .ended-reused-<uid>
+    make(sd, "newclaim", None, describe=False)      # claimed a moment ago, not described yet
+    make(sd, "deadclaim", None, describe=False)
+    old = time.time() - 3600
+    os.utime(os.path.join(sd, "runs", "deadclaim"), (old, old))
+    os.mkdir(os.path.join(sd, "runs", ".gc-leftover"))
+    os.mkdir(os.path.join(sd, "runs", ".claim-x-dead"))
+    os.utime(os.path.join(sd, "runs", ".claim-x-dead"), (old, old))
+    assert any(n.startswith(".ended-reused-") for n in names(sd))
+    try:
+        p = run_contain(env, "gc", "--json")
+        assert p.returncode == 0, p.stderr
+        res = json.loads(p.stdout)
+        left = names(sd)
+        assert left == {"orphan", "unconfirmed", "prerecord", "unreadable", "live", "ending", "newclaim"}, left
+        assert sorted(res["removed"]) == sorted(["reaped", "exited", "breached", "reused", "deadclaim"] +
+                                                [n for n in res["removed"] if n.startswith(".ended-reused-")])
+        assert res["unreadable"] == 1 and res["live"] == 6
+    finally:
+        live.release()
+        live_ended.release()
+    # Once its owner is gone, the ended one goes too; the rest still stay.
+    p = run_contain(env, "gc")
+    assert p.returncode == 0 and "removed 1 ended run;" in p.stdout, p.stdout
+    assert names(sd) == {"orphan", "unconfirmed", "prerecord", "unreadable", "live", "newclaim"}
+
+
+def test_gc_keep_and_older_than(tmp_path):
+    sd = str(tmp_path / "state")
+    env = dict(os.environ, CONTAIN_STATE_DIR=sd)
+    now = time.time()
+    for i in range(6):                           # e0 ended 6 days ago ... e5 1 day ago
+        make(sd, f"e{i}", "EXITED", ended=now - (6 - i) * 86400)
+    p = run_contain(env, "gc", "--older-than", "3d12h")
+    assert p.returncode == 0, p.stderr
+    assert names(sd) == {"e3", "e4", "e5"}
+    p = run_contain(env, "gc", "--keep", "1")
+    assert p.returncode == 0 and names(sd) == {"e5"}, p.stdout
+    p = run_contain(env, "gc", "--keep", "0", "--older-than", "2w")
+    assert names(sd) == {"e5"}, "younger than two weeks: kept"
+
+
+_CLAIMS = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+from launcher._layout import RunDir
+sd, n = sys.argv[1], int(sys.argv[2])
+for i in range(n):
+    d = RunDir.claim("r%04d" % i, sd)
+    d.write_run({{"run_id": "r%04d" % i, "run_uid": "0123456789abcdef", "argv": ["true"]}})
+    d.write_record({{"run_id": "r%04d" % i, "run_uid": "0123456789abcdef", "state": "REAPED",
+                     "outcome": "exited"}}, durable=False)
+    d.release()
+    t = time.time() - (n - i)
+    os.utime(d.path, (t, t))
+"""
+
+
+def test_automatic_bound_keeps_at_most_keep_runs(tmp_path):
+    from launcher._statedir import PRUNE_SLACK
+
+    sd = str(tmp_path / "state")
+    keep = 5
+    make(sd, "orphan-oldest", "RUNNING")
+    old = time.time() - 86400
+    os.utime(os.path.join(sd, "runs", "orphan-oldest"), (old, old))
+    n = keep + PRUNE_SLACK + 10
+    p = subprocess.run([sys.executable, "-c", _CLAIMS.format(root=ROOT), sd, str(n)],
+                       env=dict(os.environ, CONTAIN_KEEP_RUNS=str(keep)), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    left = names(sd)
+    assert "orphan-oldest" in left, "an orphan is never removed"
+    assert len(left) <= keep + PRUNE_SLACK, len(left)
+    assert all(f"r{i:04d}" in left for i in range(n - 5, n)), "the newest runs are kept"
+    assert not any(x.startswith(".gc-") for x in left)
+    # 0 turns the bound off.
+    sd2 = str(tmp_path / "state2")
+    p = subprocess.run([sys.executable, "-c", _CLAIMS.format(root=ROOT), sd2, str(n)],
+                       env=dict(os.environ, CONTAIN_KEEP_RUNS="0"), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert len(names(sd2)) == n
+
+
+@pytest.mark.parametrize("text,seconds", [("90", 90), ("90s", 90), ("15m", 900), ("2h", 7200), ("7d", 604800),
+                                          ("2w", 1209600), ("1d12h", 129600), ("0.5h", 1800)])
+def test_durations(text, seconds):
+    from launcher._gc import parse_duration
+
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "soon", "-5", "inf", "nan", "5x", "h"])
+def test_bad_durations(text):
+    from launcher._gc import parse_duration
+
+    with pytest.raises(ValueError):
+        parse_duration(text)
