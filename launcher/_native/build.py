@@ -23,7 +23,7 @@ import cffi
 HERE = pathlib.Path(__file__).resolve().parent
 
 MODULES = {
-    "linux": ("cgroup", "init", "procscan", "seal", "spawn"),
+    "linux": ("cgroup", "child", "clone", "fds", "init", "procscan", "seal", "spawn", "wall"),
     "win32": ("jobobject", "winsync"),
 }
 
@@ -33,7 +33,7 @@ _COMPILE = {
     "linux": {"extra_compile_args": ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
               # procscan.c reads /proc with a few threads.
               # Bind every symbol at load: the CLONE_VM spawn child must not
-              # run the lazy binder (spawn.c).
+              # run the lazy binder (clone.c).
               "extra_link_args": ["-pthread", "-Wl,-z,now"]},
     "win32": {"extra_compile_args": ["/O2", "/W3"],
               # winsync.c: GetSecurityInfo, EqualSid, OpenProcessToken.

@@ -17,7 +17,7 @@
  * when its pidfd polls readable (pidfd_poll: task->exit_state set), for
  * its parent and for any other holder of a pidfd alike.
  *
- * The init (init_main) never execs and never allocates:
+ * The init (ct_init_main) never execs and never allocates:
  * - it names itself ct/init, and closes every descriptor
  *   the supervisor had except the few it needs (a library caller's pipes
  *   and locks must not stay open for the run's life);
@@ -29,7 +29,7 @@
  * - mount namespace: every mount private, then a fresh /proc (both only
  *   noted if refused: a /proc of the host's namespace still works for us,
  *   ps just shows more);
- * - joins its cgroups (join fds, as in spawn.c), forks the worker with the
+ * - joins its cgroups (join fds, as in child.c), forks the worker with the
  *   same child set-up as a plain spawn (ct_child_exec) and learns exactly
  *   whether it exec'd (ct_child_settle), then reports EXEC, passing the
  *   worker's pidfd over the socket (and its pid as the supervisor's /proc
@@ -53,7 +53,8 @@
  * Messages are fixed-size (struct ct_init_msg) on a SOCK_SEQPACKET pair,
  * sent with MSG_DONTWAIT: the reaper never blocks on its supervisor, and
  * the supervisor never waits for an EOF (the init's pidfd is the word on
- * whether it lives).
+ * whether it lives). The supervisor's side (the clone into the new
+ * namespaces, the maps it writes, reading the messages) is wall.c.
  *
  * Measured on this kernel (Linux 6.18, 2 shared cores; tests/test_wall.py,
  * benchmarks/bench_wall.py):
@@ -85,10 +86,12 @@
  *     shares with it: writing 32 MiB took 23 ms instead of 0.6 ms.
  */
 #include "init.h"
+#include "child.h"
+#include "clone.h"
+#include "fds.h"
 
 #include <errno.h>
 #include <fcntl.h>
-#include <poll.h>
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
@@ -100,21 +103,6 @@
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#ifndef CLONE_NEWPID
-#define CLONE_NEWPID 0x20000000
-#endif
-#ifndef CLONE_NEWUSER
-#define CLONE_NEWUSER 0x10000000
-#endif
-#ifndef CLONE_NEWNS
-#define CLONE_NEWNS 0x00020000
-#endif
-#ifndef CLONE_VFORK
-#define CLONE_VFORK 0x00004000
-#endif
-
-/* -- the init ------------------------------------------------------------- */
 
 static void init_send(int sock, int kind, int a, int b, int c, int d, int64_t x, int64_t y, int pass_fd) {
     struct ct_init_msg m;
@@ -154,7 +142,7 @@ static __attribute__((noreturn)) void init_fail(int sock, int stage, int err) {
     _exit(0);
 }
 
-static int write_file(const char *path, const char *text) {
+int ct_write_file(const char *path, const char *text) {
     int fd = open(path, O_WRONLY | O_CLOEXEC);
     if (fd < 0) return -errno;
     int rc = ct_write_all(fd, text, strlen(text));
@@ -173,11 +161,11 @@ static char *put_map(char *p, long inside, long outside) {
 static int self_maps(const struct ct_wall_args *w) {
     char map[64];
     int rc;
-    if ((rc = write_file("/proc/self/setgroups", "deny")) < 0) return rc;
+    if ((rc = ct_write_file("/proc/self/setgroups", "deny")) < 0) return rc;
     put_map(map, w->uid, w->uid);
-    if ((rc = write_file("/proc/self/uid_map", map)) < 0) return rc;
+    if ((rc = ct_write_file("/proc/self/uid_map", map)) < 0) return rc;
     put_map(map, w->gid, w->gid);
-    return write_file("/proc/self/gid_map", map);
+    return ct_write_file("/proc/self/gid_map", map);
 }
 
 static void sort_ints(int *v, int n) {
@@ -213,8 +201,7 @@ static int is_user_sent(const struct signalfd_siginfo *si) {
     return code == SI_USER || code == SI_QUEUE || code == SI_TKILL;
 }
 
-static __attribute__((noreturn)) void init_main(const struct ct_spawn_args *a, const struct ct_wall_args *w,
-                                                 int sock, int sync_rd) {
+void ct_init_main(const struct ct_spawn_args *a, const struct ct_wall_args *w, int sock, int sync_rd) {
     int rc;
     /* First of all: a zombie init whose comm is not this never ran our
      * code (killed at birth: the cgroup.kill fork bug). No message for it:
@@ -340,128 +327,5 @@ static __attribute__((noreturn)) void init_main(const struct ct_spawn_args *a, c
         if (sig != SIGCONT && sig != SIGTSTP && sig != SIGTTIN && sig != SIGTTOU && sig != SIGWINCH)
             kill(-1, SIGCONT);
         init_send(sock, CT_EV_FORWARDED, sig, err, 0, 0, 0, 0, -1);
-    }
-}
-
-/* -- the supervisor's side ------------------------------------------------ */
-
-static int write_maps(int pidfd, const struct ct_wall_args *w) {
-    char path[64], *p;
-    long pid = -1;
-    int rc = ct_pid_via_fdinfo(pidfd, &pid);
-    if (rc < 0) return rc;
-    if (pid <= 0) return -ESRCH;
-    memcpy(path, "/proc/", 6);
-    p = ct_put_int(path + 6, pid);
-    memcpy(p, "/uid_map", 9);
-    if ((rc = write_file(path, w->uid_map ? w->uid_map : "")) < 0) return rc;
-    memcpy(p, "/gid_map", 9);
-    return write_file(path, w->gid_map ? w->gid_map : "");
-}
-
-int ct_wall_spawn(const struct ct_spawn_args *a, const struct ct_wall_args *w, struct ct_wall_result *r) {
-    int sv[2], sync[2] = {-1, -1}, pidfd = -1, rc = 0;
-    sigset_t all, old;
-    r->init_pid = -1;
-    r->init_pidfd = -1;
-    r->report_fd = -1;
-    r->stage = CT_STAGE_NONE;
-    r->child_errno = 0;
-
-    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0) {
-        r->stage = CT_STAGE_CLONE;
-        return -errno;
-    }
-    if (w->userns == CT_USERNS_MAP && pipe2(sync, O_CLOEXEC) < 0) {
-        rc = -errno;
-        close(sv[0]);
-        close(sv[1]);
-        r->stage = CT_STAGE_CLONE;
-        return rc;
-    }
-    uint64_t flags = CLONE_NEWPID;
-    if (w->userns != CT_USERNS_NONE) flags |= CLONE_NEWUSER;
-    if (w->mount_proc) flags |= CLONE_NEWNS;
-
-    /* The init starts with every signal blocked and keeps them so. */
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    long pid = ct_raw_clone3(flags, &pidfd, a->cgroup_fd);
-    if (pid == 0) {
-        close(sv[0]);
-        if (sync[1] >= 0) close(sync[1]);
-        init_main(a, w, sv[1], sync[0]);
-    }
-    int clone_errno = errno;
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    close(sv[1]);
-    if (sync[0] >= 0) close(sync[0]);
-    if (pid < 0) {
-        close(sv[0]);
-        if (sync[1] >= 0) close(sync[1]);
-        r->stage = CT_STAGE_CLONE;
-        return -clone_errno;
-    }
-    if (w->userns == CT_USERNS_MAP) {
-        if ((rc = write_maps(pidfd, w)) == 0 && ct_write_all(sync[1], "G", 1) < 0) rc = -errno;
-        close(sync[1]);
-        if (rc < 0) {
-            struct ct_spawn_result dead;
-            syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, NULL, 0);
-            ct_reap(pidfd, &dead);
-            close(pidfd);
-            close(sv[0]);
-            r->stage = CT_STAGE_USERNS;
-            r->child_errno = -rc;
-            return rc;
-        }
-    }
-    int fl = fcntl(sv[0], F_GETFL);
-    if (fl >= 0) fcntl(sv[0], F_SETFL, fl | O_NONBLOCK);
-    r->init_pid = (int)pid;
-    r->init_pidfd = pidfd;
-    r->report_fd = sv[0];
-    return 0;
-}
-
-int ct_init_recv(int fd, struct ct_init_msg *m, int *passed_fd) {
-    union {
-        struct cmsghdr h;
-        char buf[CMSG_SPACE(sizeof(int) * 4)];
-    } ctl;
-    struct iovec iov = {m, sizeof *m};
-    struct msghdr mh;
-    *passed_fd = -1;
-    for (;;) {
-        memset(&mh, 0, sizeof mh);
-        mh.msg_iov = &iov;
-        mh.msg_iovlen = 1;
-        mh.msg_control = ctl.buf;
-        mh.msg_controllen = sizeof ctl.buf;
-        ssize_t n = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
-            return -errno;
-        }
-        if (n == 0) return 2;
-        for (struct cmsghdr *ch = CMSG_FIRSTHDR(&mh); ch; ch = CMSG_NXTHDR(&mh, ch)) {
-            if (ch->cmsg_level != SOL_SOCKET || ch->cmsg_type != SCM_RIGHTS) continue;
-            int nfd = (int)((ch->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-            for (int i = 0; i < nfd; i++) {
-                int got;
-                memcpy(&got, CMSG_DATA(ch) + i * sizeof(int), sizeof(int));
-                if (*passed_fd < 0)
-                    *passed_fd = got;
-                else
-                    close(got);   /* more than we asked for: never ours to keep */
-            }
-        }
-        if (n != (ssize_t)sizeof *m || (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
-            if (*passed_fd >= 0) close(*passed_fd);
-            *passed_fd = -1;
-            return -EPROTO;
-        }
-        return 1;
     }
 }

@@ -45,14 +45,6 @@ struct ct_wall_args {
     int die_with_parent;   /* PR_SET_PDEATHSIG(SIGKILL) on the init (dies with the calling thread) */
 };
 
-struct ct_wall_result {
-    int init_pid;          /* in the caller's PID namespace */
-    int init_pidfd;        /* a child's pidfd: waitid works */
-    int report_fd;         /* nonblocking, close-on-exec: read with ct_init_recv */
-    int stage;             /* of a failure of ct_wall_spawn itself (clone, maps) */
-    int child_errno;
-};
-
 struct ct_init_msg {
     int32_t kind;
     int32_t a, b, c, d;
@@ -60,8 +52,10 @@ struct ct_init_msg {
     int64_t x, y;
 };
 
-int ct_wall_spawn(const struct ct_spawn_args *a, const struct ct_wall_args *w, struct ct_wall_result *r);
-/* 1: a message (and *passed_fd, or -1), 0: none now, 2: the init's end is
- * closed (a hint only: the init's pidfd says whether it exited), -errno. */
-int ct_init_recv(int fd, struct ct_init_msg *m, int *passed_fd);
+/* Shared with wall.c (not exported to Python). The init: never returns.
+ * `sock`: its end of the message pair; `sync_rd`: CT_USERNS_MAP's "maps
+ * written" pipe, or -1. */
+__attribute__((noreturn)) void ct_init_main(const struct ct_spawn_args *a, const struct ct_wall_args *w,
+                                            int sock, int sync_rd);
+int ct_write_file(const char *path, const char *text);
 #endif

@@ -84,36 +84,11 @@ int ct_spawn(const struct ct_spawn_args *a, struct ct_spawn_result *r);
 int ct_set_child_subreaper(int on);
 uint64_t ct_sig_ignored_mask(void);
 
-/* Mark every descriptor >= 3 close-on-exec except `keep` (ascending, each
- * >= 3), which are made inheritable. `how`: 0 close_range, falling back to
- * a /proc/self/fd scan, then to a loop up to RLIMIT_NOFILE; 1 the scan;
- * 2 the loop. Async-signal-safe: for a child between clone and execve. */
-int ct_fds_cloexec_except(const int *keep, int nkeep, int how);
-
-/* Shared with init.c (not exported to Python). The child reports each
- * stage it enters, and a failure, as fixed-size messages on a pipe; the
- * parent reads them without blocking once the vfork release says the
- * child has exec'd or exited (EOF is only a wake-up, never the verdict). */
-struct ct_msg {
-    int32_t stage;      /* the stage entered (or failed) */
-    int32_t err;        /* errno of a failure */
-    int32_t candidate;
-    int32_t failed;     /* 1: the child reported a failure and called _exit */
-};
-struct ct_report {
-    int fd;             /* the pipe's write end, in the child */
-};
-__attribute__((noreturn)) void ct_child_exec(const struct ct_spawn_args *a, struct ct_report *rep);
+/* Shared with init.c and wall.c (not exported to Python): the parent's
+ * side of the handshake (the child's is child.h). */
 int ct_child_settle(int pid, int pidfd, int rd, struct ct_spawn_result *r);
-long ct_raw_clone3(uint64_t flags, int *pidfd, int cgroup_fd);
-/* Start a child that runs ct_child_exec(a, rep); the calling thread sleeps
- * until it exec'd or exited (CLONE_VFORK). Returns its pid, or -1/errno. */
-long ct_vfork_exec(const struct ct_spawn_args *a, struct ct_report *rep, int *pidfd, int cgroup_fd);
-int ct_child_join(const struct ct_spawn_args *a);
-int ct_fds_close_except(const int *keep, int nkeep);
 void ct_reap(int pidfd, struct ct_spawn_result *r);
 char *ct_put_int(char *p, long v);
 int ct_pid_via_fdinfo(int pidfd, long *pid);
 int ct_pid_via_fdinfo_at(int dirfd, const char *proc, int pidfd, long *pid);
-int ct_write_all(int fd, const char *s, size_t n);
 #endif

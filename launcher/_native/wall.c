@@ -1,0 +1,150 @@
+#define _GNU_SOURCE
+/* The PID-namespace wall, the supervisor's side: clone3 of the init into
+ * its new namespaces (CLONE_NEWPID, and CLONE_NEWUSER, CLONE_NEWNS as
+ * asked), the uid/gid maps the parent writes for CT_USERNS_MAP, and the
+ * init's messages read back. The init itself, and why the wall holds:
+ * init.c. Returns 0 or -errno; policy is Python's (wall.py).
+ */
+#include "wall.h"
+#include "clone.h"
+#include "child.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#ifndef CLONE_NEWPID
+#define CLONE_NEWPID 0x20000000
+#endif
+#ifndef CLONE_NEWUSER
+#define CLONE_NEWUSER 0x10000000
+#endif
+#ifndef CLONE_NEWNS
+#define CLONE_NEWNS 0x00020000
+#endif
+
+static int write_maps(int pidfd, const struct ct_wall_args *w) {
+    char path[64], *p;
+    long pid = -1;
+    int rc = ct_pid_via_fdinfo(pidfd, &pid);
+    if (rc < 0) return rc;
+    if (pid <= 0) return -ESRCH;
+    memcpy(path, "/proc/", 6);
+    p = ct_put_int(path + 6, pid);
+    memcpy(p, "/uid_map", 9);
+    if ((rc = ct_write_file(path, w->uid_map ? w->uid_map : "")) < 0) return rc;
+    memcpy(p, "/gid_map", 9);
+    return ct_write_file(path, w->gid_map ? w->gid_map : "");
+}
+
+int ct_wall_spawn(const struct ct_spawn_args *a, const struct ct_wall_args *w, struct ct_wall_result *r) {
+    int sv[2], sync[2] = {-1, -1}, pidfd = -1, rc = 0;
+    sigset_t all, old;
+    r->init_pid = -1;
+    r->init_pidfd = -1;
+    r->report_fd = -1;
+    r->stage = CT_STAGE_NONE;
+    r->child_errno = 0;
+
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0) {
+        r->stage = CT_STAGE_CLONE;
+        return -errno;
+    }
+    if (w->userns == CT_USERNS_MAP && pipe2(sync, O_CLOEXEC) < 0) {
+        rc = -errno;
+        close(sv[0]);
+        close(sv[1]);
+        r->stage = CT_STAGE_CLONE;
+        return rc;
+    }
+    uint64_t flags = CLONE_NEWPID;
+    if (w->userns != CT_USERNS_NONE) flags |= CLONE_NEWUSER;
+    if (w->mount_proc) flags |= CLONE_NEWNS;
+
+    /* The init starts with every signal blocked and keeps them so. */
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    long pid = ct_raw_clone3(flags, &pidfd, a->cgroup_fd);
+    if (pid == 0) {
+        close(sv[0]);
+        if (sync[1] >= 0) close(sync[1]);
+        ct_init_main(a, w, sv[1], sync[0]);
+    }
+    int clone_errno = errno;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    close(sv[1]);
+    if (sync[0] >= 0) close(sync[0]);
+    if (pid < 0) {
+        close(sv[0]);
+        if (sync[1] >= 0) close(sync[1]);
+        r->stage = CT_STAGE_CLONE;
+        return -clone_errno;
+    }
+    if (w->userns == CT_USERNS_MAP) {
+        if ((rc = write_maps(pidfd, w)) == 0 && ct_write_all(sync[1], "G", 1) < 0) rc = -errno;
+        close(sync[1]);
+        if (rc < 0) {
+            struct ct_spawn_result dead;
+            syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, NULL, 0);
+            ct_reap(pidfd, &dead);
+            close(pidfd);
+            close(sv[0]);
+            r->stage = CT_STAGE_USERNS;
+            r->child_errno = -rc;
+            return rc;
+        }
+    }
+    int fl = fcntl(sv[0], F_GETFL);
+    if (fl >= 0) fcntl(sv[0], F_SETFL, fl | O_NONBLOCK);
+    r->init_pid = (int)pid;
+    r->init_pidfd = pidfd;
+    r->report_fd = sv[0];
+    return 0;
+}
+
+int ct_init_recv(int fd, struct ct_init_msg *m, int *passed_fd) {
+    union {
+        struct cmsghdr h;
+        char buf[CMSG_SPACE(sizeof(int) * 4)];
+    } ctl;
+    struct iovec iov = {m, sizeof *m};
+    struct msghdr mh;
+    *passed_fd = -1;
+    for (;;) {
+        memset(&mh, 0, sizeof mh);
+        mh.msg_iov = &iov;
+        mh.msg_iovlen = 1;
+        mh.msg_control = ctl.buf;
+        mh.msg_controllen = sizeof ctl.buf;
+        ssize_t n = recvmsg(fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+            return -errno;
+        }
+        if (n == 0) return 2;
+        for (struct cmsghdr *ch = CMSG_FIRSTHDR(&mh); ch; ch = CMSG_NXTHDR(&mh, ch)) {
+            if (ch->cmsg_level != SOL_SOCKET || ch->cmsg_type != SCM_RIGHTS) continue;
+            int nfd = (int)((ch->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            for (int i = 0; i < nfd; i++) {
+                int got;
+                memcpy(&got, CMSG_DATA(ch) + i * sizeof(int), sizeof(int));
+                if (*passed_fd < 0)
+                    *passed_fd = got;
+                else
+                    close(got);   /* more than we asked for: never ours to keep */
+            }
+        }
+        if (n != (ssize_t)sizeof *m || (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
+            if (*passed_fd >= 0) close(*passed_fd);
+            *passed_fd = -1;
+            return -EPROTO;
+        }
+        return 1;
+    }
+}

@@ -1,0 +1,20 @@
+#ifndef CT_WALL_H
+#define CT_WALL_H
+#include "init.h"
+
+/* The PID-namespace wall, the supervisor's side (wall.c): start the init
+ * (init.c) and read its messages (struct ct_init_msg, CT_EV_*: init.h). */
+
+struct ct_wall_result {
+    int init_pid;          /* in the caller's PID namespace */
+    int init_pidfd;        /* a child's pidfd: waitid works */
+    int report_fd;         /* nonblocking, close-on-exec: read with ct_init_recv */
+    int stage;             /* of a failure of ct_wall_spawn itself (clone, maps) */
+    int child_errno;
+};
+
+int ct_wall_spawn(const struct ct_spawn_args *a, const struct ct_wall_args *w, struct ct_wall_result *r);
+/* 1: a message (and *passed_fd, or -1), 0: none now, 2: the init's end is
+ * closed (a hint only: the init's pidfd says whether it exited), -errno. */
+int ct_init_recv(int fd, struct ct_init_msg *m, int *passed_fd);
+#endif
