@@ -67,7 +67,10 @@ def attach_container(info: dict[str, Any], root_pid: int) -> Any:
         from ._platform import linux
 
         if os.path.isdir(info["cgroup_dir"]):
-            return linux.Container.attach(info["cgroup_dir"])
+            cg = linux.Container.attach(info["cgroup_dir"])
+            if isinstance(info.get("wall"), dict):
+                cg.adopt_wall(info["wall"], (info.get("supervisor") or {}).get("pidns"))
+            return cg
         # e.g. a nested run whose lead's stop killed its owner and removed
         # its cgroup with the lead's subtree.
         return linux.Container.removed(info["cgroup_dir"])

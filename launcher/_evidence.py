@@ -85,9 +85,16 @@ class RunEvidence:
         try:
             self.identity = ProcessIdentity.read(sp.pid, sp.pidfd)
         except OSError as e:
-            # Our unreaped child's /proc entry exists even if it already
-            # exited: failing here is an observation failure.
-            self.notes.append(f"identity not read: {e}")
+            start = getattr(sp, "start_time", None)
+            if start:
+                # Behind the wall the worker is not our child and may be
+                # reaped already: the init read its start time for us while
+                # it was the init's unreaped child.
+                self.identity = ProcessIdentity.of_spawn(sp.pid, start, sp.pidfd, getattr(sp, "init_pid", -1))
+            else:
+                # Our unreaped child's /proc entry exists even if it already
+                # exited: failing here is an observation failure.
+                self.notes.append(f"identity not read: {e}")
         self.placement = container.placed(sp.pid)
         if container.backend != "none":
             expected = container.hierarchy.cg_path(container.leaf)
@@ -107,6 +114,7 @@ class RunEvidence:
             "backend": c.backend, "cgroup": c.path, "cgroup_dir": getattr(c, "dir", None),
             "spawn_via": via, "state_dir": run.layout.path if run.layout else None,
             "boot_id": boot_id(), "grace": run.opts.grace, "kill_timeout": run.opts.kill_timeout,
+            "wall": c.wall.describe() if getattr(c, "wall", None) is not None else None,
         }
 
     # -- the record ------------------------------------------------------------

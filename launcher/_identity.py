@@ -47,6 +47,13 @@ class ProcessIdentity:
         ino = os.fstat(pidfd).st_ino if pidfd is not None else None
         return cls(pid, start_time(pid), boot_id(), pidns_inode(pid), ino)
 
+    @classmethod
+    def of_spawn(cls, pid: int, start: int, pidfd: int, init_pid: int) -> "ProcessIdentity":
+        """A worker behind the wall that is gone already: its start time as
+        the init read it, its namespace as its init's."""
+        ns = pidns_inode(init_pid) if init_pid > 0 else None
+        return cls(pid, start, boot_id(), ns, os.fstat(pidfd).st_ino if pidfd >= 0 else None)
+
     def is_alive(self) -> bool | None:
         """True if this very process exists now, False if provably not, None
         if that could not be told (e.g. another boot, an unreadable /proc)."""

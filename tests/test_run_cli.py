@@ -56,10 +56,14 @@ def test_death_by_signal_is_128_plus_n(box):
 def test_identity_is_recorded(box):
     p = run_contain(box.env, "run", "--id", "x", "--", "true")
     assert p.returncode == 0
-    ident = box.record("x")["identity"]
+    rec = box.record("x")
+    ident = rec["identity"]
     with open("/proc/sys/kernel/random/boot_id") as f:
         assert ident["boot_id"] == f.read().strip()
-    assert ident["pid"] > 0 and ident["start_time"] > 0 and ident["pidns"] == os.stat("/proc/self/ns/pid").st_ino
+    # Behind a PID-namespace wall the worker's namespace is the wall's own.
+    walls = [w for w in rec["containment"]["walls"] if w["kind"] == "pidns"]
+    expected_ns = walls[0]["inode"] if walls else os.stat("/proc/self/ns/pid").st_ino
+    assert ident["pid"] > 0 and ident["start_time"] > 0 and ident["pidns"] == expected_ns
     assert ident["pidfd_inode"]
 
 

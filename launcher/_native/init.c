@@ -283,13 +283,15 @@ void ct_init_main(const struct ct_spawn_args *a, const struct ct_wall_args *w, i
     if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0 || dup2(null, 2) < 0)
         init_send(sock, CT_EV_NOTE, CT_NOTE_DEVNULL, errno, 0, 0, 0, 0, -1);
     long host_pid = -1;
+    long long start = -1;
     if (hostproc < 0 || ct_pid_via_fdinfo_at(hostproc, "", wpidfd, &host_pid) < 0) host_pid = -1;
+    if (host_pid > 0 && ct_start_time_at(hostproc, host_pid, &start) < 0) start = -1;
     int keep[3] = {sock, sfd, wpidfd};
     sort_ints(keep, 3);
     ct_fds_close_except(keep, 3);    /* hostproc too */
     if (chdir("/") < 0) {
     }
-    init_send(sock, CT_EV_EXEC, (int)wpid, (int)host_pid, 0, 0, 0, 0, wpidfd);
+    init_send(sock, CT_EV_EXEC, (int)wpid, (int)host_pid, 0, 0, start, 0, wpidfd);
     close(wpidfd);
 
     int worker_done = 0;

@@ -17,7 +17,8 @@ enum {
 enum {
     CT_EV_STARTED = 1,    /* (unused: a zombie init named ct/init ran our code) */
     CT_EV_EXEC = 2,       /* a = the worker's pid in the namespace, b = its pid in the caller's
-                           * /proc (-1: unknown); the worker's pidfd rides along */
+                           * /proc (-1: unknown), x = its start time (proc(5) field 22, -1:
+                           * unknown); the worker's pidfd rides along */
     CT_EV_FAILED = 3,     /* a = stage, b = errno, c = candidate, d = signal (the worker never ran) */
     CT_EV_EXIT = 4,       /* a = the worker's pid in the namespace, b = its wait status */
     CT_EV_NOTE = 5,       /* a = CT_NOTE_*, b = errno: something that did not work but is not fatal */

@@ -121,6 +121,40 @@ static long parse_long(const char *p, const char **end) {
     return neg ? -v : v;
 }
 
+/* Field 22 of <dirfd>/<pid>/stat (the start time in clock ticks after
+ * boot, the same in every namespace): the fields after comm start after
+ * its LAST ')' (proc(5)). Async-signal-safe: the init reads it for a worker
+ * that is still its unreaped child, so the supervisor gets the worker's
+ * identity even when the worker is gone before it could look. */
+int ct_start_time_at(int dirfd, long pid, long long *start) {
+    char path[32], buf[1024];
+    ct_put_int(path, pid);
+    size_t n = strlen(path);
+    memcpy(path + n, "/stat", 6);
+    int fd = openat(dirfd, path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -errno;
+    ssize_t got = read(fd, buf, sizeof buf - 1);
+    int e = errno;
+    close(fd);
+    if (got <= 0) return got < 0 ? -e : -EIO;
+    buf[got] = 0;
+    char *rp = NULL;
+    for (char *q = buf; *q; q++)
+        if (*q == ')') rp = q;
+    if (!rp) return -EIO;
+    const char *p = rp + 2;      /* field 3, the state */
+    for (int field = 3; field < 22; field++) {
+        while (*p && *p != ' ') p++;
+        if (!*p) return -EIO;
+        p++;
+    }
+    long long v = 0;
+    if (*p < '0' || *p > '9') return -EIO;
+    while (*p >= '0' && *p <= '9') v = v * 10 + (*p++ - '0');
+    *start = v;
+    return 0;
+}
+
 /* The pid of the pidfd's process as this /proc mount names it, -1 once it
  * has been reaped. */
 int ct_pid_via_fdinfo(int pidfd, long *pid) {

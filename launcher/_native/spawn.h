@@ -91,4 +91,5 @@ void ct_reap(int pidfd, struct ct_spawn_result *r);
 char *ct_put_int(char *p, long v);
 int ct_pid_via_fdinfo(int pidfd, long *pid);
 int ct_pid_via_fdinfo_at(int dirfd, const char *proc, int pidfd, long *pid);
+int ct_start_time_at(int dirfd, long pid, long long *start);
 #endif

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 from .._errors import ContainmentUnavailable, SpawnFailed
 from .._procfs import cgroup_of
 from . import pidwall, posix
-from .posixwait import Root
+from .._identity import pidns_inode
+from .posixwait import Init, Root
 from .cgroups import Hierarchy, cgroup_mounts, hierarchies, resolve_base, writable_procs_above
 
 KIND = "cgroup2"
@@ -59,6 +60,8 @@ class Container:
         self.wall_mode: bool | None = None      # None: where the kernel allows; True: required
         self.wall_problem: str | None = None    # why a wall that was wanted is not there
         self.also_killed: str | None = None     # what else the last kill did (the wall's init)
+        self.wall_gone = False                  # adopted: the wall's init was already reaped
+        self.wall_unknown: str | None = None    # adopted: why the wall cannot be observed
 
     @classmethod
     def create(cls, run_id: str, env: dict[str, str] | os._Environ[str] = os.environ,
@@ -96,6 +99,25 @@ class Container:
         c = cls(h, os.path.dirname(fs_dir), os.path.basename(fs_dir))
         c._events_fd = os.open(os.path.join(c.dir, "cgroup.events"), os.O_RDONLY | os.O_CLOEXEC)
         return c
+
+    def adopt_wall(self, desc: dict[str, Any], recorded_pidns: int | None) -> None:
+        """The PID-namespace wall of an adopted run, from run.json's `wall`:
+        its init re-attached by identity. A pid only means something in the
+        namespace it was read in: an adopter in another one cannot tell a
+        gone init from one it cannot see, and says so (never "empty")."""
+        ident = desc.get("init") or {}
+        pid, start = ident.get("pid"), ident.get("start_time")
+        mine = pidns_inode(os.getpid())
+        if not isinstance(pid, int) or not isinstance(start, int) or mine is None or mine != recorded_pidns:
+            self.wall_unknown = ("the wall's init was recorded in another PID namespace than this adopter's "
+                                 "(or not at all): whether it is gone cannot be told from here")
+            return
+        init = Init.adopt(pid, start)
+        if init is None:
+            self.wall_gone = True
+        else:
+            self.wall = pidwall.PidWall(init, desc.get("userns"))
+        self.empty_proof = f"cgroup.events populated 0, and {pidwall.PROOF}"
 
     @classmethod
     def removed(cls, fs_dir: str) -> "Container":
@@ -136,12 +158,17 @@ class Container:
 
     def unleavable(self) -> str | None:
         """How no member can have left unseen, if the container itself says so."""
-        return pidwall.UNLEAVABLE if self.wall is not None else None
+        return pidwall.UNLEAVABLE if self.wall is not None or self.wall_gone else None
 
     def walls(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = [{"kind": "cgroup", "path": self.path, "via": "cgroup.events populated 0"}]
         if self.wall is not None:
             out.append(self.wall.record())
+        elif self.wall_gone:
+            out.append({"kind": "pidns", "observed_empty": True,
+                        "via": "the init's pid no longer names it: it was reaped, so every member was gone"})
+        elif self.wall_unknown:
+            out.append({"kind": "pidns", "observed_empty": None, "via": "none", "detail": self.wall_unknown})
         return out
 
     def owns(self, pid: int) -> bool:
@@ -285,6 +312,8 @@ class Container:
         """`populated` of the run's cgroup.events. Only this (or rmdir) is
         authoritative: cgroup.procs can list exiting tasks (cgroup-v2.rst).
         Raises OSError when it cannot be read."""
+        if self.wall_unknown:
+            raise OSError(errno.ENOENT, self.wall_unknown)
         if self.wall is not None and not self.wall.empty():
             return True
         if self._gone:

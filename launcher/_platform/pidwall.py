@@ -73,7 +73,16 @@ class PidWall:
 
     @classmethod
     def of(cls, sp: Spawned, userns: str | None = None) -> "PidWall":
-        return cls(Init(sp.init_pid, sp.init_pidfd, sp.report_fd, sp.events), userns)
+        w = cls(Init(sp.init_pid, sp.init_pidfd, sp.report_fd, sp.events), userns)
+        w.init_identity = w.init.identity()
+        return w
+
+    init_identity: dict[str, Any] | None = None
+
+    def describe(self) -> dict[str, Any]:
+        """What run.json records, for an adopter: the init's identity and
+        the namespace it was counted in."""
+        return {"kind": "pidns", "init": self.init_identity, "inode": self.inode, "userns": self.userns}
 
     def root(self, sp: Spawned) -> WallRoot:
         return WallRoot(self.init, sp.pid, sp.pidfd)

@@ -12,8 +12,42 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any, Callable, Sequence
 
+from .._procfs import read_stat
 from .._record import evidence
 from .wall import InitClosed, InitEmpty, InitEvent, InitForwarded, InitNote, InitWorkerExit, read_init_events
+
+
+# PIDFD_GET_INFO (linux/pidfd.h, 6.13; PIDFD_INFO_EXIT 6.15): the kernel's
+# record of a process's exit, readable by any holder of its pidfd once it has
+# been reaped, whoever reaped it. struct pidfd_info is 72 bytes with
+# exit_code at offset 60; _IOWR(0xFF, 11, struct pidfd_info).
+_PIDFD_INFO_EXIT = 1 << 3
+_PIDFD_INFO_SIZE = 72
+_PIDFD_GET_INFO = (3 << 30) | (_PIDFD_INFO_SIZE << 16) | (0xFF << 8) | 11
+_EXIT_VIA = "pidfd + PIDFD_GET_INFO(PIDFD_INFO_EXIT): the kernel's record of its exit"
+
+
+def pidfd_exit_status(pidfd: int) -> int | None:
+    """The wait status of a reaped process, from its pidfd; None while it is
+    not reaped yet, or where the kernel cannot say (before 6.15)."""
+    import fcntl
+    import struct
+
+    buf = bytearray(_PIDFD_INFO_SIZE)
+    struct.pack_into("=Q", buf, 0, _PIDFD_INFO_EXIT)
+    try:
+        fcntl.ioctl(pidfd, _PIDFD_GET_INFO, buf)
+    except OSError:
+        return None
+    mask = struct.unpack_from("=Q", buf, 0)[0]
+    return struct.unpack_from("=i", buf, 60)[0] if mask & _PIDFD_INFO_EXIT else None
+
+
+def exit_of(status: int, via: str) -> "RootExit":
+    if os.WIFEXITED(status):
+        return RootExit("exited", os.WEXITSTATUS(status), None,
+                        evidence(True, via, {"exit_code": os.WEXITSTATUS(status)}))
+    return RootExit("signaled", None, os.WTERMSIG(status), evidence(True, via, {"signal": os.WTERMSIG(status)}))
 
 
 class RootExit:
@@ -63,7 +97,10 @@ class Root:
             p.register(self.pidfd, select.POLLIN)
             if not p.poll(0):
                 return None
+            status = pidfd_exit_status(self.pidfd)
             self.close()
+            if status is not None:
+                return exit_of(status, f"pidfd readable (adopted: not our child); {_EXIT_VIA}")
             return RootExit(None, None, None, evidence(True, "pidfd readable (adopted: not our child)",
                                                        "exit status unknown: reaped by another process"))
         try:
@@ -137,6 +174,26 @@ class Init:
         self.status: int | None = None        # the init's own wait status, when we reaped it
         self.rusage: Any = None               # its rusage then: every member it reaped
         self._absorb(events)
+
+    @classmethod
+    def adopt(cls, pid: int, start_time: int) -> "Init | None":
+        """The init of a run whose owner is gone, by identity: None if that
+        very process no longer exists (it was reaped: the namespace is
+        empty). The caller must have checked that its pid namespace is the
+        one the pid was recorded in. Raises OSError if it cannot tell."""
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return None
+        st = read_stat(pid)
+        if st is None or st[4] != start_time:
+            os.close(fd)
+            return None          # the pid names another process now: ours was reaped
+        return cls(pid, fd, -1, adopted=True)
+
+    def identity(self) -> dict[str, Any]:
+        st = read_stat(self.pid)
+        return {"pid": self.pid, "start_time": st[4] if st else None}
 
     def _absorb(self, events: Sequence[InitEvent]) -> None:
         for ev in events:
@@ -220,17 +277,19 @@ class WallRoot:
         return None            # the container waits on the init's pidfd and socket
 
     def poll(self) -> RootExit | None:
+        """The kernel's record of the worker's exit first (it cannot be
+        forged from inside); the init's report where the kernel has none."""
         if self._ended:
             return None
         self.init.pump()
+        kernel = pidfd_exit_status(self.pidfd) if self.pidfd >= 0 else None
+        if kernel is not None:
+            self._end()
+            return exit_of(kernel, f"the init reaped the worker; {_EXIT_VIA}")
         st = self.init.worker_status
         if st is not None:
             self._end()
-            via = "the PID namespace's init reaped the worker (its wait status, on the init's socket)"
-            if os.WIFEXITED(st):
-                return RootExit("exited", os.WEXITSTATUS(st), None,
-                                evidence(True, via, {"exit_code": os.WEXITSTATUS(st)}))
-            return RootExit("signaled", None, os.WTERMSIG(st), evidence(True, via, {"signal": os.WTERMSIG(st)}))
+            return exit_of(st, "the PID namespace's init reaped the worker (its wait status, on the init's socket)")
         if self.init.reaped():
             self._end()
             return RootExit(None, None, None, evidence(

@@ -197,11 +197,12 @@ class Spawned:
     `read_init_events` when it polls readable), and `events` what the init
     said before `spawn` returned (notes, or even the worker's exit)."""
 
-    __slots__ = ("pid", "pidfd", "via", "wall", "init_pid", "init_pidfd", "report_fd", "events")
+    __slots__ = ("pid", "pidfd", "via", "wall", "init_pid", "init_pidfd", "report_fd", "events", "start_time")
 
     def __init__(self, pid: int, pidfd: int, via: str = "", *, wall: str | None = None,
                  init_pid: int = -1, init_pidfd: int = -1, report_fd: int = -1,
-                 events: list[InitEvent] | None = None) -> None:
+                 events: list[InitEvent] | None = None, start_time: int | None = None) -> None:
+        self.start_time = start_time     # the worker's, when the spawn learned it (the wall's init)
         self.pid = pid
         self.pidfd = pidfd
         self.via = via

@@ -40,13 +40,14 @@ class InitExec(InitEvent):
     it (-1: unknown). The init says EXEC once per spawn: another one is not
     its word (close its pidfd)."""
 
-    __slots__ = ("ns_pid", "host_pid", "pidfd")
+    __slots__ = ("ns_pid", "host_pid", "pidfd", "start_time")
     kind = "exec"
 
-    def __init__(self, ns_pid: int, host_pid: int, pidfd: int) -> None:
+    def __init__(self, ns_pid: int, host_pid: int, pidfd: int, start_time: int = -1) -> None:
         self.ns_pid = ns_pid
         self.host_pid = host_pid
         self.pidfd = pidfd
+        self.start_time = start_time     # proc(5) field 22, read by the init while the worker was its child
 
 
 class InitFailed(InitEvent):
@@ -147,7 +148,7 @@ class InitUnknown(InitEvent):
 def _event(m: Any, fd: int) -> InitEvent:
     k = m.kind
     if k == lib.CT_EV_EXEC and fd >= 0:
-        return InitExec(m.a, m.b, fd)
+        return InitExec(m.a, m.b, fd, m.x)
     if fd >= 0:
         os.close(fd)        # a descriptor with any other message is not ours to keep
     if k == lib.CT_EV_STARTED:
@@ -305,7 +306,8 @@ def spawn_wall(req: SpawnRequest, cgroup_fd: int = -1, join_fds: Sequence[int] =
     if pid <= 0:
         pid = worker.host_pid
     return Spawned(pid, worker.pidfd, via, wall="pidns", init_pid=r.init_pid, init_pidfd=r.init_pidfd,
-                   report_fd=r.report_fd, events=events)
+                   report_fd=r.report_fd, events=events,
+                   start_time=worker.start_time if worker.start_time > 0 else None)
 
 
 def wall_available(userns: str | None = None, mount_proc: bool = True) -> str | None:
