@@ -130,7 +130,7 @@ def attach_container(run_dir: str, run_id: str, info: dict[str, Any]) -> AttachR
     members only by pid and start time. run.json is compared, never obeyed."""
     facts, source = trusted_facts(run_dir, info, acting=True)
     if facts is None:
-        return _detached(info.get("cgroup"), source)
+        return _detached(None, source)     # run.json's path is not even worth recording
     notes = [] if source == "tag" else [f"adoption facts from {source}"]
     if source == "tag":
         for key, recorded in (("run_uid", info.get("run_uid")), ("backend", info.get("backend")),

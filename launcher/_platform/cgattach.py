@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 from .. import _tags
-from .cgroups import Hierarchy, hierarchies
+from .cgroups import Hierarchy, dev_of as _dev, hierarchies
 
 _HEX = frozenset("0123456789abcdef")
 FILEID_KERNFS = 0xFE        # include/linux/exportfs.h: the handle is the 64-bit kernfs node id
@@ -46,25 +46,6 @@ def leaf_run_id(name: str) -> str | None:
     if head[:4] not in ("run-", "sub-") or len(head) < 5:
         return None
     return head[4:]
-
-
-def _dev(st: os.stat_result) -> str:
-    return f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-
-
-def identify(h: Hierarchy, base: str, d: str) -> dict[str, Any]:
-    """The identity of a cgroup directory just created (run.json's
-    `cgroup_identity`, and the run directory's tag)."""
-    rel = os.path.relpath(d, h.mount)
-    chain = []
-    p = h.mount
-    for comp in rel.split(os.sep):
-        p = os.path.join(p, comp)
-        chain.append(os.stat(p, follow_symlinks=False).st_ino)
-    st = os.stat(d, follow_symlinks=False)
-    return {"dir": d, "cgroup": h.cg_path(d), "dev": _dev(st), "ino": st.st_ino,
-            "mount": h.mount, "mount_root": h.root, "mount_ino": os.stat(h.mount).st_ino,
-            "base": base, "chain": chain}
 
 
 class CgroupIdentity:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
-    from typing import NamedTuple
+    from typing import Any, NamedTuple
 
 from .._errors import ContainmentUnavailable
 from .._procfs import cgroup_of, mounts
@@ -70,6 +70,28 @@ def cgroup_mounts() -> tuple[list[str], list[str]]:
 
     v2 = top(v2, [])
     return v2, top(v1, v2)
+
+
+def dev_of(st: os.stat_result) -> str:
+    """A device as mountinfo spells it (major:minor of st_dev, proc(5))."""
+    return f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+
+
+def identify(h: Hierarchy, base: str, d: str) -> dict[str, Any]:
+    """The identity of a cgroup directory just created (run.json's
+    `cgroup_identity`, and the run directory's tag), which an adopter
+    verifies (cgattach.py): path, device, inode (the cgroup id), the mount
+    it was made through, and the inode of each directory down to it."""
+    rel = os.path.relpath(d, h.mount)
+    chain = []
+    p = h.mount
+    for comp in rel.split(os.sep):
+        p = os.path.join(p, comp)
+        chain.append(os.stat(p, follow_symlinks=False).st_ino)
+    st = os.stat(d, follow_symlinks=False)
+    return {"dir": d, "cgroup": h.cg_path(d), "dev": dev_of(st), "ino": st.st_ino,
+            "mount": h.mount, "mount_root": h.root, "mount_ino": os.stat(h.mount).st_ino,
+            "base": base, "chain": chain}
 
 
 def writable_procs_above(uid: int, gids: list[int] | tuple[int, ...], run_dir: str) -> str | None:

@@ -24,8 +24,10 @@ from .. import _tags
 from .._errors import ContainmentUnavailable
 from .._procfs import cgroup_of
 from . import posix
-from .cgattach import CgroupCheck, identify
-from .cgroups import Hierarchy, cgroup_mounts, hierarchies, resolve_base, writable_procs_above
+from .cgroups import Hierarchy, cgroup_mounts, hierarchies, identify, resolve_base, writable_procs_above
+
+if TYPE_CHECKING:
+    from .cgattach import CgroupCheck      # adoption only: not loaded on the run path
 
 KIND = "cgroup2"
 
