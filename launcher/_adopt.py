@@ -51,7 +51,7 @@ def _bounded(value: Any, default: float, limit: float, name: str, notes: list[st
     return default
 
 
-def _adopt(layout: RunDir) -> tuple[Run, AttachResult]:
+def _adopt(layout: RunDir, vouched: str | None = None) -> tuple[Run, AttachResult]:
     info = layout.read_run()
     if not isinstance(info, dict) or not isinstance(info.get("argv"), list):
         raise LauncherError(f"run {layout.id}: run.json unreadable")
@@ -60,6 +60,8 @@ def _adopt(layout: RunDir) -> tuple[Run, AttachResult]:
     facts.notes.append(f"adopted by pid {os.getpid()} after the owner was gone")
     att = attach_container(layout.path, layout.id, info)
     facts.notes.extend(n for n in att.notes if n)
+    if vouched is not None and att.unattached is None and att.container.backend == "cgroup2":
+        att.container.vouched = vouched
     opts = Options(grace=_bounded(info.get("grace"), DEFAULT_GRACE, _MAX_S, "grace", facts.notes),
                    kill_timeout=_bounded(info.get("kill_timeout"), DEFAULT_KILL_TIMEOUT, _MAX_S, "kill_timeout",
                                          facts.notes) or DEFAULT_KILL_TIMEOUT)
@@ -106,13 +108,14 @@ def adopt(layout: RunDir) -> Run:
     return _adopt(layout)[0]
 
 
-def take_over(layout: RunDir, op: str) -> CancelRecord | None:
+def take_over(layout: RunDir, op: str, vouched: str | None = None) -> CancelRecord | None:
     """Take ownership of a run whose owner is gone and finish the stop.
-    None if another process became the owner first."""
+    None if another process became the owner first. `vouched`: how a lead
+    proved this (nested) run's tree could not leave unseen."""
     if not layout.take_ownership():
         return None
     try:
-        run, att = _adopt(layout)
+        run, att = _adopt(layout, vouched)
     except BaseException:
         layout.release()
         raise
@@ -139,7 +142,8 @@ def take_over(layout: RunDir, op: str) -> CancelRecord | None:
     return CancelRecord(ack)
 
 
-def adopt_quietly(layout: RunDir, op: str, run_uid: str | None, by: dict[str, Any]) -> None:
+def adopt_quietly(layout: RunDir, op: str, run_uid: str | None, by: dict[str, Any],
+                  vouched: str | None = None) -> None:
     """Finish a run whose owner is gone and whose record is not terminal:
     record the intent durably, then take over. Does nothing if the run has
     an owner, has ended, or is another run now (run uid)."""
@@ -152,7 +156,7 @@ def adopt_quietly(layout: RunDir, op: str, run_uid: str | None, by: dict[str, An
     if layout.read_ack(op) is None:
         layout.append_request({"op_id": op, "run_uid": info.get("run_uid"), "requested_at": now_iso(),
                                "by": by})
-    take_over(layout, op)
+    take_over(layout, op, vouched)
 
 
 def finish_nested(run: Run) -> None:
@@ -165,6 +169,12 @@ def finish_nested(run: Run) -> None:
     regs, notes = _nested.registered(run.layout.path, run.container.path if run.container is not None else None)
     run.facts.notes.extend(notes)
     seen = {s.get("cgroup"): s.get("cgroup_dir") for s in run.facts.nested_seen}
+    lead = run.facts.layers.get("descendants_exit") or {}
+    # The lead ended REAPED: its container, which held each nested run's,
+    # was observed empty and no member could leave it unseen. That proof is
+    # the nested run's too (its tree was part of the lead's).
+    vouched = (f"nested in run {run.id}, whose cgroup held this one: {lead.get('via')}"
+               if lead.get("observed") is True else None)
     for reg in regs:
         run_dir = reg.get("run_dir")
         if not isinstance(run_dir, str) or not os.path.isdir(run_dir):
@@ -175,7 +185,7 @@ def finish_nested(run: Run) -> None:
             continue
         try:
             adopt_quietly(RunDir(run_dir), f"lead-{run.uid}", reg.get("run_uid"),
-                          {"pid": os.getpid(), "lead": run.id})
+                          {"pid": os.getpid(), "lead": run.id}, vouched)
         except (LauncherError, OSError, ValueError) as e:
             run.facts.notes.append(f"nested run {reg.get('id')}: not finished: {e}")
 

@@ -103,7 +103,8 @@ def check_cgroup(run_dir: str, run_id: str, info: dict[str, Any], *, acting: boo
     """Verify the cgroup a run directory names before reading or acting on
     it (cgattach.verify): returns a cgattach.CgroupCheck (`status` live,
     removed, refused or unseen). For `ls`/`status` live views pass
-    acting=False, read `dir` only when `status == "live"`, and close() it."""
+    acting=False, read `dir` (or through `fd`) only when `status == "live"`,
+    and close() it."""
     from ._platform.cgattach import CgroupCheck, CgroupIdentity, verify
     from ._platform.cgroups import expected_base
 
@@ -115,7 +116,10 @@ def check_cgroup(run_dir: str, run_id: str, info: dict[str, Any], *, acting: boo
         ident = CgroupIdentity(recorded if isinstance(recorded, dict) else {})
     except ValueError as e:
         return CgroupCheck("refused", reason=f"{source}: {e}")
-    need_tag = acting and _tags.can_write(run_dir)
+    # An absent cgroup tag is a refusal wherever this process could read one:
+    # an adopter that may write tags, a root reader (trusted.* reads need
+    # CAP_SYS_ADMIN; without it they read as absent, xattr(7)).
+    need_tag = _tags.can_write(run_dir) if acting else os.geteuid() == 0
     check = verify(ident, run_id=run_id, base=expected_base(env if env is not None else os.environ),
                    run_key=_tags.dir_key(run_dir), run_uid=facts.get("run_uid"), need_tag=need_tag)
     if source != "tag":

@@ -153,6 +153,9 @@ class StopSequence:
     def _unleavable(self) -> tuple[str | None, str]:
         """(how the run proves no member left the container unseen, or None;
         and if None, why not)."""
+        vouched = getattr(self.container, "vouched", None)
+        if vouched:     # a nested run finished by its lead: the lead's proof covers it (_adopt.finish_nested)
+            return vouched, ""
         sealed, sealed_reason = self.facts.sealed
         if sealed:
             method = (getattr(self.container, "seal_detail", None) or {}).get("method", "sealed")

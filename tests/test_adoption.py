@@ -473,3 +473,35 @@ def test_forged_nested_registration_cannot_make_the_lead_finish_another_run(box)
     assert box.record("victim") == before, "the victim run's record was changed"
     notes = " ".join(lead["notes"])
     assert "not below the lead's" in notes and "does not describe the cgroup" in notes, notes
+
+
+def test_status_reader_never_reads_the_cgroup_a_rewritten_run_json_names(box):
+    """The live views (`ls`, `status`) read member counts and CPU from the
+    cgroup: check_cgroup gives them the run's verified cgroup, not the one a
+    rewritten run.json names."""
+    from launcher._containers import check_cgroup
+
+    os.mkdir(box.base)
+    victim = Victim(os.path.join(box.base, _leaf_name("r")))
+    proc = subprocess.Popen(contain_cmd("run", "--id", "r", "--", "sleep", "300"), env=box.env,
+                            stderr=subprocess.DEVNULL)
+    try:
+        _wait_recorded(box, "r")
+        rd = _run_dir(box, "r")
+        info = json.load(open(os.path.join(rd, "run.json")))
+        real = info["cgroup_dir"]
+        forged = dict(info, cgroup_dir=victim.dir, cgroup_identity=_identity(victim.dir))
+        check = check_cgroup(rd, "r", forged)
+        try:
+            assert check.status == "live" and check.dir == real != victim.dir, (check.status, check.reason)
+        finally:
+            check.close()
+        # And with no run tag to go by, the victim is refused: no cgroup tag names this run.
+        os.removexattr(rd, "trusted.contain.run")
+        check = check_cgroup(rd, "r", forged)
+        assert check.status == "refused" and "not made for it" in check.reason, check.reason
+        assert victim.alive()
+    finally:
+        proc.kill()
+        proc.wait(10)
+        victim.remove()

@@ -253,6 +253,7 @@ class Detached:
     events_fd = -1
     seal_detail = None
     identity = None
+    vouched: str | None = None     # set by a lead that finishes its nested run (_adopt.finish_nested)
     empty_via = "cgroup.events populated"
 
     def __init__(self, path: str | None, *, removed: str | None = None, reason: str | None = None) -> None:

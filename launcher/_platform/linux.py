@@ -55,7 +55,8 @@ class Container:
         self._events_fd = -1
         self._dir_fd = -1                 # held by an adopter: what it verified is what it kills
         self._leaves: list[str] = []
-        self.identity: dict[str, Any] | None = None   # recorded at creation (cgattach.identify)
+        self.identity: dict[str, Any] | None = None   # recorded at creation (cgroups.identify)
+        self.vouched: str | None = None   # a lead's proof for its nested run (_adopt.finish_nested)
         self.empty_proof = "cgroup.events populated 0"
 
     @classmethod
@@ -93,8 +94,9 @@ class Container:
         the cgroup could not be tagged."""
         if tag.key is None:
             return f"{tag.run_dir} cannot be identified: the cgroup is not tagged"
-        return (_tags.write(self.dir, _tags.CGROUP_TAG, {"run_dir": tag.key, "run_uid": tag.value.get("run_uid")})
-                or tag.update())
+        problems = [_tags.write(self.dir, _tags.CGROUP_TAG, {"run_dir": tag.key, "run_uid": tag.value.get("run_uid")}),
+                    tag.update()]
+        return "; ".join(p for p in problems if p) or None
 
     @classmethod
     def attach(cls, check: CgroupCheck) -> "Container":
