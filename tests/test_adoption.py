@@ -505,3 +505,26 @@ def test_status_reader_never_reads_the_cgroup_a_rewritten_run_json_names(box):
         proc.kill()
         proc.wait(10)
         victim.remove()
+
+
+def test_nested_run_finished_by_its_lead_is_reaped_on_the_leads_proof(box):
+    """A nested run whose owner died with its lead has no ledger of its own
+    past, but its cgroup was inside the lead's, which the lead observed
+    empty with no member able to leave unseen: the lead's REAPED is its
+    proof, and its record says so."""
+    script = "import launcher; launcher.spawn(['sleep', '300'], id='nested').wait()"
+    proc = subprocess.Popen(contain_cmd("run", "--id", "lead", "--grace", "0.5", "--", PY, "-c", script),
+                            env=box.env, stderr=subprocess.DEVNULL)
+    try:
+        _wait_recorded(box, "nested")
+        rc, ack = _cancel(box, "lead")
+    finally:
+        proc.wait(30)
+    lead, nested = box.record("lead"), box.record("nested")
+    if lead["state"] != "REAPED":
+        pytest.skip(f"the lead itself could not prove REAPED here: {lead['evidence']['descendants_exit']}")
+    assert holders(box.token) == []
+    # Its outcome is whichever its adopter saw first: the worker already gone
+    # (exited, status unknown), or the lead's cancel.
+    assert nested["state"] == "REAPED" and nested["outcome"] in ("exited", "cancelled"), nested["state"]
+    assert "nested in run lead" in nested["evidence"]["descendants_exit"]["via"]
