@@ -2,7 +2,7 @@
 live views of `ls`/`status`.
 
 Where to kill is never taken from the run directory alone (issue 10). At
-creation the cgroup's identity is recorded (`identify`): its path, its inode
+creation the cgroup's identity is recorded (`cgroups.identify`): its path, its inode
 (on cgroup2 the inode number is the kernfs node id, which is the cgroup id
 that name_to_handle_at returns, unique for the boot: checked here, see
 tests/test_adoption.py), the device of the hierarchy's superblock, the mount
