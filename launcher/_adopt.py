@@ -12,8 +12,13 @@ lead whose nested runs died with it) takes the lock and becomes the owner.
     finish_nested(run)       a lead's end hook: its nested runs whose owners
                              lived in its tree are finished the same way
 
-The worker is re-attached by identity (pidfd_open, then the start time is
-re-read); the container by what run.json names. See docs/protocol.md.
+Nothing an adopter acts on is taken from run.json or record.json alone (a
+worker may have rewritten them): the worker's identity, the cgroup's
+identity and a degraded run's members come from the tags the owner wrote
+(_tags.py), and each is re-verified against the kernel before use: a process
+by pid + start time + boot id (pidfd_open, then the start time re-read), a
+cgroup by path, inode, mount and tag (_platform/cgattach.py). What cannot be
+verified is UNCONFIRMED, never terminal. See docs/protocol.md.
 """
 from __future__ import annotations
 
@@ -24,36 +29,53 @@ if TYPE_CHECKING:
 
 from . import _nested
 from . import _state as S
-from ._containers import attach_container
+from ._containers import AttachResult, attach_container, trusted_facts
 from ._errors import LauncherError
 from ._evidence import RunEvidence
+from ._identity import ProcessIdentity
 from ._layout import RunDir
 from ._options import DEFAULT_GRACE, DEFAULT_KILL_TIMEOUT, Options
 from ._platform import host
 from ._record import CancelRecord, evidence, now_iso
 from ._run import Run
 
+_MAX_S = 3600.0      # the longest grace or kill wait an adopter honours from run.json
 
-def adopt(layout: RunDir) -> Run:
-    """Become the owner of a run whose owner is gone (the caller holds the
-    owner lock). State, evidence and acknowledgements come from the run
-    directory alone."""
+
+def _bounded(value: Any, default: float, limit: float, name: str, notes: list[str]) -> float:
+    """A number from run.json (input): finite, within [0, limit], else the default."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= limit:
+        return float(value)
+    if value is not None:
+        notes.append(f"run.json's {name} {value!r} ignored: {default} s used")
+    return default
+
+
+def _adopt(layout: RunDir, vouched: str | None = None) -> tuple[Run, AttachResult]:
     info = layout.read_run()
-    if info is None:
+    if not isinstance(info, dict) or not isinstance(info.get("argv"), list):
         raise LauncherError(f"run {layout.id}: run.json unreadable")
     rec = layout.read_record() or {}
-    opts = Options(grace=float(info.get("grace", DEFAULT_GRACE)),
-                   kill_timeout=float(info.get("kill_timeout", DEFAULT_KILL_TIMEOUT)))
     facts = RunEvidence.from_record(rec)
     facts.notes.append(f"adopted by pid {os.getpid()} after the owner was gone")
-    r = Run(info["argv"], id=info["run_id"], options=opts, uid=info["run_uid"], facts=facts)
+    att = attach_container(layout.path, layout.id, info)
+    facts.notes.extend(n for n in att.notes if n)
+    if vouched is not None and att.unattached is None and att.container.backend == "cgroup2":
+        att.container.vouched = vouched
+    opts = Options(grace=_bounded(info.get("grace"), DEFAULT_GRACE, _MAX_S, "grace", facts.notes),
+                   kill_timeout=_bounded(info.get("kill_timeout"), DEFAULT_KILL_TIMEOUT, _MAX_S, "kill_timeout",
+                                         facts.notes) or DEFAULT_KILL_TIMEOUT)
+    uid = att.run_uid or info.get("run_uid")
+    r = Run([str(a) for a in info["argv"]] or ["?"], id=layout.id, options=opts,
+            uid=str(uid) if uid else None, facts=facts)
     r.attach(layout)
     r.end_hooks.append(finish_nested)
     r.snap = S.from_record(rec.get("state", "RUNNING"), rec.get("outcome"))
     r.inbox.load()
+    _trust_the_tag(facts, att)
     if facts.identity is not None:
         r.pid = facts.identity.pid
-    r.set_container(attach_container(info, r.pid))
+    r.set_container(att.container)
     if not r.snap.terminal and facts.exit_code is None and facts.signal is None and facts.identity is not None:
         r.root = host.Root.reattach(facts.identity)
         if r.root is None and not facts.observed("root_exit"):
@@ -61,16 +83,39 @@ def adopt(layout: RunDir) -> Run:
                                                    "exit status unknown: the owner was gone when it exited"))
             r.snap = S.step(r.snap, S.Event.ROOT_EXITED)
     r.open_channels()
-    return r
+    return r, att
 
 
-def take_over(layout: RunDir, op: str) -> CancelRecord | None:
+def _trust_the_tag(facts: RunEvidence, att: AttachResult) -> None:
+    """The worker's identity and the seal are what the run's tag says, not
+    what record.json says (which the worker may have rewritten)."""
+    w = att.worker
+    if w is not None and isinstance(w.get("pid"), int) and isinstance(w.get("start_time"), int):
+        tagged = ProcessIdentity(w["pid"], w["start_time"], str(w.get("boot_id")), None)
+        if facts.identity is not None and facts.identity != tagged:
+            facts.notes.append("record.json's worker identity differs from the run's tag: the tag's is used")
+        if facts.identity is None or facts.identity != tagged:
+            facts.identity = tagged
+    if att.sealed is not None and facts.sealed[0] and not att.sealed:
+        facts.notes.append("record.json says sealed, the run's tag does not: not sealed")
+        facts.sealed = (False, "the seal is not vouched for by the run's tag")
+
+
+def adopt(layout: RunDir) -> Run:
+    """Become the owner of a run whose owner is gone (the caller holds the
+    owner lock). State, evidence and acknowledgements come from the run
+    directory; what is acted on, from its tags, re-verified (attach_container)."""
+    return _adopt(layout)[0]
+
+
+def take_over(layout: RunDir, op: str, vouched: str | None = None) -> CancelRecord | None:
     """Take ownership of a run whose owner is gone and finish the stop.
-    None if another process became the owner first."""
+    None if another process became the owner first. `vouched`: how a lead
+    proved this (nested) run's tree could not leave unseen."""
     if not layout.take_ownership():
         return None
     try:
-        run = adopt(layout)
+        run, att = _adopt(layout, vouched)
     except BaseException:
         layout.release()
         raise
@@ -80,6 +125,12 @@ def take_over(layout: RunDir, op: str) -> CancelRecord | None:
         if was_terminal:
             run.inbox.settle(run.snap)  # the previous owner may have died between record and acks
             run.close()                 # one result: an ended run's record is left as it is
+        elif att.unattached is not None:
+            # Nothing here may be signalled: the stop is UNCONFIRMED with the
+            # reason, at once, and a later owner (in a view that can verify
+            # the cgroup) finishes it. Waiting out the kill deadlines would
+            # change nothing.
+            run.finish()
         else:
             run.supervise()
     except BaseException:
@@ -91,7 +142,8 @@ def take_over(layout: RunDir, op: str) -> CancelRecord | None:
     return CancelRecord(ack)
 
 
-def adopt_quietly(layout: RunDir, op: str, run_uid: str | None, by: dict[str, Any]) -> None:
+def adopt_quietly(layout: RunDir, op: str, run_uid: str | None, by: dict[str, Any],
+                  vouched: str | None = None) -> None:
     """Finish a run whose owner is gone and whose record is not terminal:
     record the intent durably, then take over. Does nothing if the run has
     an owner, has ended, or is another run now (run uid)."""
@@ -104,7 +156,7 @@ def adopt_quietly(layout: RunDir, op: str, run_uid: str | None, by: dict[str, An
     if layout.read_ack(op) is None:
         layout.append_request({"op_id": op, "run_uid": info.get("run_uid"), "requested_at": now_iso(),
                                "by": by})
-    take_over(layout, op)
+    take_over(layout, op, vouched)
 
 
 def finish_nested(run: Run) -> None:
@@ -114,12 +166,39 @@ def finish_nested(run: Run) -> None:
     the lead, then adoption (docs/protocol.md)."""
     if not run.facts.nested_seen or run.layout is None:
         return
-    for reg in _nested.registered(run.layout.path):
+    regs, notes = _nested.registered(run.layout.path, run.container.path if run.container is not None else None)
+    run.facts.notes.extend(notes)
+    seen = {s.get("cgroup"): s.get("cgroup_dir") for s in run.facts.nested_seen}
+    lead = run.facts.layers.get("descendants_exit") or {}
+    # The lead ended REAPED: its container, which held each nested run's,
+    # was observed empty and no member could leave it unseen. That proof is
+    # the nested run's too (its tree was part of the lead's).
+    vouched = (f"nested in run {run.id}, whose cgroup held this one: {lead.get('via')}"
+               if lead.get("observed") is True else None)
+    for reg in regs:
         run_dir = reg.get("run_dir")
-        if not run_dir or not os.path.isdir(str(run_dir)):
+        if not isinstance(run_dir, str) or not os.path.isdir(run_dir):
+            continue
+        why = _not_nested_here(run_dir, reg, seen)
+        if why is not None:
+            run.facts.notes.append(f"nested run {str(reg.get('id'))[:100]!r} not finished: {why}")
             continue
         try:
-            adopt_quietly(RunDir(str(run_dir)), f"lead-{run.uid}", reg.get("run_uid"),
-                          {"pid": os.getpid(), "lead": run.id})
-        except (LauncherError, OSError) as e:
+            adopt_quietly(RunDir(run_dir), f"lead-{run.uid}", reg.get("run_uid"),
+                          {"pid": os.getpid(), "lead": run.id}, vouched)
+        except (LauncherError, OSError, ValueError) as e:
             run.facts.notes.append(f"nested run {reg.get('id')}: not finished: {e}")
+
+
+def _not_nested_here(run_dir: str, reg: dict[str, Any], seen: dict[Any, Any]) -> str | None:
+    """A registration is a line a process of the lead's tree wrote: the run
+    it names is finished by the lead only if the lead's own scan saw its
+    cgroup inside the lead, and that run's tag names that same cgroup."""
+    where = seen.get(reg.get("cgroup"))
+    if where is None:
+        return f"its cgroup {reg.get('cgroup')} was never seen inside this run's cgroup"
+    facts, source = trusted_facts(run_dir, RunDir(run_dir).read_run() or {}, acting=True)
+    cg = (facts or {}).get("cgroup")
+    if not isinstance(cg, dict) or cg.get("dir") != where:
+        return f"its run directory does not describe the cgroup {where} ({source})"
+    return None

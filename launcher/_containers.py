@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from ._options import Options
     from ._platform.posix import SpawnRequest
 
-from . import _nested
+from . import _nested, _tags
 from ._errors import ContainmentUnavailable
 from ._options import resolve_user
 
@@ -60,25 +60,134 @@ def inherited_parent(env: Any) -> str | None:
     return None
 
 
-def attach_container(info: dict[str, Any], root_pid: int) -> Any:
-    """The container of a run whose owner is gone, from its run.json: the
-    cgroup re-attached by path, or (degraded mode) the worker's group."""
-    if info.get("backend") == "cgroup2" and info.get("cgroup_dir"):
+class AttachResult:
+    """What an adopter may act on, as verified (attach_container): the
+    container (attached, proven removed, or not attached: `unattached` says
+    why, and then nothing is signalled), the worker's identity and the seal
+    as the run's tag vouches for them (None: the tag could not say), and
+    notes for the record."""
+
+    __slots__ = ("container", "unattached", "worker", "sealed", "run_uid", "notes")
+
+    def __init__(self, container: Any, unattached: str | None = None) -> None:
+        self.container, self.unattached = container, unattached
+        self.worker: dict[str, Any] | None = None
+        self.sealed: bool | None = None
+        self.run_uid: str | None = None
+        self.notes: list[str] = []
+
+
+def _detached(path: Any, reason: str) -> AttachResult:
+    from ._platform.cgattach import Detached
+
+    return AttachResult(Detached(path if isinstance(path, str) else None, reason=reason), reason)
+
+
+def trusted_facts(run_dir: str, info: dict[str, Any], *, acting: bool) -> tuple[dict[str, Any] | None, str]:
+    """What the run's owner recorded for a later owner: the run directory's
+    tag when there is one (_tags.py), else run.json. Returns (facts, where
+    they came from); facts None means refused, the second item says why.
+    `acting`: an adopter, for which a missing tag that this process could
+    have written means the directory was not left as its owner described it."""
+    tag = _tags.read(run_dir, _tags.RUN_TAG)
+    if tag.value is not None:
+        return tag.value, "tag"
+    if acting and tag.supported and _tags.can_write(run_dir):
+        return None, (f"the run directory carries no {_tags.prefix()}{_tags.RUN_TAG} tag, which its owner "
+                      "writes before anything runs: run.json alone is not trusted with a stop")
+    facts: dict[str, Any] = {"run_uid": info.get("run_uid"), "backend": info.get("backend"),
+                             "cgroup": info.get("cgroup_identity"), "worker": info.get("worker"),
+                             "pgid": info.get("pgid"), "boot_id": info.get("boot_id"), "wall": info.get("wall")}
+    return facts, f"run.json (no tag: {tag.why})"
+
+
+def check_cgroup(run_dir: str, run_id: str, info: dict[str, Any], *, acting: bool = False,
+                 env: Any = None) -> Any:
+    """Verify the cgroup a run directory names before reading or acting on
+    it (cgattach.verify): returns a cgattach.CgroupCheck (`status` live,
+    removed, refused or unseen). For `ls`/`status` live views pass
+    acting=False, read `dir` (or through `fd`) only when `status == "live"`,
+    and close() it."""
+    from ._platform.cgattach import CgroupCheck, CgroupIdentity, verify
+    from ._platform.cgroups import expected_base
+
+    facts, source = trusted_facts(run_dir, info, acting=acting)
+    if facts is None:
+        return CgroupCheck("refused", reason=source)
+    try:
+        recorded = facts.get("cgroup")
+        ident = CgroupIdentity(recorded if isinstance(recorded, dict) else {})
+    except ValueError as e:
+        return CgroupCheck("refused", reason=f"{source}: {e}")
+    # An absent cgroup tag is a refusal wherever this process could read one:
+    # an adopter that may write tags, a root reader (trusted.* reads need
+    # CAP_SYS_ADMIN; without it they read as absent, xattr(7)).
+    need_tag = _tags.can_write(run_dir) if acting else os.geteuid() == 0
+    check = verify(ident, run_id=run_id, base=expected_base(env if env is not None else os.environ),
+                   run_key=_tags.dir_key(run_dir), run_uid=facts.get("run_uid"), need_tag=need_tag)
+    if source != "tag":
+        check.notes.append(f"cgroup identity from {source}")
+    return check
+
+
+def attach_container(run_dir: str, run_id: str, info: dict[str, Any]) -> AttachResult:
+    """The container of a run whose owner is gone, as its owner recorded it
+    for a later owner (trusted_facts), re-verified: a cgroup only if it is
+    the recorded one, below our base, tagged for this run; a degraded run's
+    members only by pid and start time. run.json is compared, never obeyed."""
+    facts, source = trusted_facts(run_dir, info, acting=True)
+    if facts is None:
+        return _detached(None, source)     # run.json's path is not even worth recording
+    notes = [] if source == "tag" else [f"adoption facts from {source}"]
+    if source == "tag":
+        for key, recorded in (("run_uid", info.get("run_uid")), ("backend", info.get("backend")),
+                              ("cgroup", info.get("cgroup_identity")), ("worker", info.get("worker"))):
+            if key == "worker" and isinstance(recorded, dict) and isinstance(facts.get("worker"), dict):
+                recorded = {k: recorded.get(k) for k in facts["worker"]}
+            if recorded != facts.get(key):
+                notes.append(f"run.json's {key} differs from what the owner tagged the run directory with: "
+                             "run.json ignored")
+    backend = facts.get("backend")
+    if backend == "cgroup2":
         from ._platform import linux
+        from ._platform.cgattach import Detached
 
-        if os.path.isdir(info["cgroup_dir"]):
-            cg = linux.Container.attach(info["cgroup_dir"])
-            if isinstance(info.get("wall"), dict):
-                cg.adopt_wall(info["wall"], (info.get("supervisor") or {}).get("pidns"))
-            return cg
-        # e.g. a nested run whose lead's stop killed its owner and removed
-        # its cgroup with the lead's subtree.
-        return linux.Container.removed(info["cgroup_dir"])
-    from ._platform import none
+        check = check_cgroup(run_dir, run_id, info, acting=True)
+        notes += check.notes
+        path = (facts.get("cgroup") or {}).get("cgroup") if isinstance(facts.get("cgroup"), dict) else None
+        wall = facts.get("wall") if isinstance(facts.get("wall"), dict) else None
+        if check.status == "live":
+            cg = linux.Container.attach(check)
+            if wall is not None:
+                cg.adopt_wall(wall)
+            res = AttachResult(cg)
+        elif check.status == "removed":
+            # A removed cgroup proves its own emptiness, not the wall's: a
+            # root member can move the init itself out of it (it is pid 1
+            # there). The wall is re-attached and observed on its own.
+            d = Detached(path, removed=check.how)
+            if wall is not None:
+                d.adopt_wall(wall)
+            res = AttachResult(d)
+        else:
+            res = _detached(path, f"cgroup {check.status}: {check.reason}")
+    elif backend == "none":
+        from ._platform import none
 
-    c = none.Container(str(info.get("run_id")))
-    c.pgid = c.root_pid = root_pid
-    return c
+        c = none.Container.adopt(run_id, facts)
+        if source == "tag":
+            c.bind(_tags.RunTag(run_dir, facts))   # a later owner finds what this one found
+        res = AttachResult(c)
+        notes.append(c.adopted or "")
+    else:
+        return _detached(None, f"adopting a {backend!r} run is not supported here")
+    res.notes = notes + res.notes
+    w = facts.get("worker")
+    res.worker = dict(w, boot_id=facts.get("boot_id")) if isinstance(w, dict) else None
+    res.run_uid = facts.get("run_uid") if isinstance(facts.get("run_uid"), str) else None
+    if source == "tag":
+        res.sealed = facts.get("sealed") is True
+    return res
 
 
 def spawn_request(argv: list[str], opts: Options, container: Any, run_id: str,

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 from . import _nested
 from ._identity import ProcessIdentity, boot_id
 from ._record import LAYERS, SCHEMA, evidence, not_measured, now_iso
+from ._tags import RUN_TAG, RunTag, prefix as tag_prefix
 
 
 class RunEvidence:
@@ -45,6 +46,7 @@ class RunEvidence:
         self.nested_seen: list[dict[str, Any]] = []    # runs nested in this one, as the kernel showed them
         self.lead: dict[str, Any] | None = None       # the run this one is nested in
         self.adopted = False
+        self.tag: RunTag | None = None                # the run directory's tag (bind_tags)
 
     # -- writing -------------------------------------------------------------
 
@@ -104,9 +106,11 @@ class RunEvidence:
         self.sealed = container.seal_status(req)
 
     def run_info(self, run: Any, via: str | None) -> dict[str, Any]:
-        """run.json: what another process needs to find, watch and adopt the run."""
+        """run.json: what another process needs to find, watch and adopt the
+        run. What an adopter acts on is also put, the first time, in the
+        tags it verifies (bind_tags): run.json is for readers."""
         c, ident = run.container, self.identity
-        return {
+        info = {
             "run_id": run.id, "run_uid": run.uid, "argv": run.argv,
             "started_at": self.times["spawned_at"],
             "worker": ident.to_dict() if ident else ({"pid": run.pid} if run.pid > 0 else None),
@@ -116,6 +120,33 @@ class RunEvidence:
             "boot_id": boot_id(), "grace": run.opts.grace, "kill_timeout": run.opts.kill_timeout,
             "wall": c.wall.describe() if getattr(c, "wall", None) is not None else None,
         }
+        if getattr(c, "identity", None) is not None:
+            info["cgroup_identity"] = c.identity
+        if c.backend == "none":
+            info["pgid"] = c.pgid if c.pgid > 0 else None
+        if run.layout is not None and hasattr(c, "bind"):
+            info["tag"] = self.bind_tags(run)
+        return info
+
+    def bind_tags(self, run: Any) -> dict[str, Any]:
+        """Tag the run directory (and through the container, its cgroup) with
+        what a later owner may act on (_tags.py); keep the tag current with
+        the worker and the seal once they are known. Returns run.json's `tag`."""
+        c, ident = run.container, self.identity
+        if self.tag is None:
+            self.tag = RunTag(run.layout.path, {"v": 1, "run_id": run.id, "run_uid": run.uid,
+                                                "boot_id": boot_id(), "backend": c.backend,
+                                                "cgroup": getattr(c, "identity", None)})
+            problem = c.bind(self.tag)
+            if problem is not None:
+                self.notes.append(problem)
+        if ident is not None:
+            wall = getattr(c, "wall", None)
+            problem = self.tag.update(worker={"pid": ident.pid, "start_time": ident.start_time},
+                                      sealed=self.sealed[0], wall=wall.describe() if wall is not None else None)
+            if problem is not None and problem not in self.notes:
+                self.notes.append(problem)
+        return {"name": tag_prefix() + RUN_TAG, "problem": self.tag.problem}
 
     # -- the record ------------------------------------------------------------
 
@@ -138,6 +169,12 @@ class RunEvidence:
         else:
             ev.setdefault("container_empty", evidence(False, "cgroup.events populated 1", None)
                           if not snap.terminal else not_measured("not observed"))
+        if (container is not None and container.backend == "none" and snap.stopping
+                and getattr(container, "last_alive", None)):
+            # Degraded mode, stop not over: who is still alive (a later owner
+            # goes on from the same identities).
+            ev.setdefault("descendants_exit", {"observed": False, "at": now_iso(), "via": container.empty_via,
+                                               "detail": container.seen_summary()})
         ev.setdefault("descendants_exit", not_measured("not yet observed"))
         if self.escapes:
             ev["escapes"] = {"observed": True, "at": self.escapes[0]["at"], "via": self.escapes[0]["via"],

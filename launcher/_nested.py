@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import Any
@@ -48,7 +49,7 @@ def run_id_of(dirname: str) -> str | None:
 def scan(container: Any) -> list[dict[str, Any]]:
     """Every nested container now under `container` (a cgroup2 Container),
     depth first: nested runs of nested runs are included."""
-    if getattr(container, "backend", None) != "cgroup2":
+    if getattr(container, "backend", None) != "cgroup2" or not getattr(container, "dir", None):
         return []
     found: list[dict[str, Any]] = []
     stack = [container.dir]
@@ -86,16 +87,23 @@ def join_lead(container: Any, env: Any, info: dict[str, Any]) -> tuple[dict[str,
 
 
 def register(env: Any, info: dict[str, Any]) -> str | None:
-    """Tell the lead (from `env`) about this nested run. None, or why not."""
+    """Tell the lead (from `env`) about this nested run. None, or why not.
+    The lead's directory comes from the environment (input): only a regular
+    file of a run directory is appended to, never through a link."""
     lead_dir = env.get(ENV_DIR)
     if not lead_dir:
         return "no CONTAIN_RUN_DIR in the environment: the lead names this run by its cgroup only"
+    if not os.path.isfile(os.path.join(lead_dir, "owner.lock")):
+        return f"{ENV_DIR} {lead_dir} is not a run directory: the lead was not told"
     line = (json.dumps(dict(info, at=now_iso()), separators=(",", ":")) + "\n").encode()
     try:
-        fd = os.open(os.path.join(lead_dir, REGISTRY), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(os.path.join(lead_dir, REGISTRY),
+                     os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as e:
         return f"lead's run directory {lead_dir}: {os.strerror(e.errno or 0)}"
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return f"{os.path.join(lead_dir, REGISTRY)} is not a regular file: the lead was not told"
         os.write(fd, line)     # one O_APPEND write: lines of concurrent runs never interleave
     finally:
         os.close(fd)
@@ -105,7 +113,7 @@ def register(env: Any, info: dict[str, Any]) -> str | None:
 def describe(seen: list[dict[str, Any]], lead_run_dir: str | None) -> list[dict[str, Any]]:
     """The `nested` list of the lead's record: each nested run that ended
     with it, with what its own record said at the lead's end."""
-    registry = _registry(lead_run_dir, len(seen))
+    registry = _registry(lead_run_dir, len(seen))[0]
     out = []
     for s in seen:
         reg = registry.get(s["cgroup"], {})
@@ -122,15 +130,44 @@ def describe(seen: list[dict[str, Any]], lead_run_dir: str | None) -> list[dict[
     return out
 
 
-def registered(lead_run_dir: str, limit: int = 10_000) -> list[dict[str, Any]]:
-    """Every run registered as nested in this one (at any depth)."""
-    return list(_registry(lead_run_dir, limit).values())
+def registered(lead_run_dir: str, lead_cgroup: str | None,
+               limit: int = 10_000) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every run registered as nested in this one (at any depth) whose
+    registration holds up (`valid_registration`), and a note for each one
+    that does not. The registry is written by processes of the lead's tree:
+    a forged line must not make the lead adopt (and stop) anything else."""
+    found, notes = _registry(lead_run_dir, limit, lead_cgroup)
+    return list(found.values()), notes
 
 
-def _registry(lead_run_dir: str | None, limit: int) -> dict[str, dict[str, Any]]:
+def valid_registration(reg: dict[str, Any], lead_run_dir: str, lead_cgroup: str | None) -> str | None:
+    """None, or why a registration cannot be a run nested in this lead: its
+    cgroup must be a `sub-<its id>-<hex>` below the lead's run cgroup, and its
+    run directory `<its id>` beside the lead's (the same state directory)."""
+    rid, cg, run_dir = reg.get("id"), reg.get("cgroup"), reg.get("run_dir")
+    if not isinstance(rid, str) or not isinstance(cg, str):
+        return "no id or cgroup"
+    if lead_cgroup is not None:
+        if os.path.normpath(cg) != cg or not cg.startswith(lead_cgroup.rstrip("/") + "/"):
+            return f"its cgroup {cg} is not below the lead's {lead_cgroup}"
+        if run_id_of(os.path.basename(cg)) != rid:
+            return f"its cgroup {cg} is not named for run {rid}"
+    if run_dir is not None:
+        if not isinstance(run_dir, str) or os.path.basename(os.path.normpath(run_dir)) != rid:
+            return f"its run directory {run_dir!r} is not named for run {rid}"
+        here = os.path.realpath(os.path.dirname(os.path.normpath(lead_run_dir)))
+        if os.path.realpath(os.path.dirname(os.path.normpath(run_dir))) != here:
+            return f"its run directory {run_dir} is outside the lead's state directory {here}"
+    return None
+
+
+def _registry(lead_run_dir: str | None, limit: int,
+              lead_cgroup: str | None = None) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """cgroup path -> registration, from the lead's registry and those of the
-    nested runs it names (a run nested two deep registers with its own lead)."""
+    nested runs it names (a run nested two deep registers with its own lead);
+    registrations that do not hold up are left out, with a note."""
     found: dict[str, dict[str, Any]] = {}
+    notes: list[str] = []
     todo = [lead_run_dir] if lead_run_dir else []
     visited: set[str] = set()
     while todo and len(visited) <= limit:
@@ -139,20 +176,27 @@ def _registry(lead_run_dir: str | None, limit: int) -> dict[str, dict[str, Any]]
             continue
         visited.add(d)
         try:
-            with open(os.path.join(d, REGISTRY), "rb") as f:
-                lines = f.readlines()
+            fd = os.open(os.path.join(d, REGISTRY), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             continue
+        with os.fdopen(fd, "rb") as f:
+            lines = f.readlines() if stat.S_ISREG(os.fstat(fd).st_mode) else []
         for raw in lines:
             try:
                 r = json.loads(raw)
             except ValueError:
                 continue      # a torn line names nobody
-            if isinstance(r, dict) and r.get("cgroup"):
-                found[r["cgroup"]] = r
-                if r.get("run_dir"):
-                    todo.append(str(r["run_dir"]))
-    return found
+            if not isinstance(r, dict) or not r.get("cgroup"):
+                continue
+            why = valid_registration(r, lead_run_dir or d, lead_cgroup)
+            if why is not None:
+                if len(notes) < 20:
+                    notes.append(f"nested registration {str(r.get('id'))[:100]!r} ignored: {why}")
+                continue
+            found[r["cgroup"]] = r
+            if r.get("run_dir"):
+                todo.append(str(r["run_dir"]))
+    return found, notes
 
 
 def _read_record(run_dir: str | None) -> dict[str, Any] | None:

@@ -162,6 +162,9 @@ class StopSequence:
         wall = self.container.unleavable()
         if wall is not None:
             return wall, ""
+        vouched = getattr(self.container, "vouched", None)
+        if vouched:     # a nested run finished by its lead: the lead's proof covers it (_adopt.finish_nested)
+            return vouched, ""
         sealed, sealed_reason = self.facts.sealed
         if sealed:
             method = (getattr(self.container, "seal_detail", None) or {}).get("method", "sealed")

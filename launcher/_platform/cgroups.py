@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
-    from typing import NamedTuple
+    from typing import Any, NamedTuple
 
 from .._errors import ContainmentUnavailable
 from .._procfs import cgroup_of, mounts
@@ -41,9 +41,16 @@ class Hierarchy(_HierarchyFields):
 
 
 def hierarchies() -> list[Hierarchy]:
-    """Every cgroup2 mount visible here, read from /proc/self/mountinfo."""
-    return [Hierarchy(m.point, m.root, "nsdelegate" in m.super_options)
-            for m in mounts() if m.fstype == "cgroup2"]
+    """Every cgroup2 mount visible here, read from /proc/self/mountinfo. A
+    mount over another at the same point hides it (`mount --bind` of a
+    subtree over the hierarchy); mountinfo lists the upper one later."""
+    found: dict[str, Hierarchy] = {}
+    for m in mounts():
+        if m.point in found:
+            del found[m.point]         # covered, whatever the upper mount is
+        if m.fstype == "cgroup2":
+            found[m.point] = Hierarchy(m.point, m.root, "nsdelegate" in m.super_options)
+    return list(found.values())
 
 
 def cgroup_mounts() -> tuple[list[str], list[str]]:
@@ -63,6 +70,28 @@ def cgroup_mounts() -> tuple[list[str], list[str]]:
 
     v2 = top(v2, [])
     return v2, top(v1, v2)
+
+
+def dev_of(st: os.stat_result) -> str:
+    """A device as mountinfo spells it (major:minor of st_dev, proc(5))."""
+    return f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+
+
+def identify(h: Hierarchy, base: str, d: str) -> dict[str, Any]:
+    """The identity of a cgroup directory just created (run.json's
+    `cgroup_identity`, and the run directory's tag), which an adopter
+    verifies (cgattach.py): path, device, inode (the cgroup id), the mount
+    it was made through, and the inode of each directory down to it."""
+    rel = os.path.relpath(d, h.mount)
+    chain = []
+    p = h.mount
+    for comp in rel.split(os.sep):
+        p = os.path.join(p, comp)
+        chain.append(os.stat(p, follow_symlinks=False).st_ino)
+    st = os.stat(d, follow_symlinks=False)
+    return {"dir": d, "cgroup": h.cg_path(d), "dev": dev_of(st), "ino": st.st_ino,
+            "mount": h.mount, "mount_root": h.root, "mount_ino": os.stat(h.mount).st_ino,
+            "base": base, "chain": chain}
 
 
 def writable_procs_above(uid: int, gids: list[int] | tuple[int, ...], run_dir: str) -> str | None:
@@ -96,11 +125,11 @@ def _writable_dir(path: str) -> bool:
     return os.access(path, os.W_OK | os.X_OK) and os.access(os.path.join(path, "cgroup.procs"), os.W_OK)
 
 
-def resolve_base(env: dict[str, str] | os._Environ[str] = os.environ) -> tuple[Hierarchy, str]:
-    """Choose where run directories go: (hierarchy, base filesystem path).
-
-    CONTAIN_CGROUP_BASE if set; as root a `contain` directory under the mount;
-    otherwise the caller's own cgroup when it is delegated to it."""
+def _choose_base(env: dict[str, str] | os._Environ[str]) -> tuple[Hierarchy, str, str]:
+    """(hierarchy, base filesystem path, which rule chose it), with no side
+    effect: CONTAIN_CGROUP_BASE if set ("explicit"); as root a `contain`
+    directory under the mount ("root"); otherwise the caller's own cgroup
+    ("own")."""
     hs = hierarchies()
     if not hs:
         raise ContainmentUnavailable("no cgroup v2 hierarchy is mounted")
@@ -108,11 +137,35 @@ def resolve_base(env: dict[str, str] | os._Environ[str] = os.environ) -> tuple[H
     if explicit:
         for h in hs:
             if explicit == h.mount or explicit.startswith(h.mount.rstrip("/") + "/"):
-                path = explicit
-                break
-        else:
-            h = hs[0]
-            path = h.fs_path(explicit)
+                return h, os.path.normpath(explicit), "explicit"
+        return hs[0], hs[0].fs_path(explicit), "explicit"
+    own = cgroup_of("self") or "/"
+    h = next((x for x in hs if own == x.root or own.startswith(x.root.rstrip("/") + "/")), hs[0])
+    if os.geteuid() == 0:
+        return h, os.path.join(h.mount, "contain"), "root"
+    path = h.fs_path(own)
+    if os.path.basename(path) == "supervisor" and _writable_dir(os.path.dirname(path)):
+        # Our own leaf (_leave_internal_position): the base is the delegated
+        # cgroup above it, for the second run of a process and for an adopter.
+        path = os.path.dirname(path)
+    return h, path, "own"
+
+
+def expected_base(env: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
+    """Where this process would put its runs (resolve_base without creating
+    or moving anything), or None if it has no cgroup2 base at all. An
+    adopter acts only on cgroups below it."""
+    try:
+        return _choose_base(env)[1]
+    except (ContainmentUnavailable, OSError):
+        return None
+
+
+def resolve_base(env: dict[str, str] | os._Environ[str] = os.environ) -> tuple[Hierarchy, str]:
+    """Choose where run directories go: (hierarchy, base filesystem path),
+    creating the base if needed (_choose_base says which rule applies)."""
+    h, path, how = _choose_base(env)
+    if how == "explicit":
         try:
             os.makedirs(path, exist_ok=True)
         except OSError as e:
@@ -120,10 +173,7 @@ def resolve_base(env: dict[str, str] | os._Environ[str] = os.environ) -> tuple[H
         if not _writable_dir(path):
             raise ContainmentUnavailable(f"CONTAIN_CGROUP_BASE {path} is not writable")
         return h, path
-    own = cgroup_of("self") or "/"
-    h = next((x for x in hs if own == x.root or own.startswith(x.root.rstrip("/") + "/")), hs[0])
-    if os.geteuid() == 0:
-        path = os.path.join(h.mount, "contain")
+    if how == "root":
         try:
             os.mkdir(path)
         except FileExistsError:
@@ -131,9 +181,8 @@ def resolve_base(env: dict[str, str] | os._Environ[str] = os.environ) -> tuple[H
         except OSError as e:
             raise ContainmentUnavailable(f"cannot create {path}: {os.strerror(e.errno or 0)}") from e
         return h, path
-    path = h.fs_path(own)
     if not _writable_dir(path):
-        raise ContainmentUnavailable(f"own cgroup {own} is not delegated to uid {os.geteuid()}")
+        raise ContainmentUnavailable(f"own cgroup {h.cg_path(path)} is not delegated to uid {os.geteuid()}")
     _leave_internal_position(path)
     return h, path
 

@@ -22,12 +22,15 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any
 
+from .. import _tags
 from .._errors import ContainmentUnavailable, SpawnFailed
 from .._procfs import cgroup_of
 from . import pidwall, posix
-from .._identity import pidns_inode
-from .posixwait import Init, Root
-from .cgroups import Hierarchy, cgroup_mounts, hierarchies, resolve_base, writable_procs_above
+from .cgroups import Hierarchy, cgroup_mounts, hierarchies, identify, resolve_base, writable_procs_above
+from .posixwait import Root
+
+if TYPE_CHECKING:
+    from .cgattach import CgroupCheck      # adoption only: not loaded on the run path
 
 KIND = "cgroup2"
 
@@ -53,8 +56,10 @@ class Container:
         self.path = hierarchy.cg_path(self.dir)      # as /proc/<pid>/cgroup names it
         self.leaf = os.path.join(self.dir, "main")
         self._events_fd = -1
+        self._dir_fd = -1                 # held by an adopter: what it verified is what it kills
         self._leaves: list[str] = []
-        self._gone = False
+        self.identity: dict[str, Any] | None = None   # recorded at creation (cgroups.identify)
+        self.vouched: str | None = None   # a lead's proof for its nested run (_adopt.finish_nested)
         self.empty_proof = "cgroup.events populated 0"
         self.wall: pidwall.PidWall | None = None
         self.wall_mode: bool | None = None      # None: where the kernel allows; True: required
@@ -81,6 +86,7 @@ class Container:
             except OSError as e:
                 raise ContainmentUnavailable(f"cannot create {c.dir}: {os.strerror(e.errno or 0)}") from e
             try:
+                c.identity = identify(h, base, c.dir)
                 os.mkdir(c.leaf)
                 c._leaves.append(c.leaf)
                 c._events_fd = os.open(os.path.join(c.dir, "cgroup.events"), os.O_RDONLY | os.O_CLOEXEC)
@@ -90,47 +96,33 @@ class Container:
             return c
         raise ContainmentUnavailable(f"no free cgroup name under {base}")
 
-    @classmethod
-    def attach(cls, fs_dir: str) -> "Container":
-        """Take over an existing run directory (orphan adoption)."""
-        h = next((x for x in hierarchies() if fs_dir.startswith(x.mount.rstrip("/") + "/")), None)
-        if h is None:
-            raise ContainmentUnavailable(f"{fs_dir} is not on a cgroup2 mount")
-        c = cls(h, os.path.dirname(fs_dir), os.path.basename(fs_dir))
-        c._events_fd = os.open(os.path.join(c.dir, "cgroup.events"), os.O_RDONLY | os.O_CLOEXEC)
-        return c
+    def bind(self, tag: _tags.RunTag) -> str | None:
+        """Tag the cgroup with the run directory (dev:ino) and run uid it is
+        made for, before anything runs in it; the run directory's own tag
+        (`tag`) already holds the cgroup's identity (_tags.py). None, or why
+        the cgroup could not be tagged."""
+        if tag.key is None:
+            return f"{tag.run_dir} cannot be identified: the cgroup is not tagged"
+        problems = [_tags.write(self.dir, _tags.CGROUP_TAG, {"run_dir": tag.key, "run_uid": tag.value.get("run_uid")}),
+                    tag.update()]
+        return "; ".join(p for p in problems if p) or None
 
-    def adopt_wall(self, desc: dict[str, Any], recorded_pidns: int | None) -> None:
-        """The PID-namespace wall of an adopted run, from run.json's `wall`:
-        its init re-attached by identity. A pid only means something in the
-        namespace it was read in: an adopter in another one cannot tell a
-        gone init from one it cannot see, and says so (never "empty")."""
-        ident = desc.get("init") or {}
-        pid, start = ident.get("pid"), ident.get("start_time")
-        mine = pidns_inode(os.getpid())
-        if not isinstance(pid, int) or not isinstance(start, int) or mine is None or mine != recorded_pidns:
-            self.wall_unknown = ("the wall's init was recorded in another PID namespace than this adopter's "
-                                 "(or not at all): whether it is gone cannot be told from here")
-            return
-        init = Init.adopt(pid, start)
-        if init is None:
-            self.wall_gone = True
-        else:
-            self.wall = pidwall.PidWall(init, desc.get("userns"))
+    def adopt_wall(self, desc: dict[str, Any]) -> None:
+        """The PID-namespace wall of an adopted run, as its owner tagged it
+        (pidwall.adopt says how it is re-attached, or why it cannot be)."""
+        self.wall, self.wall_gone, self.wall_unknown = pidwall.adopt(desc)
         self.empty_proof = f"cgroup.events populated 0, and {pidwall.PROOF}"
 
     @classmethod
-    def removed(cls, fs_dir: str) -> "Container":
-        """A run directory that no longer exists. The kernel removes a cgroup
-        only when it has no live member and no child (rmdir fails with EBUSY
-        otherwise, cgroup-v2.rst), and nothing can enter a removed cgroup: its
-        absence is an observation of emptiness."""
-        h = next((x for x in hierarchies() if fs_dir.startswith(x.mount.rstrip("/") + "/")), None)
-        if h is None:
-            raise ContainmentUnavailable(f"{fs_dir} is not on a cgroup2 mount")
-        c = cls(h, os.path.dirname(fs_dir), os.path.basename(fs_dir))
-        c._gone = True
-        c.empty_proof = "cgroup directory removed (rmdir succeeds only on an empty cgroup)"
+    def attach(cls, check: CgroupCheck) -> "Container":
+        """Take over a run cgroup that cgattach.verify found `live` (orphan
+        adoption). Its descriptor is kept: the kill goes to the directory
+        that was verified."""
+        if check.status != "live" or check.hierarchy is None or check.dir is None:
+            raise ContainmentUnavailable(f"not a verified cgroup: {check.reason}")
+        c = cls(check.hierarchy, os.path.dirname(check.dir), os.path.basename(check.dir))
+        c._dir_fd, check.fd = check.fd, -1
+        c._events_fd = os.open("cgroup.events", os.O_RDONLY | os.O_CLOEXEC, dir_fd=c._dir_fd)
         return c
 
     # -- spawning ----------------------------------------------------------
@@ -316,10 +308,6 @@ class Container:
             raise OSError(errno.ENOENT, self.wall_unknown)
         if self.wall is not None and not self.wall.empty():
             return True
-        if self._gone:
-            if os.path.exists(self.dir):
-                raise OSError(errno.EEXIST, f"{self.dir} exists again: not the run's cgroup")
-            return False
         data = os.pread(self._events_fd, 4096, 0)
         for line in data.split(b"\n"):
             if line.startswith(b"populated "):
@@ -378,7 +366,10 @@ class Container:
         """SIGKILL the whole subtree. cgroup.kill (5.14) deals with concurrent
         forks and migrations; it does not wait. Returns how it was done."""
         try:
-            fd = os.open(os.path.join(self.dir, "cgroup.kill"), os.O_WRONLY | os.O_CLOEXEC)
+            if self._dir_fd >= 0:
+                fd = os.open("cgroup.kill", os.O_WRONLY | os.O_CLOEXEC, dir_fd=self._dir_fd)
+            else:
+                fd = os.open(os.path.join(self.dir, "cgroup.kill"), os.O_WRONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             via = self._kill_by_freezing()
         else:
@@ -413,9 +404,10 @@ class Container:
         """Remove the run's cgroups bottom-up. Returns None, or why not."""
         if self.wall is not None:
             self.wall.close()
-        if self._events_fd >= 0:
-            os.close(self._events_fd)
-            self._events_fd = -1
+        for fd in (self._events_fd, self._dir_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._events_fd = self._dir_fd = -1
         problem = None
         for d, _subdirs, _files in sorted(os.walk(self.dir, topdown=False), key=lambda t: -len(t[0])):
             for attempt in range(50):

@@ -21,7 +21,9 @@ import signal
 import time
 from typing import Any
 
+from .. import _tags
 from .._errors import ContainmentUnavailable
+from .._identity import boot_id
 from .._procfs import read_stat
 from .._scan import scan_processes
 from . import posix
@@ -36,6 +38,10 @@ def _live_start(pid: int) -> int | None:
     exited; it only waits to be reaped)."""
     p = read_stat(pid)
     return None if p is None or p[0] in ("Z", "X") else p[4]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _snapshot() -> dict[int, tuple[int, int, int, int]]:
@@ -66,6 +72,57 @@ class Container:
         self._seal_error: str | None = None
         self._subreaper = False
         self.last_alive: list[int] = []
+        self._tag: _tags.RunTag | None = None  # where a later owner finds the members (bind)
+        self.adopted: str | None = None        # how an adopter rebuilt the membership
+
+    def bind(self, tag: _tags.RunTag) -> str | None:
+        """Keep the run directory's tag current with what a later owner needs
+        to stop the tree: the worker, its group and the members alive at the
+        last scan (_tags.py). Written when they change, never on a timer."""
+        self._tag = tag
+        return self._persist(dict(self.seen))
+
+    def _persist(self, members: dict[int, int]) -> str | None:
+        if self._tag is None:
+            return None
+        alive = sorted(members.items())
+        worker = {"pid": self.root_pid, "start_time": self.root_start} if self.root_start >= 0 else None
+        return self._tag.update(worker=worker, pgid=self.pgid if self.pgid > 0 else None,
+                                members=[list(m) for m in alive[:_tags.MAX_MEMBERS]],
+                                more=len(alive) > _tags.MAX_MEMBERS)
+
+    @classmethod
+    def adopt(cls, run_id: str, tag: dict[str, Any]) -> "Container":
+        """The container of a degraded run whose owner died, rebuilt from the
+        identities it persisted (`tag`: the run directory's tag, or run.json's
+        worker where no tag could be kept). Each is re-read: only a process
+        with that pid and that start time, in this boot, is a member; a bare
+        pid never is. The worker's group counts only while its leader lives
+        (an emptied group's number can be reused). The closure then adds what
+        descends from the members or sits in sessions and groups they lead."""
+        c = cls(run_id)
+        how = "persisted by the previous owner, identity re-read"
+        worker = tag.get("worker") if isinstance(tag.get("worker"), dict) else None
+        same_boot = tag.get("boot_id") == boot_id()
+        known: list[tuple[int, int]] = []
+        if worker is not None and _is_int(worker.get("pid")) and _is_int(worker.get("start_time")):
+            c.root_pid, c.root_start = int(worker["pid"]), int(worker["start_time"])
+            known.append((c.root_pid, c.root_start))
+        for m in tag.get("members") or []:
+            if isinstance(m, list) and len(m) == 2 and _is_int(m[0]) and _is_int(m[1]):
+                known.append((int(m[0]), int(m[1])))
+        alive = 0
+        for pid, start in known if same_boot else []:
+            if pid > 1 and pid != os.getpid() and _live_start(pid) == start:
+                c._remember(pid, start, how)
+                alive += 1
+        pgid = tag.get("pgid")
+        if isinstance(pgid, int) and _is_int(pgid) and c.root_pid > 0 and c.seen.get(c.root_pid) == c.root_start:
+            c.pgid, c._group_ours = pgid, pgid == c.root_pid
+        c.adopted = (f"adopted: {len(known)} persisted identit{'y' if len(known) == 1 else 'ies'}, "
+                     f"{alive} alive when re-read" + ("" if same_boot else " (another boot: none can be)")
+                     + ("; the previous owner kept only the first members" if tag.get("more") else ""))
+        return c
 
     def prepare(self, req: posix.SpawnRequest, opts: Any) -> None:
         req.new_pgroup = True
@@ -93,6 +150,7 @@ class Container:
         if start is not None:
             self.root_start = start
             self._remember(sp.pid, start, "worker")
+            self._persist({sp.pid: start})
         return sp
 
     def sources(self) -> list[tuple[int, int]]:
@@ -169,10 +227,18 @@ class Container:
                     add(p, "group or session led by a member")
                     changed = True
         self.last_alive = sorted(members)
+        self._persist(members)
         return members
 
     def populated(self) -> bool:
         return bool(self._closure())
+
+    def refresh(self) -> None:
+        """One /proc pass, so the tag names the members alive now (for a
+        later owner). The owner loop has no event for "the tree changed" in
+        degraded mode: a driver that wants adoption to find members whose
+        parents died calls this now and then while the run is running."""
+        self._closure()
 
     def wait_change(self, timeout: float) -> None:
         time.sleep(min(timeout, 0.02))
@@ -224,7 +290,10 @@ class Container:
         seen = [{"pid": p, "start_time": s, "found_by": self.how.get((p, s))}
                 for (p, s) in sorted(self.how)][:_LIST_CAP]
         ledger = self.ledger
-        if ledger is None:
+        if self.adopted is not None:
+            unprovable = (f"{self.adopted}: only those, what descends from them and what sits in "
+                          "sessions or groups they lead can be found; a process that left earlier is invisible")
+        elif ledger is None:
             unprovable = ("no fork ledger: a process that left the group and lost its ancestry between "
                           "two scans is invisible without a kernel container")
         elif not ledger.complete():

@@ -82,7 +82,10 @@ class PidWall:
     def describe(self) -> dict[str, Any]:
         """What run.json records, for an adopter: the init's identity and
         the namespace it was counted in."""
-        return {"kind": "pidns", "init": self.init_identity, "inode": self.inode, "userns": self.userns}
+        from .._identity import pidns_inode
+
+        return {"kind": "pidns", "init": self.init_identity, "inode": self.inode, "userns": self.userns,
+                "counted_in": pidns_inode(os.getpid())}
 
     def root(self, sp: Spawned) -> WallRoot:
         return WallRoot(self.init, sp.pid, sp.pidfd)
@@ -134,3 +137,30 @@ class PidWall:
 
     def close(self) -> None:
         self.init.close()
+
+
+def adopt(desc: dict[str, Any]) -> tuple["PidWall | None", bool, str | None]:
+    """Re-attach the wall of a run whose owner is gone, from what its owner
+    tagged (describe()): (the wall, or None; True if its init is provably
+    gone, so the namespace is empty; or why it cannot be told). A pid only
+    means something in the namespace it was read in: an adopter in another
+    one cannot tell a gone init from one it cannot see, and says so."""
+    from .._identity import pidns_inode
+
+    raw = desc.get("init")
+    ident: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    pid, start = ident.get("pid"), ident.get("start_time")
+    if not isinstance(pid, int) or not isinstance(start, int) or pid <= 0:
+        return None, False, "the wall's init was not recorded: whether the namespace is empty cannot be told"
+    if pidns_inode(os.getpid()) != desc.get("counted_in"):
+        return None, False, ("the wall's init was recorded in another PID namespace than this adopter's: "
+                             "whether it is gone cannot be told from here")
+    try:
+        init = Init.adopt(pid, start)
+    except OSError as e:
+        return None, False, f"the wall's init could not be re-attached: {e}"
+    if init is None:
+        return None, True, None
+    w = PidWall(init, desc.get("userns") if isinstance(desc.get("userns"), str) else None)
+    w.init_identity = {"pid": pid, "start_time": start}
+    return w, False, None
