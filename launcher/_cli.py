@@ -120,6 +120,8 @@ _RUN_OPTIONS: tuple[tuple[str, str, Any, Any, str], ...] = (
     ("--check-sockets", "check_sockets", "flag", False,
      "after the stop, check every socket the tree held at the stop is closed"),
     ("--quiet", "quiet", "flag", False, "say nothing on stderr when the container is weaker than this host allows"),
+    ("--no-pidns", "no_pidns", "flag", False,
+     "no PID-namespace wall (default: one wherever the kernel allows it; see docs/design.md)"),
 )
 _METAVARS = {"--record": "FILE", "--workspace": "DIR", "--user": "USER"}
 _RUN_BY_FLAG = {o[0]: o for o in _RUN_OPTIONS}
@@ -390,7 +392,8 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
     # --kill-timeout are > 0, so 0 never turns into "none" or the default.
     kw: dict[str, Any] = dict(grace=args.grace, timeout=args.timeout, kill_timeout=args.kill_timeout,
                               backend=backend, seal=args.seal or None, user=args.user, workspace=args.workspace,
-                              subreaper=True, check_sockets=args.check_sockets)
+                              subreaper=True, check_sockets=args.check_sockets,
+                              pidns=False if getattr(args, "no_pidns", False) else None)
     if "quiet" in Options.__slots__:     # the driver's "weaker container" line reads it (issue 12)
         kw["quiet"] = args.quiet
     try:

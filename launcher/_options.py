@@ -11,7 +11,7 @@ class Options:
 
     __slots__ = ("grace", "timeout", "kill_timeout", "backend", "seal", "user", "workspace",
                  "record_file", "env", "cwd", "stdio", "state_dir", "subreaper", "parent_cgroup",
-                 "new_pgroup", "check_sockets")
+                 "new_pgroup", "check_sockets", "pidns")
 
     def __init__(self, *, grace: float = DEFAULT_GRACE, timeout: float | None = None,
                  kill_timeout: float = DEFAULT_KILL_TIMEOUT, backend: str = "auto",
@@ -20,7 +20,7 @@ class Options:
                  cwd: str | None = None, stdio: tuple[int, int, int] = (-1, -1, -1),
                  state_dir: str | None = None, subreaper: bool = False,
                  parent_cgroup: str | None = None, new_pgroup: bool = False,
-                 check_sockets: bool = False) -> None:
+                 check_sockets: bool = False, pidns: bool | None = None) -> None:
         if grace < 0 or (timeout is not None and timeout <= 0) or kill_timeout <= 0:
             raise ValueError("grace must be >= 0, timeout and kill_timeout > 0")
         if backend not in BACKENDS:
@@ -41,6 +41,9 @@ class Options:
         self.parent_cgroup = parent_cgroup
         self.new_pgroup = new_pgroup
         self.check_sockets = check_sockets
+        # The PID-namespace wall: None where the kernel allows it, True
+        # required (125 where it cannot be made), False off.
+        self.pidns = pidns
 
 
 def resolve_user(user: str) -> tuple[int, int, list[int]]:

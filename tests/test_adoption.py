@@ -137,7 +137,9 @@ def _run_dir(box, run_id: str) -> str:
 # A worker (root, unsealed) that waits until its supervisor has described
 # it, then rewrites run.json and record.json to name the victim (cgroup,
 # worker identity, a seal it does not have), optionally rewrites or removes
-# the run directory's tag, kills its supervisor and stays alive.
+# the run directory's tag, says so, and stays alive; the test then kills the
+# supervisor (behind the PID-namespace wall the worker cannot see it to
+# kill it itself: its parent is the wall's init).
 FORGER = textwrap.dedent("""\
     #py
     import json, os, signal, time, subprocess
@@ -167,7 +169,7 @@ FORGER = textwrap.dedent("""\
         tag.update(cgroup=victim["cgroup"])
         os.setxattr(rd, "trusted.contain.run", json.dumps(tag).encode())
     subprocess.Popen(["setsid", "sleep", "300"])
-    os.kill(os.getppid(), signal.SIGKILL)
+    open(os.environ["FORGED"], "w").close()
     os.execvp("sleep", ["sleep", "300"])
 """)
 
@@ -178,9 +180,17 @@ def _forger(box, run_id: str, victim: Victim, tag_mode: str) -> None:
                                                "boot_id": open("/proc/sys/kernel/random/boot_id").read().strip(),
                                                "pidns": None, "pidfd_inode": None}})
     box.env["TAG_MODE"] = tag_mode
+    forged = os.path.join(box.state_dir + "-forged")
+    box.env["FORGED"] = forged
     proc = subprocess.Popen(contain_cmd("run", "--id", run_id, "--grace", "0.3", "--", PY, "-c", FORGER),
                             env=box.env, stderr=subprocess.DEVNULL)
-    assert proc.wait(20) == -signal.SIGKILL, "the worker did not kill its supervisor"
+    deadline = time.monotonic() + 20
+    while not os.path.exists(forged):
+        assert time.monotonic() < deadline and proc.poll() is None, "the worker did not forge its run"
+        time.sleep(0.02)
+    os.unlink(forged)
+    proc.send_signal(signal.SIGKILL)       # the supervisor this test started
+    assert proc.wait(20) == -signal.SIGKILL
     assert len(wait_holders(box.token, 2)) >= 2, "the worker's tree did not outlive its supervisor"
     info = json.load(open(os.path.join(_run_dir(box, run_id), "run.json")))
     assert info["cgroup_dir"] == victim.dir, "the forgery did not happen"
@@ -238,8 +248,11 @@ def test_worker_rewriting_run_json_to_name_a_victim_cgroup_cannot_make_cancel_ki
         assert victim.alive(), "the victim was signalled, killed or moved"
         assert holders(box.token) == [], "the real worker was not stopped"
         rec = box.record("r")
-        # The tag, not the rewritten record, says whether the run was sealed.
-        assert rec["state"] == "EXITED" and rec["outcome"] == "cancelled", rec["state"]
+        # The tag, not the rewritten record, says what the run was: behind its
+        # PID-namespace wall (the tag names the wall's init), the adopter
+        # proves the real tree gone; the forged seal counts for nothing.
+        assert rec["state"] == "REAPED" and rec["outcome"] == "cancelled", rec["state"]
+        assert rec["containment"]["path"] != victim.path if hasattr(victim, "path") else True
         assert rec["identity"]["pid"] != victim.proc.pid
         assert rec["containment"]["path"] != "/" + os.path.relpath(victim.dir, _mount())
         notes = " ".join(rec["notes"])
@@ -354,7 +367,8 @@ def test_adopter_in_another_mount_view_gets_unconfirmed_never_reaped(box, kind):
         # A normal cancel, which sees the hierarchy as the run was made in it.
         rc, ack = _cancel(box, "r")
         rec = box.record("r")
-        assert rec["state"] == "EXITED" and rec["outcome"] == "cancelled"
+        # Behind the PID-namespace wall the adopter proves the tree gone.
+        assert rec["state"] == "REAPED" and rec["outcome"] == "cancelled"
         assert rec["evidence"]["cancel_requested"]["at"] is not None
         assert holders(box.token) == []
     finally:
@@ -363,8 +377,8 @@ def test_adopter_in_another_mount_view_gets_unconfirmed_never_reaped(box, kind):
 
 def test_adopter_in_another_view_proves_removal_by_cgroup_id(box):
     """Where the kernel can say it (open_by_handle_at of the recorded cgroup
-    id: ESTALE), a removed cgroup is removed whatever the view; the run is
-    then EXITED (an unsealed root worker: never more)."""
+    id: ESTALE), a removed cgroup is removed whatever the view; with the
+    PID-namespace wall's init gone too, the run is REAPED."""
     view = os.path.join(_mount(), f"contain-view-{secrets.token_hex(4)}")
     os.mkdir(view)
     try:
@@ -374,7 +388,7 @@ def test_adopter_in_another_view_proves_removal_by_cgroup_id(box):
         _rmdir_empty(run_cg)      # emptied above by the test, by pid; no cgroup.kill of a cgroup it did not make
         rc, ack = _cancel(box, "r", prefix=_other_view("bind", view))
         rec = box.record("r")
-        assert rec["state"] == "EXITED", rec["evidence"]["container_empty"]
+        assert rec["state"] == "REAPED", rec["evidence"]["container_empty"]
         assert "ESTALE" in rec["evidence"]["container_empty"]["via"]
     finally:
         remove_cgroup_tree(view)

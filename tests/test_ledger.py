@@ -1,5 +1,7 @@
 """Unsealed root workers that leave: the fork ledger sees them and the stop
-gets them, or the record says the escape layer was not observed.
+gets them, or the record says the escape layer was not observed. The ledger
+is what holds a run without the PID-namespace wall (`--no-pidns`); the same
+escapes behind the wall (the default) are held by the namespace itself.
 
 The test first checks, from outside, that the escape really happened (a
 process of the workload sits in the parent cgroup), then cancels the run and
@@ -47,7 +49,7 @@ ESCAPES = {
 def test_unsealed_escape_is_caught(contain_runs, tmp_path, name):
     attempt, sleepers, escapers = ESCAPES[name]
     c = contain_runs()
-    where = _attempt(c, [], attempt, str(tmp_path), expect_sleepers=sleepers)
+    where = _attempt(c, ["--no-pidns"], attempt, str(tmp_path), expect_sleepers=sleepers)
     out = _outside(c, where)
     assert len(out) >= escapers, f"{name} did not escape unsealed (the test is void): {where}"
     rec = _finish(c)
@@ -60,6 +62,38 @@ def test_unsealed_escape_is_caught(contain_runs, tmp_path, name):
     if rec["state"] == "REAPED":
         assert all(e["killed"] and e["gone"] and e["alive_at_end"] is False for e in esc["detail"])
     assert rec["_left"] == [] or rec["state"] == "BREACHED"
+
+
+@needs_root
+@pytest.mark.parametrize("name", sorted(ESCAPES))
+def test_escape_from_the_cgroup_is_held_by_the_pid_namespace_wall(contain_runs, tmp_path, name):
+    """The same escapes behind the wall (the default): the process leaves
+    the cgroup but not the namespace, and dies with it. Never REAPED while
+    anything of the tree lives (the test's own /proc scan); with the wall,
+    nothing lives."""
+    attempt, sleepers, escapers = ESCAPES[name]
+    c = contain_runs()
+    where = _attempt(c, [], attempt, str(tmp_path), expect_sleepers=sleepers)
+    out = _outside(c, where)
+    assert len(out) >= escapers, f"{name} did not leave the cgroup (the test is void): {where}"
+    rec = _finish(c)
+    walls = [w["kind"] for w in rec["containment"]["walls"]]
+    assert "pidns" in walls, walls
+    assert rec["_left"] == [], f"survivors behind the wall: {rec['_left']}"
+    assert rec["state"] == "REAPED" and rec["evidence"]["descendants_exit"]["observed"] is True
+
+
+@needs_root
+@pytest.mark.parametrize("migrate", [False, True], ids=["stays", "migrates_at_once"])
+def test_clone_parent_child_is_held_by_the_pid_namespace_wall(contain_runs, tmp_path, migrate):
+    """CLONE_PARENT behind the wall: the child is the init's (the worker's
+    parent inside the namespace), still a member, and dies with it."""
+    helper = _clone_parent_helper(tmp_path)
+    c = contain_runs()
+    target = f"{BASE}/cgroup.procs" if migrate else "-"
+    rc = c.run(["--grace", "0.5"], [helper, target, "sleep", "300"])
+    rec = c.record()
+    assert survivors(c.token) == [] and rec["state"] == "REAPED" and rc == 0, rec["state"]
 
 
 @needs_root
@@ -77,7 +111,7 @@ def test_unsealed_escape_through_capless_root_process_is_caught(contain_runs, tm
     try:
         assert wait_for(lambda: survivors(helper_token), 5)
         c = contain_runs()
-        where = _attempt(c, [], f"echo $$ > /proc/{helper.pid}/root{BASE}/cgroup.procs", str(tmp_path))
+        where = _attempt(c, ["--no-pidns"], f"echo $$ > /proc/{helper.pid}/root{BASE}/cgroup.procs", str(tmp_path))
         out = _outside(c, where)
         assert out, f"did not escape unsealed (the test is void): {where}"
         rec = _finish(c)
@@ -96,7 +130,7 @@ def test_ledger_turned_off_says_escapes_not_observed(contain_runs, tmp_path):
     by itself before the stop, so nothing is left to lie about."""
     c = contain_runs()
     script = f"sh -c 'echo $$ > {BASE}/cgroup.procs && sleep 0.2'\nexit 0"
-    assert c.run([], ["sh", "-c", script], extra_env={"CONTAIN_LEDGER": "off"}) == 0
+    assert c.run(["--no-pidns"], ["sh", "-c", script], extra_env={"CONTAIN_LEDGER": "off"}) == 0
     rec = c.record()
     esc = rec["evidence"]["escapes"]
     assert esc["observed"] is None and "would not be seen" in esc["detail"]
@@ -107,7 +141,7 @@ def test_ledger_turned_off_says_escapes_not_observed(contain_runs, tmp_path):
 @needs_root
 def test_no_escape_is_observed_false_with_ledger(contain_runs):
     c = contain_runs()
-    assert c.run([], ["sh", "-c", "sleep 0.1 & sleep 0.1 & wait"]) == 0
+    assert c.run(["--no-pidns"], ["sh", "-c", "sleep 0.1 & sleep 0.1 & wait"]) == 0
     rec = c.record()
     esc = rec["evidence"]["escapes"]
     assert esc["observed"] is False, esc
@@ -194,7 +228,7 @@ def test_clone_parent_child_is_still_contained(contain_runs, tmp_path, migrate):
     c = contain_runs()
     target = f"{BASE}/cgroup.procs" if migrate else "-"
     # The worker itself makes the child: its parent is the supervisor.
-    rc = c.run(["--grace", "0.5"], [helper, target, "sleep", "300"])
+    rc = c.run(["--grace", "0.5", "--no-pidns"], [helper, target, "sleep", "300"])
     rec = c.record()
     left = survivors(c.token)
     if left:

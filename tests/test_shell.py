@@ -213,8 +213,6 @@ def test_nohup_contain_survives_a_hangup(box, shell_env, tmp_path):
 
 # -- exec's conventions -----------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="waits for the spawn's execvp convention (spawn.c): ENOEXEC runs the "
-                   "file with /bin/sh, as execvp, env and timeout do")
 def test_a_script_without_a_shebang_runs_under_sh(box, shell_env, tmp_path):
     script = tmp_path / "noshebang"
     script.write_text("echo no-shebang; exit 7\n")
@@ -225,8 +223,6 @@ def test_a_script_without_a_shebang_runs_under_sh(box, shell_env, tmp_path):
     assert (p.returncode, p.stdout) == (sh.returncode, sh.stdout) == (7, "no-shebang\n"), p.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="waits for the spawn to tell a missing interpreter from a missing file "
-                   "(spawn.c, SpawnFailed): today it says 'command not found' (127) about a file that exists")
 def test_a_missing_interpreter_says_bad_interpreter(box, shell_env, tmp_path):
     """The file exists and cannot be executed: 126 (bash up to 5.1 says
     "bad interpreter" with 126; bash 5.2, dash, env and timeout say 127

@@ -308,7 +308,7 @@ class Detached:
     def populated(self) -> bool:
         if self.removed is None:
             raise self._refuse()
-        if self.wall_unknown:
+        if self.wall_unknown and not self.vouched:
             raise OSError(errno.ENOENT, self.wall_unknown)
         return self.wall is not None and not self.wall.empty()
 
