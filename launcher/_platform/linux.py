@@ -25,25 +25,14 @@ if TYPE_CHECKING:
 from .. import _tags
 from .._errors import ContainmentUnavailable, SpawnFailed
 from .._procfs import cgroup_of
-from . import pidwall, posix
-from .cgroups import Hierarchy, cgroup_mounts, hierarchies, identify, resolve_base, writable_procs_above
+from . import pidwall, posix, sealing
+from .cgroups import Hierarchy, hierarchies, identify, resolve_base, writable_procs_above
 from .posixwait import Root
 
 if TYPE_CHECKING:
     from .cgattach import CgroupCheck      # adoption only: not loaded on the run path
 
 KIND = "cgroup2"
-
-# Capabilities dropped from a sealed worker's bounding set (and every other
-# set). Inside the seal's user namespace they would only act on that
-# namespace; dropping them too keeps the worker from building new mount or
-# cgroup namespaces, loading code into the kernel, or reading raw memory:
-# DAC_READ_SEARCH (open_by_handle_at), SYS_MODULE, SYS_RAWIO, SYS_PTRACE,
-# SYS_ADMIN (mount, setns, unshare), SYS_BOOT (kexec), BPF.
-SEAL_DROP_CAPS = (2, 16, 17, 19, 21, 22, 39)
-_CAP_NAMES = {2: "CAP_DAC_READ_SEARCH", 16: "CAP_SYS_MODULE", 17: "CAP_SYS_RAWIO", 19: "CAP_SYS_PTRACE",
-              21: "CAP_SYS_ADMIN", 22: "CAP_SYS_BOOT", 39: "CAP_BPF"}
-
 
 class Container:
     """One run's cgroup subtree."""
@@ -59,6 +48,7 @@ class Container:
         self._dir_fd = -1                 # held by an adopter: what it verified is what it kills
         self._leaves: list[str] = []
         self.identity: dict[str, Any] | None = None   # recorded at creation (cgroups.identify)
+        self.run_id = name
         self.vouched: str | None = None   # a lead's proof for its nested run (_adopt.finish_nested)
         self.empty_proof = "cgroup.events populated 0"
         self.wall: pidwall.PidWall | None = None
@@ -79,6 +69,7 @@ class Container:
         prefix = "sub" if parent_dir is not None else "run"
         for _ in range(8):
             c = cls(h, base, f"{prefix}-{run_id}-{os.urandom(4).hex()}")
+            c.run_id = run_id
             try:
                 os.mkdir(c.dir)
             except FileExistsError:
@@ -211,58 +202,68 @@ class Container:
         self._prepare_seal(req, opts)
 
     def _prepare_seal(self, req: posix.SpawnRequest, opts: Any) -> None:
-        """Apply the seal when asked (docs/sealing.md): new mount, cgroup and
-        user namespaces in which every cgroup2 mount is replaced by a
-        read-only view of the run's own leaf, cgroup v1 mounts are read-only,
-        the capabilities in SEAL_DROP_CAPS are gone and no_new_privs is set.
-        `opts.seal` None ("auto") adds nothing to the spawn: the run is then
-        sealed only if the worker's uid cannot write any cgroup.procs above it."""
+        """The seal when asked (sealing.py, docs/sealing.md). `--user` alone
+        also gets no_new_privs and no capabilities; `--seal` (root only)
+        makes the worker root inside a user namespace whose 0 is an
+        unprivileged host uid, behind the wall."""
         self.seal_detail: dict[str, Any] | None = None
         self._seal_error: str | None = None
+        self.seal_uid: int | None = None
+        self._uid_claim: str | None = None
+        self._state_dir = getattr(opts, "state_dir", None)
+        if req.uid >= 0:
+            req.clear_caps = req.no_new_privs = True
         if not opts.seal:
             return
         if os.geteuid() != 0:
-            uid = req.uid if req.uid >= 0 else os.geteuid()
-            if writable_procs_above(uid, _gids_of(req), self.dir) is not None:
-                self._seal_error = ("--seal: only a root supervisor can build the namespace seal, "
-                                    f"and uid {uid} may write a cgroup.procs above the run")
+            self._seal_error = ("--seal needs a root supervisor (only root can map the worker to another "
+                                "uid); run contain as root, or leave out --seal")
             return
-        cg2, v1 = cgroup_mounts()
-        req.seal_cg2_paths = cg2
-        req.seal_ro_paths = v1
-        req.seal_userns = True
-        req.drop_caps = sorted(set(req.drop_caps) | set(SEAL_DROP_CAPS))
-        req.no_new_privs = True
+        if self.wall_mode is False:
+            self._seal_error = "--seal needs the PID-namespace wall: leave out --no-pidns"
+            return
+        if req.uid >= 0:
+            uid, gid = req.uid, (req.gid if req.gid >= 0 else req.uid)
+        else:
+            from .._statedir import location
+
+            self._state_dir = self._state_dir or location()
+            uid, self._uid_claim = sealing.claim_dynamic_uid(self._state_dir, self.run_id)
+            gid = uid
+        # Root inside, `uid` outside: the init becomes 0 in the namespace once
+        # the maps are written, and the worker keeps that (no setuid inside).
+        req.uid = req.gid = -1
+        req.groups = []
+        self.seal_uid = uid
+        pidwall.shape(req, True, userns="map", uid_map=f"0 {uid} 1", gid_map=f"0 {gid} 1")
 
     def seal_status(self, req: posix.SpawnRequest) -> tuple[bool, str | None]:
-        """Whether the worker provably cannot leave, and how (`seal_detail`,
-        recorded as containment.seal)."""
+        """Whether the tree's host credentials cannot act outside the run
+        (CONTRACT.md "sealed"), with what was checked (`seal_detail`)."""
+        walled = self.wall is not None
+        if req.userns == "map" and self.seal_uid is not None:
+            ok, why, detail = sealing.check(self.seal_uid, [self.seal_uid], self._state_dir, wall=walled,
+                                            no_new_privs=req.no_new_privs, no_caps=req.clear_caps)
+            self.seal_detail = dict(detail, method="user namespace mapped to an unprivileged host uid",
+                                    uid_in_namespace=0, dynamic=self._uid_claim is not None)
+            return ok, why
         uid = req.uid if req.uid >= 0 else os.geteuid()
-        if req.seal_ro_paths is not None:
-            self.seal_detail = {
-                "method": "namespaces",
-                "cgroup2_replaced": list(req.seal_cg2_paths),
-                "cgroup1_read_only": list(req.seal_ro_paths),
-                "user_namespace": "identity map" if req.seal_userns else None,
-                "caps_dropped": [_CAP_NAMES.get(c, str(c)) for c in req.drop_caps],
-                "no_new_privs": req.no_new_privs,
-                "mounts": "private",
-            }
-            return True, None
-        if uid != 0:
-            above = writable_procs_above(uid, _gids_of(req), self.dir)
-            if above is None:
-                self.seal_detail = {"method": "unprivileged-uid", "uid": uid,
-                                    "checked": "no cgroup.procs above the run is writable by this uid"}
-                return True, None
+        if uid == 0:
             self.seal_detail = None
-            return False, (f"worker uid {uid} may write {above}: it could move itself out "
-                           "(use --seal)")
-        self.seal_detail = None
-        why = "worker runs as root"
-        if not self.hierarchy.nsdelegate:
-            why += " on a cgroup2 mount without nsdelegate"
-        return False, why + ": it could write its pid into another cgroup.procs (use --seal or --user)"
+            why = "worker runs as root"
+            if not self.hierarchy.nsdelegate:
+                why += " on a cgroup2 mount without nsdelegate"
+            return False, why + ": it could write its pid into another cgroup.procs (use --seal or --user)"
+        above = writable_procs_above(uid, _gids_of(req), self.dir)
+        if above is not None:
+            self.seal_detail = None
+            advice = "use --seal or --user" if os.geteuid() == 0 else "preventing that needs a root supervisor"
+            return False, f"worker uid {uid} may write {above}: it could move itself out ({advice})"
+        ok, why, detail = sealing.check(uid, _gids_of(req), self._state_dir, wall=walled,
+                                        no_new_privs=req.no_new_privs, no_caps=req.clear_caps)
+        self.seal_detail = dict(detail, method="unprivileged-uid", uid=uid,
+                                checked="no cgroup.procs above the run is writable by this uid") if ok else None
+        return ok, why
 
     def escape_evidence(self) -> dict[str, Any]:
         return {"observed": None, "at": None, "via": "none",
@@ -406,6 +407,7 @@ class Container:
         """Remove the run's cgroups bottom-up. Returns None, or why not."""
         if self.wall is not None:
             self.wall.close()
+        sealing.release_claim(getattr(self, "_uid_claim", None))
         for fd in (self._events_fd, self._dir_fd):
             if fd >= 0:
                 os.close(fd)
