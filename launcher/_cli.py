@@ -110,7 +110,7 @@ _RUN_OPTIONS: tuple[tuple[str, str, Any, Any, str], ...] = (
      "seconds to wait for the container to empty after SIGKILL (default 10); > 0"),
     ("--record", "record", "text", None, "also write the final stop record to FILE (`-`: stdout); only a "
      "regular file is ever replaced, a device or FIFO is written in place; exit 125 if it cannot be written"),
-    ("--backend", "backend", ("auto", "cgroup2", "job-object", "none"), None,
+    ("--backend", "backend", ("auto", "cgroup2", "pidns", "job-object", "none"), None,
      "container kind (default auto, or CONTAIN_BACKEND)"),
     ("--seal", "seal", "flag", False,
      "make leaving the container impossible; needs a root supervisor (docs/sealing.md)"),
@@ -385,8 +385,8 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
         _say("run: nothing to run (usage: contain run [OPTIONS] -- CMD [ARG...])")
         return EXIT_USAGE
     backend = args.backend or os.environ.get("CONTAIN_BACKEND", "auto")
-    if backend not in ("auto", "cgroup2", "job-object", "none"):
-        _say(f"run: CONTAIN_BACKEND={backend!r} is not auto, cgroup2, job-object or none")
+    if backend not in ("auto", "cgroup2", "pidns", "job-object", "none"):
+        _say(f"run: CONTAIN_BACKEND={backend!r} is not auto, cgroup2, pidns, job-object or none")
         return EXIT_USAGE
     # The parser has checked the numbers (launcher/_args.py): --timeout and
     # --kill-timeout are > 0, so 0 never turns into "none" or the default.

@@ -35,16 +35,32 @@ def make_container(run_id: str, opts: Options) -> Any:
         from ._platform import windows
 
         return windows.Container.create(run_id)
+    why_not_cgroup = None
     if backend in ("auto", "cgroup2"):
         from ._platform import linux
 
         parent = opts.parent_cgroup or inherited_parent(env)
         try:
             return linux.Container.create(run_id, env, parent_dir=parent)
-        except ContainmentUnavailable:
+        except ContainmentUnavailable as e:
             if backend == "cgroup2":
                 raise
-    elif backend != "none":
+            why_not_cgroup = e.reason
+    if backend in ("auto", "pidns") and opts.pidns is not False:
+        # Without a cgroup of its own a caller can still have a container
+        # that nothing can leave: the PID-namespace wall (pidns.py).
+        from ._platform import pidns
+
+        problem = pidns.available()
+        if problem is None:
+            c = pidns.Container(run_id)
+            c.why_not_stronger = why_not_cgroup
+            return c
+        if backend == "pidns":
+            raise ContainmentUnavailable(f"PID-namespace wall unavailable: {problem}")
+    elif backend == "pidns":
+        raise ContainmentUnavailable("--backend pidns with --no-pidns: nothing left to contain the run")
+    if backend not in ("auto", "none"):
         raise ValueError(f"unknown backend {backend!r}")
     from ._platform import none
 

@@ -98,8 +98,8 @@ class RunEvidence:
                 # exited: failing here is an observation failure.
                 self.notes.append(f"identity not read: {e}")
         self.placement = container.placed(sp.pid)
-        if container.backend != "none":
-            expected = container.hierarchy.cg_path(container.leaf)
+        expected = container.expected_placement() if hasattr(container, "expected_placement") else None
+        if expected is not None:
             if self.placement is not None and self.placement != expected:
                 self.escapes.append({"pid": sp.pid, "seen_in": self.placement, "at": now_iso(),
                                      "via": "/proc/<pid>/cgroup right after spawn"})

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 DEFAULT_GRACE = 5.0
 DEFAULT_KILL_TIMEOUT = 10.0
-BACKENDS = ("auto", "cgroup2", "job-object", "none")
+BACKENDS = ("auto", "cgroup2", "pidns", "job-object", "none")
 
 
 class Options:
@@ -24,7 +24,7 @@ class Options:
         if grace < 0 or (timeout is not None and timeout <= 0) or kill_timeout <= 0:
             raise ValueError("grace must be >= 0, timeout and kill_timeout > 0")
         if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r} (auto, cgroup2, job-object or none)")
+            raise ValueError(f"unknown backend {backend!r} (auto, cgroup2, pidns, job-object or none)")
         self.grace = grace
         self.timeout = timeout
         self.kill_timeout = kill_timeout

@@ -139,6 +139,10 @@ class Container:
         """The worker as the owner watches it."""
         return self.wall.root(sp) if self.wall is not None else Root(sp.pid, sp.pidfd)
 
+    def expected_placement(self) -> str:
+        """Where the worker must be right after the spawn (/proc/<pid>/cgroup's v2 path)."""
+        return self.hierarchy.cg_path(self.leaf)
+
     def unleavable(self) -> str | None:
         """How no member can have left unseen, if the container itself says so."""
         return pidwall.UNLEAVABLE if self.wall is not None or self.wall_gone else None
