@@ -45,6 +45,7 @@ class RunEvidence:
         self.nested_seen: list[dict[str, Any]] = []    # runs nested in this one, as the kernel showed them
         self.lead: dict[str, Any] | None = None       # the run this one is nested in
         self.adopted = False
+        self.linger: dict[str, Any] | None = None     # what lingered after the worker exited (_stop.py)
 
     # -- writing -------------------------------------------------------------
 
@@ -169,6 +170,8 @@ class RunEvidence:
             "notes": self.notes,
             "record_written_at": now_iso(),
         }
+        if self.linger is not None:
+            rec["linger"] = self.linger
         if self.adopted:
             rec["adopted_by"] = {"pid": os.getpid()}
         rec["nested"] = _nested.describe(self.nested_seen, run_dir)
@@ -189,6 +192,7 @@ class RunEvidence:
             e.escapes = list(esc["detail"])
         e.times.update(rec.get("timings") or {})
         e.cpu = rec.get("cpu")
+        e.linger = rec.get("linger") if isinstance(rec.get("linger"), dict) else None
         e.notes = list(rec.get("notes") or [])
         c = rec.get("containment") or {}
         e.sealed = (bool(c.get("sealed")), c.get("sealed_reason"))

@@ -282,15 +282,15 @@ class Container:
 
     # -- stopping ----------------------------------------------------------
 
-    def terminate(self) -> tuple[int, int]:
-        """SIGTERM (and SIGCONT, so a stopped process can act on it) to every
-        member, each pinned by pidfd and re-checked to be inside. Returns
-        (signalled, failed)."""
+    def terminate(self, sig: int = 15) -> tuple[int, int]:
+        """`sig` (SIGTERM, or the signal that cancelled the run) and SIGCONT,
+        so a stopped process can act on it, to every member, each pinned by
+        pidfd and re-checked to be inside. Returns (signalled, failed)."""
         from .._native import ffi, lib
 
         sent = ffi.new("int*")
         failed = ffi.new("int*")
-        rc = lib.ct_cgroup_signal_members(self.dir.encode(), self.path.encode(), 15, 1, sent, failed)
+        rc = lib.ct_cgroup_signal_members(self.dir.encode(), self.path.encode(), sig, 1, sent, failed)
         if rc < 0:
             raise OSError(-rc, f"signal members of {self.dir}: {os.strerror(-rc)}")
         return sent[0], failed[0]

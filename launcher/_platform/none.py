@@ -176,7 +176,7 @@ class Container:
                 if _live_start(pid) != start:
                     continue
                 signal.pidfd_send_signal(fd, sig)
-                if sig == signal.SIGTERM:
+                if sig != signal.SIGKILL:
                     signal.pidfd_send_signal(fd, signal.SIGCONT)
                 sent += 1
             except ProcessLookupError:
@@ -187,8 +187,8 @@ class Container:
                 os.close(fd)
         return sent, failed
 
-    def terminate(self) -> tuple[int, int]:
-        return self._signal_all(signal.SIGTERM)
+    def terminate(self, sig: int = signal.SIGTERM) -> tuple[int, int]:
+        return self._signal_all(sig)
 
     def kill(self) -> str:
         for _ in range(10):

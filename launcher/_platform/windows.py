@@ -276,9 +276,10 @@ class Container:
 
     # -- stopping ----------------------------------------------------------
 
-    def terminate(self) -> tuple[int, int]:
-        """The polite stop: CTRL_BREAK_EVENT to the worker's process group.
-        It reaches only console processes sharing our console; the kill that
+    def terminate(self, sig: int = 15) -> tuple[int, int]:
+        """The polite stop: CTRL_BREAK_EVENT to the worker's process group,
+        whatever `sig` asked for (Windows has no signals to forward). It
+        reaches only console processes sharing our console; the kill that
         follows is what the record relies on. Returns (signalled, failed)."""
         from .._native import lib
 
