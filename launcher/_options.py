@@ -1,9 +1,24 @@
 """How to run and stop one run: fixed before the spawn, validated here."""
 from __future__ import annotations
 
+import math
+
 DEFAULT_GRACE = 5.0
 DEFAULT_KILL_TIMEOUT = 10.0
 BACKENDS = ("auto", "cgroup2", "job-object", "none")
+
+
+def _finite(name: str, value: float, *, positive: bool) -> float:
+    """Every time bound is a finite number of seconds: the owner loop can
+    honour any of them (its waits are clamped and looped), and nan or inf
+    would make every deadline comparison false or never true."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
+    v = float(value)
+    if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        raise ValueError(f"{name} must be a finite number of seconds {'> 0' if positive else '>= 0'}, "
+                         f"not {value!r}")
+    return v
 
 
 class Options:
@@ -11,7 +26,7 @@ class Options:
 
     __slots__ = ("grace", "timeout", "kill_timeout", "backend", "seal", "user", "workspace",
                  "record_file", "env", "cwd", "stdio", "state_dir", "subreaper", "parent_cgroup",
-                 "new_pgroup", "check_sockets")
+                 "new_pgroup", "check_sockets", "linger", "keep_ignored", "notify")
 
     def __init__(self, *, grace: float = DEFAULT_GRACE, timeout: float | None = None,
                  kill_timeout: float = DEFAULT_KILL_TIMEOUT, backend: str = "auto",
@@ -20,14 +35,22 @@ class Options:
                  cwd: str | None = None, stdio: tuple[int, int, int] = (-1, -1, -1),
                  state_dir: str | None = None, subreaper: bool = False,
                  parent_cgroup: str | None = None, new_pgroup: bool = False,
-                 check_sockets: bool = False) -> None:
-        if grace < 0 or (timeout is not None and timeout <= 0) or kill_timeout <= 0:
-            raise ValueError("grace must be >= 0, timeout and kill_timeout > 0")
+                 check_sockets: bool = False, linger: float = 0.0,
+                 keep_ignored: frozenset[int] | None = None, notify: object = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r} (auto, cgroup2, job-object or none)")
-        self.grace = grace
-        self.timeout = timeout
-        self.kill_timeout = kill_timeout
+        self.grace = _finite("grace", grace, positive=False)
+        self.timeout = None if timeout is None else _finite("timeout", timeout, positive=True)
+        self.kill_timeout = _finite("kill_timeout", kill_timeout, positive=True)
+        # After the worker exits, how long the rest of the tree may go on on
+        # its own before the stop begins (`git gc --auto` backgrounds itself).
+        self.linger = _finite("linger", linger, positive=False)
+        # Signals the worker starts with ignored: None means "what this
+        # process ignores at the spawn" (_launch.caller_ignored).
+        self.keep_ignored = keep_ignored
+        # Called with one line for a person (the CLI prints it on stderr):
+        # today only "the container is weaker than this host allows".
+        self.notify = notify
         self.backend = backend
         self.seal = seal
         self.user = user

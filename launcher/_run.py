@@ -22,6 +22,7 @@ at every input once.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 from . import _launch, _nested
 from . import _state as S
 from ._evidence import RunEvidence
-from ._inbox import Inbox
+from ._inbox import Inbox, grace_of
 from ._layout import RunDir, new_id, new_uid
 from ._escapes import EscapeWatch
 from ._options import Options
@@ -105,6 +106,8 @@ class Run:
             self.wakeups.wake()
 
     def deliver_signal(self, signum: int) -> None:
+        """A signal to the supervisor (signal-safe). One that came before the
+        wake-up pipe is seen by the turn before the spawn and next_deadline()."""
         self._signals.append(signum)
         self.wake()
 
@@ -147,6 +150,8 @@ class Run:
             self.wakeups.drain(ready)
 
     def next_deadline(self) -> float:
+        if self._signals:
+            return time.monotonic()       # a signal delivered before the wake-up pipe existed
         t = self.stop.next_deadline()
         if self._deadline_timeout and self.snap.phase is S.Phase.RUNNING:
             t = min(t, self._deadline_timeout)
@@ -161,7 +166,10 @@ class Run:
         with self._lock:
             now = time.monotonic()
             while self._signals:
-                if self.inbox.request_from_signal(self._signals.pop(0)):
+                signum = self._signals.pop(0)
+                if self.snap.stopping:
+                    self.stop.on_signal(now, signum)   # a second signal: no more waiting
+                if self.inbox.request_from_signal(signum):
                     self._read_inbox()
             self._read_inbox()
             self._check_root()
@@ -194,38 +202,44 @@ class Run:
         self.feed(S.Event.ROOT_EXITED, S.Outcome(ex.how) if ex.how else None)
         self.journal("root_exited", exit_code=self.facts.exit_code, signal=self.facts.signal)
         if not was_stopping:
-            self._begin_stop(time.monotonic())
+            self._begin_stop(time.monotonic(), linger=self.opts.linger)
 
     def _read_inbox(self) -> None:
         for req in self.inbox.pending():
             arrival = self.inbox.arrive(req, self.snap)
             if arrival is None:
                 continue
+            grace, signum = grace_of(req), self.inbox.signal_of(arrival.op)
             if arrival.effect is S.Effect.CANCEL_REQUESTED and not self.facts.observed("cancel_requested"):
                 self.facts.cancel_requested(arrival.op, req)
-                if req.get("grace") is not None:
-                    self._cancel_grace = float(req["grace"])
+                self._cancel_grace = grace
             before = self.snap
             self.feed(S.Event.CANCEL)
             self.inbox.acknowledge(arrival, self.snap)
             self.journal("cancel", op_id=arrival.op, effect=arrival.effect.value)
             if self.snap.stopping and not before.stopping:
-                self._begin_stop(time.monotonic(), grace=self._cancel_grace)
+                self._begin_stop(time.monotonic(), grace=self._cancel_grace, signum=signum)
             elif before.phase is S.Phase.UNCONFIRMED:
                 self.stop.retry(time.monotonic())
+            elif before.stopping:
+                self.stop.shorten(time.monotonic(), grace, signum)   # ends a linger; a shorter grace
             if not before.terminal:
                 self.publish()   # one result: a terminal record is never rewritten
 
     # -- acting --------------------------------------------------------------
 
-    def _begin_stop(self, now: float, grace: float | None = None) -> None:
+    def _begin_stop(self, now: float, grace: float | None = None, signum: int | None = None,
+                    linger: float = 0.0) -> None:
         self._see_nested()
         self._check_root()     # an empty container's worker status is taken first
         if self.snap.terminal:
             return
-        ev = self.stop.begin(now, self.opts.grace if grace is None else grace)
+        ev = self.stop.begin(now, self.opts.grace if grace is None else grace,
+                             signum=signum or signal.SIGTERM, linger=linger)
         if ev is not None:
             self.feed(ev)
+        elif self.stop.stage == "linger":
+            self.publish()          # readers see the worker's end and what lingers
 
     def _advance(self, now: float) -> None:
         if self.stop.stage is None:

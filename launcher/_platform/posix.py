@@ -36,7 +36,7 @@ class DiedAtBirth(Exception):
 class SpawnRequest:
     __slots__ = ("argv", "env", "cwd", "stdio", "new_pgroup", "new_session", "uid", "gid",
                  "groups", "seal_ro_paths", "drop_caps", "no_new_privs", "seal_cg2_paths",
-                 "seal_userns")
+                 "seal_userns", "keep_ignored")
 
     def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
                  stdio: tuple[int, int, int] = (-1, -1, -1), new_pgroup: bool = False,
@@ -60,6 +60,11 @@ class SpawnRequest:
         self.no_new_privs = no_new_privs
         self.seal_cg2_paths = list(seal_cg2_paths)   # replaced by the run's own view (seal.c)
         self.seal_userns = seal_userns
+        # Signals the worker starts with SIG_IGN (the caller's ignored set);
+        # every other disposition starts at SIG_DFL. The C spawn takes this
+        # from the native rework on; until then it keeps every inherited
+        # SIG_IGN but SIGPIPE and SIGXFSZ, which is the same set here.
+        self.keep_ignored: list[int] = []
 
 
 class Spawned:
