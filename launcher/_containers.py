@@ -32,20 +32,26 @@ def make_container(run_id: str, opts: Options) -> Any:
         from ._platform import windows
 
         return windows.Container.create(run_id)
+    weaker = None
     if backend in ("auto", "cgroup2"):
         from ._platform import linux
 
         parent = opts.parent_cgroup or inherited_parent(env)
         try:
             return linux.Container.create(run_id, env, parent_dir=parent)
-        except ContainmentUnavailable:
-            if backend == "cgroup2":
+        except ContainmentUnavailable as e:
+            # A base the caller named is a choice, not a hint: when it cannot
+            # be used the run fails (125) rather than run with less.
+            if backend == "cgroup2" or (parent is None and env.get("CONTAIN_CGROUP_BASE")):
                 raise
+            weaker = f"no cgroup container ({e.reason})"
     elif backend != "none":
         raise ValueError(f"unknown backend {backend!r}")
     from ._platform import none
 
-    return none.Container(run_id)
+    c = none.Container(run_id)
+    c.weaker = weaker      # auto got less than this host gives a root user: said on stderr
+    return c
 
 
 def inherited_parent(env: Any) -> str | None:

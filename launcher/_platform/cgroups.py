@@ -96,11 +96,50 @@ def _writable_dir(path: str) -> bool:
     return os.access(path, os.W_OK | os.X_OK) and os.access(os.path.join(path, "cgroup.procs"), os.W_OK)
 
 
-def resolve_base(env: dict[str, str] | os._Environ[str] = os.environ) -> tuple[Hierarchy, str]:
+def _make_dirs(path: str) -> list[str]:
+    """mkdir -p, returning the directories this call made (top first)."""
+    missing = []
+    d = path
+    while not os.path.isdir(d):
+        missing.append(d)
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    made = []
+    try:
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, 0o755)
+            except FileExistsError:
+                continue
+            made.append(d)
+    except OSError:
+        remove_made(made)
+        raise
+    return made
+
+
+def remove_made(made: list[str]) -> None:
+    """Remove the base directories a run made, deepest first, while they are
+    empty: one that holds another run's cgroup stays (rmdir says EBUSY)."""
+    for d in reversed(made):
+        try:
+            os.rmdir(d)
+        except OSError:
+            return
+
+
+def resolve_base(env: dict[str, str] | os._Environ[str] = os.environ,
+                 made: list[str] | None = None) -> tuple[Hierarchy, str]:
     """Choose where run directories go: (hierarchy, base filesystem path).
 
     CONTAIN_CGROUP_BASE if set; as root a `contain` directory under the mount;
-    otherwise the caller's own cgroup when it is delegated to it."""
+    otherwise the caller's own cgroup when it is delegated to it. An explicit
+    base that does not exist is made, and the directories made are added to
+    `made` so that whoever asked removes them when its run ends (nothing
+    `contain` creates is left behind); without `made` (a probe) nothing is
+    created: a missing base is reported as such."""
     hs = hierarchies()
     if not hs:
         raise ContainmentUnavailable("no cgroup v2 hierarchy is mounted")
@@ -113,12 +152,21 @@ def resolve_base(env: dict[str, str] | os._Environ[str] = os.environ) -> tuple[H
         else:
             h = hs[0]
             path = h.fs_path(explicit)
-        try:
-            os.makedirs(path, exist_ok=True)
-        except OSError as e:
-            raise ContainmentUnavailable(f"CONTAIN_CGROUP_BASE {path}: {os.strerror(e.errno or 0)}") from e
+        if made is None:
+            if not os.path.isdir(path):
+                raise ContainmentUnavailable(f"CONTAIN_CGROUP_BASE {path} does not exist "
+                                             "(a run makes it, and removes it when it ends)")
+            mine: list[str] = []
+        else:
+            try:
+                mine = _make_dirs(path)
+            except OSError as e:
+                raise ContainmentUnavailable(f"CONTAIN_CGROUP_BASE {path}: {os.strerror(e.errno or 0)}") from e
         if not _writable_dir(path):
+            remove_made(mine)
             raise ContainmentUnavailable(f"CONTAIN_CGROUP_BASE {path} is not writable")
+        if made is not None:
+            made.extend(mine)
         return h, path
     own = cgroup_of("self") or "/"
     h = next((x for x in hs if own == x.root or own.startswith(x.root.rstrip("/") + "/")), hs[0])
@@ -158,11 +206,14 @@ def _leave_internal_position(own_fs: str) -> None:
 
 def available() -> str | None:
     """None if a cgroup2 container can be made here, else the reason."""
+    made: list[str] = []
     try:
-        h, base = resolve_base()
+        resolve_base(made=made)
     except ContainmentUnavailable as e:
         return e.reason
     except OSError as e:
         return str(e)
+    finally:
+        remove_made(made)
     return None
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 from .._errors import ContainmentUnavailable
 from .._procfs import cgroup_of
 from . import posix
-from .cgroups import Hierarchy, cgroup_mounts, hierarchies, resolve_base, writable_procs_above
+from .cgroups import Hierarchy, cgroup_mounts, hierarchies, remove_made, resolve_base, writable_procs_above
 
 KIND = "cgroup2"
 
@@ -51,24 +51,34 @@ class Container:
         self._events_fd = -1
         self._leaves: list[str] = []
         self._gone = False
+        self._made: list[str] = []       # base directories made for this run, removed after it
         self.empty_proof = "cgroup.events populated 0"
 
     @classmethod
     def create(cls, run_id: str, env: dict[str, str] | os._Environ[str] = os.environ,
                parent_dir: str | None = None) -> "Container":
+        made: list[str] = []      # base directories this run made (removed with it)
         if parent_dir is not None:
             h = next(x for x in hierarchies() if parent_dir.startswith(x.mount))
             base = parent_dir
         else:
-            h, base = resolve_base(env)
+            h, base = resolve_base(env, made)
         prefix = "sub" if parent_dir is not None else "run"
         for _ in range(8):
             c = cls(h, base, f"{prefix}-{run_id}-{os.urandom(4).hex()}")
+            c._made = made
             try:
                 os.mkdir(c.dir)
             except FileExistsError:
                 continue
+            except FileNotFoundError:
+                if parent_dir is not None:
+                    raise ContainmentUnavailable(f"cannot create {c.dir}: its parent is gone") from None
+                # The run that made the base removed it as it ended: make it again.
+                h, base = resolve_base(env, made)
+                continue
             except OSError as e:
+                remove_made(made)
                 raise ContainmentUnavailable(f"cannot create {c.dir}: {os.strerror(e.errno or 0)}") from e
             try:
                 os.mkdir(c.leaf)
@@ -78,6 +88,7 @@ class Container:
                 c.remove()
                 raise ContainmentUnavailable(f"cannot prepare {c.dir}: {os.strerror(e.errno or 0)}") from e
             return c
+        remove_made(made)
         raise ContainmentUnavailable(f"no free cgroup name under {base}")
 
     @classmethod
@@ -345,6 +356,8 @@ class Container:
                         continue
                     problem = f"rmdir {d}: {os.strerror(e.errno or 0)}"
                     break
+        if problem is None:
+            remove_made(self._made)
         return problem
 
 
