@@ -21,14 +21,20 @@ EXIT_NOT_FOUND = 3
 EXIT_CONTAIN_FAILED = 125
 
 
-def _seconds_value(text: str) -> float:
-    """Raises ValueError with the message argparse shows."""
+def _seconds_value(text: str, positive: bool = False) -> float:
+    """Raises ValueError with the message argparse shows. Any finite number
+    is honoured (the owner loop clamps and loops its waits); nan, inf and
+    negatives are refused, and so is 0 where it could not mean what it says
+    (`--timeout 0` would cancel at once, `--kill-timeout 0` would give the
+    kernel no time to empty the container)."""
     try:
         v = float(text)
     except ValueError:
         raise ValueError(f"not a number of seconds: {text!r}") from None
     if v != v or v < 0 or v == float("inf"):
         raise ValueError(f"seconds must be a finite number >= 0: {text!r}")
+    if positive and v == 0:
+        raise ValueError(f"seconds must be > 0 here: {text!r} (leave the option out for the default)")
     return v
 
 
@@ -41,16 +47,31 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _duration(text: str) -> float:
+    import argparse
+
+    try:
+        return _seconds_value(text, positive=True)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 # Every `contain run` option, once: both the argparse parser and the fast
 # path below are built from this table, so they cannot drift apart.
-# (flag, dest, kind, default, help); kind is "seconds", "text", "flag", or a
-# tuple of choices.
+# (flag, dest, kind, default, help); kind is "seconds" (>= 0), "duration"
+# (> 0), "text", "flag", or a tuple of choices.
 _RUN_OPTIONS: tuple[tuple[str, str, Any, Any, str], ...] = (
     ("--id", "id", "text", None, "run id (default: generated); a live run's id cannot be reused"),
     ("--grace", "grace", "seconds", 5.0, "seconds between SIGTERM and SIGKILL (default 5)"),
-    ("--timeout", "timeout", "seconds", None, "cancel the run after this many seconds (exit 124)"),
-    ("--kill-timeout", "kill_timeout", "seconds", 10.0,
+    ("--timeout", "timeout", "duration", None, "cancel the run after this many seconds (exit 124)"),
+    ("--kill-timeout", "kill_timeout", "duration", 10.0,
      "seconds to wait for the container to empty after SIGKILL (default 10)"),
+    ("--linger", "linger", "seconds", 0.0,
+     "after the worker exits, let the rest of its tree finish on its own for up to this long, "
+     "still contained, before the stop begins (default 0; e.g. for `git gc --auto`)"),
+    ("--quiet", "quiet", "flag", False, "say nothing on stderr about a weaker container or the stop"),
+    ("--verbose", "verbose", "flag", False,
+     "at the end, one line on stderr: how the run ended, what was stopped, the state, the record"),
     ("--record", "record", "text", None, "also write the stop record to FILE"),
     ("--backend", "backend", ("auto", "cgroup2", "job-object", "none"), None,
      "container kind (default auto, or CONTAIN_BACKEND)"),
@@ -62,7 +83,9 @@ _RUN_OPTIONS: tuple[tuple[str, str, Any, Any, str], ...] = (
      "after the stop, check every socket the tree held at the stop is closed"),
 )
 _METAVARS = {"--record": "FILE", "--workspace": "DIR", "--user": "USER"}
+_SHORT = {"--quiet": "-q", "--verbose": "-v"}
 _RUN_BY_FLAG = {o[0]: o for o in _RUN_OPTIONS}
+_RUN_BY_FLAG.update({_SHORT[o[0]]: o for o in _RUN_OPTIONS if o[0] in _SHORT})
 _RUN_DEFAULTS = {"cmd": "run", **{o[1]: o[3] for o in _RUN_OPTIONS}}
 
 
@@ -103,9 +126,9 @@ def _fast_run(argv: Sequence[str]) -> SimpleNamespace | None:
             if value not in kind:
                 return None
             vals[dest] = value
-        elif kind == "seconds":
+        elif kind in ("seconds", "duration"):
             try:
-                vals[dest] = _seconds_value(value)
+                vals[dest] = _seconds_value(value, positive=kind == "duration")
             except ValueError:
                 return None
         else:
@@ -137,9 +160,11 @@ def _parser() -> argparse.ArgumentParser:
                        "signal N, 124 on --timeout, 125 if contain failed, 126/127 if CMD cannot run.")
     for flag, dest, kind, default, help_text in _RUN_OPTIONS:
         if kind == "flag":
-            r.add_argument(flag, dest=dest, action="store_true", help=help_text)
-        elif kind == "seconds":
-            r.add_argument(flag, dest=dest, type=_seconds, default=default, metavar="SECONDS", help=help_text)
+            names = [_SHORT[flag], flag] if flag in _SHORT else [flag]
+            r.add_argument(*names, dest=dest, action="store_true", help=help_text)
+        elif kind in ("seconds", "duration"):
+            r.add_argument(flag, dest=dest, type=_seconds if kind == "seconds" else _duration, default=default,
+                           metavar="SECONDS", help=help_text)
         elif isinstance(kind, tuple):
             r.add_argument(flag, dest=dest, choices=kind, default=default, help=help_text)
         else:
@@ -172,19 +197,29 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# The signal `contain` must die by once main() has returned (a run cancelled
+# by SIGINT, SIGTERM or SIGHUP, or a Ctrl-C anywhere): console() raises it
+# after the output is flushed; in-process callers of main() get 128 + N.
+_die_by: list[int] = []
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _fast_run(sys.argv[1:] if argv is None else argv) or _parser().parse_args(argv)
-    if args.cmd is None:
-        _parser().print_help(sys.stderr)
-        return EXIT_USAGE
+    del _die_by[:]
     try:
+        args = _fast_run(sys.argv[1:] if argv is None else argv) or _parser().parse_args(argv)
+        if args.cmd is None:
+            _parser().print_help(sys.stderr)
+            return EXIT_USAGE
         if args.cmd == "run":
             return _cmd_run(args)
         from . import _commands
 
         return int(getattr(_commands, f"cmd_{args.cmd}")(args))
     except KeyboardInterrupt:
-        return 130
+        # Interrupted outside a run's stop (start-up, `wait`, `cancel --wait`):
+        # die by SIGINT too, so the shell around us stops as well.
+        _die_by[:] = [signal.SIGINT]
+        return 128 + signal.SIGINT
     except BrokenPipeError:
         return 1
 
@@ -212,6 +247,10 @@ def console() -> None:
         except (OSError, ValueError):
             if rc == 0:
                 rc = 1
+    if _die_by:
+        from ._sigproxy import die_by
+
+        die_by(_die_by[0])
     os._exit(rc)
 
 
@@ -226,8 +265,10 @@ def _say(msg: str) -> None:
 def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
     from ._errors import ContainmentUnavailable, RunConflict, SpawnFailed
     from ._adopt import finish_nested
+    from ._launch import caller_ignored
     from ._options import Options
     from ._run import Run
+    from ._sigproxy import SignalProxy
 
     cmd = list(args.command)
     if cmd and cmd[0] == "--":
@@ -239,11 +280,16 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
     if backend not in ("auto", "cgroup2", "job-object", "none"):
         _say(f"run: CONTAIN_BACKEND={backend!r} is not auto, cgroup2, job-object or none")
         return EXIT_USAGE
+    quiet = bool(getattr(args, "quiet", False))
     try:
-        opts = Options(grace=args.grace, timeout=args.timeout or None, kill_timeout=args.kill_timeout or 10.0,
+        # What the caller ignored, read before any handler of ours exists:
+        # it stays ignored here and in the worker (nohup, `trap '' INT`).
+        ignored = caller_ignored()
+        opts = Options(grace=args.grace, timeout=args.timeout, kill_timeout=args.kill_timeout,
                        backend=backend, seal=args.seal or None, user=args.user, workspace=args.workspace,
-                       record_file=args.record, subreaper=True,
-                       check_sockets=args.check_sockets)
+                       record_file=args.record, subreaper=True, check_sockets=args.check_sockets,
+                       linger=getattr(args, "linger", 0.0), keep_ignored=ignored,
+                       notify=None if quiet else _say_weaker)
         run = Run(cmd, id=args.id, options=opts)
         run.end_hooks.append(finish_nested)
     except ValueError as e:
@@ -251,10 +297,12 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
         return EXIT_USAGE
 
     # Signals cancel the run; they are turned into wake-ups of the owner
-    # loop, which records the intent durably before anything is signalled.
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, lambda n, _f: run.deliver_signal(n))
-    signal.signal(signal.SIGCHLD, lambda n, _f: run.wake())
+    # loop, which records the intent durably before anything is signalled
+    # (_sigproxy.py). Installed before the claim: one that arrives during
+    # the start-up is queued and acted on before the spawn.
+    proxy = SignalProxy(run, say=None if quiet else _say)
+    proxy.install()
+    run.on_change = proxy.changed
     from ._native import lib
 
     lib.ct_set_child_subreaper(1)
@@ -262,26 +310,65 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
         run.start()
     except RunConflict as e:
         _say(f"run: {e}")
-        return EXIT_USAGE
+        return _ended(proxy, EXIT_USAGE)
     except ValueError as e:       # e.g. --user names nobody
         _say(f"run: {e}")
-        return EXIT_USAGE
+        return _ended(proxy, EXIT_USAGE)
     except SpawnFailed as e:
         _say(str(e))
-        return e.exit_code
+        return _ended(proxy, e.exit_code)
     except ContainmentUnavailable as e:
         _say(f"no container: {e}")
-        return EXIT_CONTAIN_FAILED
+        return _ended(proxy, EXIT_CONTAIN_FAILED)
     except OSError as e:
         _say(f"run: {e}")
-        return EXIT_CONTAIN_FAILED
+        return _ended(proxy, EXIT_CONTAIN_FAILED)
     rec = run.supervise()
     if rec.state == "UNCONFIRMED":
         _say(f"run {run.id}: stop not confirmed: the container did not empty; "
              f"`contain cancel {run.id}` repeats the kill")
     elif rec.state == "BREACHED":
         _say(f"run {run.id}: BREACHED: a process left the container and is not proven gone")
-    return run.exit_status()
+    if not quiet:
+        _summarise(run, rec.to_dict(), verbose=bool(getattr(args, "verbose", False)))
+    return _ended(proxy, run.exit_status())
+
+
+def _ended(proxy: Any, status: int) -> int:
+    """The exit status, unless a signal cancelled the run: then `contain`
+    dies by that signal (console() raises it once the record is written and
+    the output flushed), whatever the worker's own status was."""
+    if proxy.first is not None:
+        _die_by[:] = [proxy.first]
+        return 128 + proxy.first
+    return status
+
+
+def _say_weaker(reason: str) -> None:
+    from ._summary import weaker_line
+
+    _say(weaker_line(reason))
+
+
+def _summarise(run: Any, rec: dict[str, Any], *, verbose: bool) -> None:
+    """`-v`: one line on how the run ended. Without it, the same line on a
+    terminal when leftovers of the tree had to be stopped (the worker's own
+    output never says that)."""
+    from ._summary import stopped_leftovers, summary
+
+    if not verbose and not (stopped_leftovers(rec) and _stderr_is_tty()):
+        return
+    paths = [os.path.join(run.layout.path, "record.json")] if run.layout is not None else []
+    if run.opts.record_file:
+        paths.append(run.opts.record_file)
+    _say(summary(rec, paths))
+
+
+def _stderr_is_tty() -> bool:
+    try:
+        return os.isatty(2)
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":
