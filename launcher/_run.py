@@ -18,6 +18,13 @@ wake-up pipe for in-process callers and signals. `sources()` names them,
 `next_deadline()` says how long to sleep, the per-platform waiting is
 `posix.wait_ready` (an event loop does its own, _aio.py), and `turn()` looks
 at every input once.
+
+`populated 0` can be seen a moment before the worker's status can be taken:
+do_exit() leaves the task's cgroup (cgroup_exit) before exit_notify() makes
+it waitable. When the container is observed empty while the worker's pidfd
+is still open, the driver waits for that pidfd (briefly: an emptied
+container means the worker is exiting, or left it) so the record has the
+worker's status instead of "worker running".
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ from ._stop import StopSequence
 
 UNCONFIRMED_RETRIES = 2
 _INBOX_FALLBACK_S = 0.5        # without a wake-up FIFO the inbox is still read this often
+_ROOT_STATUS_WAIT_S = 1.0      # at most, for the status of a worker whose container emptied
 
 
 class Run:
@@ -106,8 +114,7 @@ class Run:
             self.wakeups.wake()
 
     def deliver_signal(self, signum: int) -> None:
-        """A signal to the supervisor (signal-safe). One that came before the
-        wake-up pipe is seen by the turn before the spawn and next_deadline()."""
+        """Signal-safe; one queued before the wake-up pipe is seen all the same."""
         self._signals.append(signum)
         self.wake()
 
@@ -183,6 +190,7 @@ class Run:
                 self._check_root()
                 ev = self.stop.observe() if self.stop.stage is not None else None
                 if ev is not None:
+                    self._check_root(wait=ev is not S.Event.OBSERVE_FAILED)
                     self.feed(ev)
                 if not self.snap.terminal:
                     self._advance(now)
@@ -191,7 +199,9 @@ class Run:
 
     # -- inputs ------------------------------------------------------------
 
-    def _check_root(self) -> None:
+    def _check_root(self, wait: bool = False) -> None:
+        if wait and self.root is not None and (src := self.root.source()) is not None:
+            host.wait_ready([src], _ROOT_STATUS_WAIT_S)     # the container emptied: its status is due
         self._root_ended(self.root.poll() if self.root is not None else None)
 
     def _root_ended(self, ex: host.RootExit | None) -> None:
@@ -237,6 +247,7 @@ class Run:
         ev = self.stop.begin(now, self.opts.grace if grace is None else grace,
                              signum=signum or signal.SIGTERM, linger=linger)
         if ev is not None:
+            self._check_root(wait=ev is not S.Event.OBSERVE_FAILED)
             self.feed(ev)
         elif self.stop.stage == "linger":
             self.publish()          # readers see the worker's end and what lingers
