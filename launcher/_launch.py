@@ -110,6 +110,8 @@ def caller_ignored() -> frozenset[int]:
     the CLI installs no handler over them. SIGPIPE and SIGXFSZ are left out:
     Python ignores those itself, and its children get them back at default
     (as `subprocess` does with restore_signals)."""
+    if not hasattr(signal, "SIGKILL"):
+        return frozenset()             # Windows: no dispositions to carry over
     skip = {signal.SIGKILL, signal.SIGSTOP, signal.SIGPIPE, getattr(signal, "SIGXFSZ", signal.SIGPIPE)}
     out = set()
     for s in signal.valid_signals():

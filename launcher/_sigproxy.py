@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from ._run import Run
 
-CANCEL_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+CANCEL_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 
 class SignalProxy:
@@ -52,7 +52,8 @@ class SignalProxy:
         for s in CANCEL_SIGNALS:
             if int(s) not in self.ignored:
                 signal.signal(s, self._on_signal)
-        signal.signal(signal.SIGCHLD, self._on_child)
+        if hasattr(signal, "SIGCHLD"):
+            signal.signal(signal.SIGCHLD, self._on_child)
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         if self.first is None:
