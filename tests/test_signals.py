@@ -340,7 +340,7 @@ def test_in_a_terminal_contain_says_it_is_stopping_and_a_second_ctrl_c_kills_now
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_in_a_terminal_a_run_that_left_leftovers_says_what_was_stopped(box):
     contain = " ".join(contain_cmd())
-    script = f"{contain} run --id t --grace 5 -- sh -c 'sleep 300 &'; echo rc=$?"
+    script = f"{contain} run --id t --grace 5 -- sh -c 'sleep 300 & sleep 0.3'; echo rc=$?"
     pid, fd = _pty_run(["bash", "--norc", "--noprofile", "-c", script], box.env)
     buf = bytearray()
     try:
@@ -541,7 +541,8 @@ def test_a_cancel_during_the_linger_starts_the_stop_at_once(box):
 # -- saying what happened ---------------------------------------------------------------
 
 def test_verbose_names_what_was_stopped_and_where_the_record_is(box):
-    p = run_contain(box.env, "run", "--id", "v", "-v", "--grace", "2", "--", "sh", "-c", "sleep 300 &")
+    # The worker outlives its child's exec (a leftover seen before its exec is still named `sh`).
+    p = run_contain(box.env, "run", "--id", "v", "-v", "--grace", "2", "--", "sh", "-c", "sleep 300 & sleep 0.3")
     assert p.returncode == 0
     line = p.stderr.strip().splitlines()[-1]
     assert "stopped 1 leftover process (sleep) with SIGTERM" in line, line
