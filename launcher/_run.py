@@ -49,7 +49,7 @@ from ._stop import StopSequence
 
 UNCONFIRMED_RETRIES = 2
 _INBOX_FALLBACK_S = 0.5        # without a wake-up FIFO the inbox is still read this often
-_ROOT_STATUS_WAIT_S = 1.0      # at most, for the status of a worker whose container emptied
+_ROOT_STATUS_WAIT_S = 0.25     # at most, for the status of a worker whose container emptied (it blocks the loop)
 
 
 class Run:
