@@ -35,7 +35,7 @@ def make_container(run_id: str, opts: Options) -> Any:
         from ._platform import windows
 
         return windows.Container.create(run_id)
-    why_not_cgroup = None
+    weaker = None
     if backend in ("auto", "cgroup2"):
         from ._platform import linux
 
@@ -43,9 +43,11 @@ def make_container(run_id: str, opts: Options) -> Any:
         try:
             return linux.Container.create(run_id, env, parent_dir=parent)
         except ContainmentUnavailable as e:
-            if backend == "cgroup2":
+            # A base the caller named is a choice, not a hint: when it cannot
+            # be used the run fails (125) rather than run with less.
+            if backend == "cgroup2" or (parent is None and env.get("CONTAIN_CGROUP_BASE")):
                 raise
-            why_not_cgroup = e.reason
+            weaker = f"no cgroup container ({e.reason})"
     if backend in ("auto", "pidns") and opts.pidns is not False:
         # Without a cgroup of its own a caller can still have a container
         # that nothing can leave: the PID-namespace wall (pidns.py).
@@ -54,17 +56,22 @@ def make_container(run_id: str, opts: Options) -> Any:
         problem = pidns.available()
         if problem is None:
             c = pidns.Container(run_id)
-            c.why_not_stronger = why_not_cgroup
+            if weaker:
+                c.weaker = (f"{weaker}: the PID-namespace wall alone (still REAPED when it empties; no "
+                            "limits, CPU from the init's rusage)")
             return c
         if backend == "pidns":
             raise ContainmentUnavailable(f"PID-namespace wall unavailable: {problem}")
+        weaker = f"{weaker or 'no cgroup container'}; no PID-namespace wall either ({problem})"
     elif backend == "pidns":
         raise ContainmentUnavailable("--backend pidns with --no-pidns: nothing left to contain the run")
     if backend not in ("auto", "none"):
         raise ValueError(f"unknown backend {backend!r}")
     from ._platform import none
 
-    return none.Container(run_id)
+    degraded = none.Container(run_id)
+    degraded.weaker = weaker      # auto got less than this host gives a root user: said on stderr
+    return degraded
 
 
 def inherited_parent(env: Any) -> str | None:

@@ -26,7 +26,7 @@ from .. import _tags
 from .._errors import ContainmentUnavailable, SpawnFailed
 from .._procfs import cgroup_of
 from . import pidwall, posix, sealing
-from .cgroups import Hierarchy, hierarchies, identify, resolve_base, writable_procs_above
+from .cgroups import Hierarchy, hierarchies, identify, remove_made, resolve_base, writable_procs_above
 from .posixwait import Root
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ class Container:
         self.identity: dict[str, Any] | None = None   # recorded at creation (cgroups.identify)
         self.run_id = name
         self.vouched: str | None = None   # a lead's proof for its nested run (_adopt.finish_nested)
+        self._made: list[str] = []       # base directories made for this run, removed after it
         self.empty_proof = "cgroup.events populated 0"
         self.wall: pidwall.PidWall | None = None
         self.wall_mode: bool | None = None      # None: where the kernel allows; True: required
@@ -61,20 +62,29 @@ class Container:
     @classmethod
     def create(cls, run_id: str, env: dict[str, str] | os._Environ[str] = os.environ,
                parent_dir: str | None = None) -> "Container":
+        made: list[str] = []      # base directories this run made (removed with it)
         if parent_dir is not None:
             h = next(x for x in hierarchies() if parent_dir.startswith(x.mount))
             base = parent_dir
         else:
-            h, base = resolve_base(env)
+            h, base = resolve_base(env, made)
         prefix = "sub" if parent_dir is not None else "run"
         for _ in range(8):
             c = cls(h, base, f"{prefix}-{run_id}-{os.urandom(4).hex()}")
             c.run_id = run_id
+            c._made = made
             try:
                 os.mkdir(c.dir)
             except FileExistsError:
                 continue
+            except FileNotFoundError:
+                if parent_dir is not None:
+                    raise ContainmentUnavailable(f"cannot create {c.dir}: its parent is gone") from None
+                # The run that made the base removed it as it ended: make it again.
+                h, base = resolve_base(env, made)
+                continue
             except OSError as e:
+                remove_made(made)
                 raise ContainmentUnavailable(f"cannot create {c.dir}: {os.strerror(e.errno or 0)}") from e
             try:
                 c.identity = identify(h, base, c.dir)
@@ -85,6 +95,7 @@ class Container:
                 c.remove()
                 raise ContainmentUnavailable(f"cannot prepare {c.dir}: {os.strerror(e.errno or 0)}") from e
             return c
+        remove_made(made)
         raise ContainmentUnavailable(f"no free cgroup name under {base}")
 
     def bind(self, tag: _tags.RunTag) -> str | None:
@@ -432,6 +443,8 @@ class Container:
                         continue
                     problem = f"rmdir {d}: {os.strerror(e.errno or 0)}"
                     break
+        if problem is None:
+            remove_made(self._made)
         return problem
 
 

@@ -52,7 +52,7 @@ class Container:
         self.empty_proof = pidwall.PROOF
         self._state_dir: str | None = None
         self._seal_error: str | None = None
-        self.why_not_stronger: str | None = None   # why no cgroup could be made (for the stderr line)
+        self.weaker: str | None = None   # auto got less than a root user would: said on stderr
 
     # -- spawning ----------------------------------------------------------
 

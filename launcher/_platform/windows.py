@@ -467,8 +467,9 @@ class Container:
                 return None, str(_error(rc, "GetConsoleProcessList"))
             return {int(buf[i]) for i in range(n[0])}, None
 
-    def terminate(self) -> tuple[int, int]:
-        """The polite stop: CTRL_BREAK_EVENT to the worker's process group.
+    def terminate(self, sig: int = 15) -> tuple[int, int]:
+        """The polite stop: CTRL_BREAK_EVENT to the worker's process group
+        (whatever `sig` asked for: Windows has no signals to forward).
         It reaches only the group's processes attached to our console (a
         GUI program, a DETACHED_PROCESS child or a process of another
         console gets nothing), so it is sent only when at least one member
