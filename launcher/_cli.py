@@ -172,6 +172,10 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
         _say(f"run: CONTAIN_BACKEND={backend!r} is not auto, cgroup2, pidns, job-object or none")
         return EXIT_USAGE
     quiet = bool(getattr(args, "quiet", False))
+    # What the caller handed us without close-on-exec goes on to the worker
+    # (`<(...)`, `3<file`, make's jobserver), as `env` and `timeout` do: read
+    # before contain opens anything of its own (all close-on-exec, PEP 446).
+    passed = _inherited_fds()
     try:
         # What the caller ignored, read before any handler of ours exists:
         # it stays ignored here and in the worker (nohup, `trap '' INT`).
@@ -182,7 +186,7 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
                        backend=backend, seal=args.seal or None, user=args.user, workspace=args.workspace,
                        subreaper=True, check_sockets=args.check_sockets,
                        pidns=False if getattr(args, "no_pidns", False) else None,
-                       linger=getattr(args, "linger", 0.0), keep_ignored=ignored,
+                       linger=getattr(args, "linger", 0.0), keep_ignored=ignored, pass_fds=passed,
                        notify=None if quiet else _say_weaker)
         run = Run(cmd, id=args.id, options=opts)
         run.end_hooks.append(finish_nested)
@@ -236,6 +240,14 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
     if not quiet:
         _summarise(run, rec.to_dict(), args.record, verbose=bool(getattr(args, "verbose", False)))
     return _ended(proxy, status)
+
+
+def _inherited_fds() -> list[int]:
+    if sys.platform == "win32":
+        return []
+    from ._platform.spawnreq import inherited_fds
+
+    return inherited_fds()
 
 
 def _ended(proxy: Any, status: int) -> int:

@@ -231,6 +231,6 @@ def spawn_request(argv: list[str], opts: Options, container: Any, run_id: str,
     if opts.user is not None:
         uid, gid, groups = resolve_user(opts.user)
     req = posix.SpawnRequest(argv, env=env, cwd=opts.cwd, stdio=opts.stdio, new_pgroup=opts.new_pgroup,
-                             uid=uid, gid=gid, groups=groups)
+                             uid=uid, gid=gid, groups=groups, pass_fds=opts.pass_fds)
     container.prepare(req, opts)
     return req

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import sys
-import signal
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:

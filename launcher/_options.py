@@ -13,7 +13,7 @@ class Options:
 
     __slots__ = ("grace", "timeout", "kill_timeout", "backend", "seal", "user", "workspace",
                  "record_file", "env", "cwd", "stdio", "state_dir", "subreaper", "parent_cgroup",
-                 "new_pgroup", "check_sockets", "pidns", "linger", "keep_ignored", "notify")
+                 "new_pgroup", "check_sockets", "pidns", "linger", "keep_ignored", "notify", "pass_fds")
 
     def __init__(self, *, grace: float = DEFAULT_GRACE, timeout: float | None = None,
                  kill_timeout: float = DEFAULT_KILL_TIMEOUT, backend: str = "auto",
@@ -23,7 +23,8 @@ class Options:
                  state_dir: str | None = None, subreaper: bool = False,
                  parent_cgroup: str | None = None, new_pgroup: bool = False,
                  check_sockets: bool = False, pidns: bool | None = None, linger: float = 0.0,
-                 keep_ignored: frozenset[int] | None = None, notify: object = None) -> None:
+                 keep_ignored: frozenset[int] | None = None, notify: object = None,
+                 pass_fds: tuple[int, ...] | list[int] = ()) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r} (auto, cgroup2, pidns, job-object or none)")
         # The library's numbers are checked as the CLI checks them (_args.py):
@@ -39,6 +40,13 @@ class Options:
         # Called with one line for a person (the CLI prints it on stderr):
         # today only "the container is weaker than this host allows".
         self.notify = notify
+        # Descriptors the worker gets besides stdio, as subprocess's pass_fds
+        # (the CLI passes what its own caller handed it: `<(...)`, `3<file`,
+        # make's jobserver). Every other descriptor is closed at exec.
+        if isinstance(pass_fds, (str, bytes)) or any(isinstance(fd, bool) or not isinstance(fd, int) or fd < 0
+                                                      for fd in pass_fds):
+            raise TypeError(f"pass_fds must be a sequence of descriptor numbers, not {pass_fds!r}")
+        self.pass_fds = tuple(sorted(set(pass_fds)))
         self.backend = backend
         self.seal = seal
         self.user = user

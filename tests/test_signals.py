@@ -362,12 +362,21 @@ def test_in_a_terminal_a_run_that_left_leftovers_says_what_was_stopped(box):
 
 # -- what the caller ignored stays ignored -----------------------------------------
 
+def _comm(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def worker_pid(box, supervisor: int) -> int:
-    """The one token holder besides the supervisor (the worker: `sleep`,
-    which changes no disposition of its own, unlike a Python worker)."""
+    """The one token holder besides the supervisor and the PID-namespace
+    wall's init (`ct/init`, a clone of the supervisor): the worker, `sleep`,
+    which changes no disposition of its own, unlike a Python worker."""
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        others = [p for p in holders(box.token) if p != supervisor]
+        others = [p for p in holders(box.token) if p != supervisor and _comm(p) != "ct/init"]
         if len(others) == 1:
             with open(f"/proc/{others[0]}/cmdline", "rb") as f:
                 if f.read().split(b"\0")[0].endswith(b"sleep"):
@@ -442,8 +451,10 @@ def test_a_worker_starts_with_default_dispositions_besides_what_the_caller_ignor
 
 # -- early signals: during the start-up ----------------------------------------------
 
-def _blocked_on_flock(pid: int) -> bool:
-    """Whether `pid` waits for a flock (a "->" line of /proc/locks)."""
+def _waiting_for_claim(pid: int, lock_path: str) -> bool:
+    """Whether `pid` waits for the claim lock: blocked in flock (a "->" line
+    of /proc/locks), or holding the lock file open while it retries a
+    non-blocking flock (the claim waits at most CLAIM_WAIT_S that way)."""
     with open("/proc/locks") as f:
         for line in f:
             fields = line.split()
@@ -451,6 +462,15 @@ def _blocked_on_flock(pid: int) -> bool:
                 i = fields.index("FLOCK")
                 if len(fields) > i + 3 and fields[i + 3] == str(pid):
                     return True
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == lock_path:
+                    return True
+            except OSError:
+                continue
+    except OSError:
+        pass
     return False
 
 
@@ -459,15 +479,17 @@ def test_a_sigterm_during_a_slow_claim_ends_the_run_with_nothing_started(box, tm
 
     marker = tmp_path / "started"
     root = RunDir.runs_root(box.state_dir)
-    os.makedirs(root, mode=0o755, exist_ok=True)
-    guard = os.open(os.path.join(root, ".claim.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    os.chmod(box.state_dir, 0o700)
+    os.chmod(root, 0o700)
+    guard = os.open(os.path.join(root, ".claim.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     proc = None
     try:
         fcntl.flock(guard, fcntl.LOCK_EX)           # the claim now waits for us
         proc = subprocess.Popen(contain_cmd("run", "--id", "e", "--", "sh", "-c", f"touch {marker}; sleep 300"),
                                 env=box.env, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 20
-        while not _blocked_on_flock(proc.pid):
+        while not _waiting_for_claim(proc.pid, os.path.join(root, ".claim.lock")):
             assert time.monotonic() < deadline and proc.poll() is None, "contain never reached the claim"
             time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)

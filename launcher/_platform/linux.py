@@ -51,6 +51,11 @@ class Container:
         self.run_id = name
         self.vouched: str | None = None   # a lead's proof for its nested run (_adopt.finish_nested)
         self._made: list[str] = []       # base directories made for this run, removed after it
+        self.seal_detail: dict[str, Any] | None = None
+        self.seal_error: str | None = None      # why --seal cannot be had (the spawn fails with it)
+        self.seal_uid: int | None = None        # the host uid 0 is mapped to, when sealed
+        self.uid_claim: str | None = None       # the dynamic uid's claim file (sealing.py)
+        self.state_dir: str | None = None
         self.empty_proof = "cgroup.events populated 0"
         self.wall: pidwall.PidWall | None = None
         self.wall_mode: bool | None = None      # None: where the kernel allows; True: required
@@ -130,8 +135,8 @@ class Container:
     # -- spawning ----------------------------------------------------------
 
     def spawn(self, req: posix.SpawnRequest) -> posix.Spawned:
-        if getattr(self, "_seal_error", None):
-            raise ContainmentUnavailable(self._seal_error or "")
+        if self.seal_error:
+            raise ContainmentUnavailable(self.seal_error)
         try:
             sp = self._spawn(req)
         except SpawnFailed as e:
@@ -217,68 +222,13 @@ class Container:
         self._prepare_seal(req, opts)
 
     def _prepare_seal(self, req: posix.SpawnRequest, opts: Any) -> None:
-        """The seal when asked (sealing.py, docs/sealing.md). `--user` alone
-        also gets no_new_privs and no capabilities; `--seal` (root only)
-        makes the worker root inside a user namespace whose 0 is an
-        unprivileged host uid, behind the wall."""
-        self.seal_detail: dict[str, Any] | None = None
-        self._seal_error: str | None = None
-        self.seal_uid: int | None = None
-        self._uid_claim: str | None = None
-        self._state_dir = getattr(opts, "state_dir", None)
-        if req.uid >= 0:
-            req.clear_caps = req.no_new_privs = True
-        if not opts.seal:
-            return
-        if os.geteuid() != 0:
-            self._seal_error = ("--seal needs a root supervisor (only root can map the worker to another "
-                                "uid); run contain as root, or leave out --seal")
-            return
-        if self.wall_mode is False:
-            self._seal_error = "--seal needs the PID-namespace wall: leave out --no-pidns"
-            return
-        if req.uid >= 0:
-            uid, gid = req.uid, (req.gid if req.gid >= 0 else req.uid)
-        else:
-            from .._statedir import location
-
-            self._state_dir = self._state_dir or location()
-            uid, self._uid_claim = sealing.claim_dynamic_uid(self._state_dir, self.run_id)
-            gid = uid
-        # Root inside, `uid` outside: the init becomes 0 in the namespace once
-        # the maps are written, and the worker keeps that (no setuid inside).
-        req.uid = req.gid = -1
-        req.groups = []
-        self.seal_uid = uid
-        pidwall.shape(req, True, userns="map", uid_map=f"0 {uid} 1", gid_map=f"0 {gid} 1")
+        sealing.prepare(self, req, opts)
 
     def seal_status(self, req: posix.SpawnRequest) -> tuple[bool, str | None]:
         """Whether the tree's host credentials cannot act outside the run
         (CONTRACT.md "sealed"), with what was checked (`seal_detail`)."""
-        walled = self.wall is not None
-        if req.userns == "map" and self.seal_uid is not None:
-            ok, why, detail = sealing.check(self.seal_uid, [self.seal_uid], self._state_dir, wall=walled,
-                                            no_new_privs=req.no_new_privs, no_caps=req.clear_caps)
-            self.seal_detail = dict(detail, method="user namespace mapped to an unprivileged host uid",
-                                    uid_in_namespace=0, dynamic=self._uid_claim is not None)
-            return ok, why
-        uid = req.uid if req.uid >= 0 else os.geteuid()
-        if uid == 0:
-            self.seal_detail = None
-            why = "worker runs as root"
-            if not self.hierarchy.nsdelegate:
-                why += " on a cgroup2 mount without nsdelegate"
-            return False, why + ": it could write its pid into another cgroup.procs (use --seal or --user)"
-        above = writable_procs_above(uid, _gids_of(req), self.dir)
-        if above is not None:
-            self.seal_detail = None
-            advice = "use --seal or --user" if os.geteuid() == 0 else "preventing that needs a root supervisor"
-            return False, f"worker uid {uid} may write {above}: it could move itself out ({advice})"
-        ok, why, detail = sealing.check(uid, _gids_of(req), self._state_dir, wall=walled,
-                                        no_new_privs=req.no_new_privs, no_caps=req.clear_caps)
-        self.seal_detail = dict(detail, method="unprivileged-uid", uid=uid,
-                                checked="no cgroup.procs above the run is writable by this uid") if ok else None
-        return ok, why
+        return sealing.status(self, req, writable_procs_above(
+            req.uid if req.uid >= 0 and req.userns != "map" else os.geteuid(), _gids_of(req), self.dir))
 
     def escape_evidence(self) -> dict[str, Any]:
         return {"observed": None, "at": None, "via": "none",
@@ -340,11 +290,13 @@ class Container:
         p.poll(max(0, int(timeout * 1000)))
 
     def members(self) -> list[int]:
+        """The tree's processes in the subtree (the wall's init is ours, not the tree's)."""
+        init = self.wall.init.pid if self.wall is not None else -1
         pids: list[int] = []
         for d, _subdirs, _files in os.walk(self.dir):
             try:
                 with open(os.path.join(d, "cgroup.procs")) as f:
-                    pids.extend(int(x) for x in f.read().split())
+                    pids.extend(p for p in map(int, f.read().split()) if p != init)
             except OSError:
                 continue
         return pids
@@ -422,7 +374,7 @@ class Container:
         """Remove the run's cgroups bottom-up. Returns None, or why not."""
         if self.wall is not None:
             self.wall.close()
-        sealing.release_claim(getattr(self, "_uid_claim", None))
+        sealing.release_claim(self.uid_claim)
         for fd in (self._events_fd, self._dir_fd):
             if fd >= 0:
                 os.close(fd)

@@ -175,3 +175,71 @@ def check(uid: int, gids: Iterable[int], state_dir: str | None, *, wall: bool, n
         detail["writable"] = writable[:10]
         return False, f"uid {uid} may write {writable[0]}, which the supervisor runs or reads", detail
     return True, None, detail
+
+
+# -- what a cgroup2 run asks for, and what it got (linux.Container) -----------------
+
+def prepare(c: Any, req: Any, opts: Any) -> None:
+    """The seal when asked (sealing.py, docs/sealing.md). `--user` alone
+    also gets no_new_privs and no capabilities; `--seal` (root only)
+    makes the worker root inside a user namespace whose 0 is an
+    unprivileged host uid, behind the wall."""
+    c.seal_detail = c.seal_error = c.seal_uid = c.uid_claim = None
+    c.state_dir = getattr(opts, "state_dir", None)
+    if req.uid >= 0:
+        req.clear_caps = req.no_new_privs = True
+    if not opts.seal:
+        return
+    if os.geteuid() != 0:
+        c.seal_error = ("--seal needs a root supervisor (only root can map the worker to another "
+                        "uid); run contain as root, or leave out --seal")
+        return
+    if c.wall_mode is False:
+        c.seal_error = "--seal needs the PID-namespace wall: leave out --no-pidns"
+        return
+    if req.uid >= 0:
+        uid, gid = req.uid, (req.gid if req.gid >= 0 else req.uid)
+    else:
+        from .._statedir import location
+
+        c.state_dir = c.state_dir or location()
+        uid, c.uid_claim = claim_dynamic_uid(c.state_dir, c.run_id)
+        gid = uid
+    # Root inside, `uid` outside: the init becomes 0 in the namespace once
+    # the maps are written, and the worker keeps that (no setuid inside).
+    req.uid = req.gid = -1
+    req.groups = []
+    c.seal_uid = uid
+    from . import pidwall
+
+    pidwall.shape(req, True, userns="map", uid_map=f"0 {uid} 1", gid_map=f"0 {gid} 1")
+
+
+def status(c: Any, req: Any, above: str | None) -> tuple[bool, str | None]:
+    """Whether the tree's host credentials cannot act outside the run
+    (CONTRACT.md "sealed"), with what was checked (`seal_detail`). `above`:
+    a cgroup.procs above the run that the worker's uid may write, if any."""
+    walled = c.wall is not None
+    if req.userns == "map" and c.seal_uid is not None:
+        ok, why, detail = check(c.seal_uid, [c.seal_uid], c.state_dir, wall=walled,
+                                no_new_privs=req.no_new_privs, no_caps=req.clear_caps)
+        c.seal_detail = dict(detail, method="user namespace mapped to an unprivileged host uid",
+                             uid_in_namespace=0, dynamic=c.uid_claim is not None)
+        return ok, why
+    uid = req.uid if req.uid >= 0 else os.geteuid()
+    if uid == 0:
+        c.seal_detail = None
+        why = "worker runs as root"
+        if not c.hierarchy.nsdelegate:
+            why += " on a cgroup2 mount without nsdelegate"
+        return False, why + ": it could write its pid into another cgroup.procs (use --seal or --user)"
+    if above is not None:
+        c.seal_detail = None
+        advice = "use --seal or --user" if os.geteuid() == 0 else "preventing that needs a root supervisor"
+        return False, f"worker uid {uid} may write {above}: it could move itself out ({advice})"
+    gids = sorted({req.gid, *req.groups} - {-1}) if req.uid >= 0 else sorted({os.getegid(), *os.getgroups()})
+    ok, why, detail = check(uid, gids, c.state_dir, wall=walled,
+                            no_new_privs=req.no_new_privs, no_caps=req.clear_caps)
+    c.seal_detail = dict(detail, method="unprivileged-uid", uid=uid,
+                         checked="no cgroup.procs above the run is writable by this uid") if ok else None
+    return ok, why
