@@ -12,6 +12,8 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any
 
+from ._policy import policy_env
+
 
 def _user_manager() -> bool:
     """Whether this user has a systemd user manager to ask for a delegated
@@ -19,7 +21,7 @@ def _user_manager() -> bool:
     doctor makes no scope to find out."""
     import shutil
 
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    xdg = policy_env("XDG_RUNTIME_DIR")
     if not xdg or shutil.which("systemd-run") is None:
         return False
     return os.path.exists(os.path.join(xdg, "systemd", "private"))
@@ -86,7 +88,7 @@ def next_steps(caps: dict[str, Any]) -> list[str]:
     cg_ok = bool(by["cgroup2 (--no-pidns)"]["available"])
     wall_ok = bool(by["pidns (no cgroup)"]["available"])
     seal_ok = bool(by["sealed (--seal)"]["available"])
-    explicit = os.environ.get("CONTAIN_CGROUP_BASE")
+    explicit = policy_env("CONTAIN_CGROUP_BASE")
     base_error = cg.get("error") or (None if cg.get("writable", True) else "not writable")
     if not wall_ok:
         steps.append(f"no PID-namespace wall here ({(caps.get('pidns_wall') or {}).get('error')}): only the "

@@ -273,10 +273,10 @@ def _ended(proxy: Any, status: int) -> int:
     return status
 
 
-def _say_weaker(reason: str) -> None:
+def _say_weaker(reason: str, backend: str = "none") -> None:
     from ._summary import weaker_line
 
-    _say(weaker_line(reason))
+    _say(weaker_line(reason, backend))
 
 
 def _summarise(run: Any, rec: dict[str, Any], record_path: str | None, *, verbose: bool) -> None:

@@ -85,6 +85,13 @@ _ENVIRONMENT = """environment:
   CONTAIN_BACKEND       the default of --backend (auto, cgroup2, pidns, job-object, none)
   CONTAIN_LEDGER        off (or 0, no, false): no fork ledger; escapes are
                         then not watched
+  CONTAIN_CGROUP_V1     off: no cgroup v1 hierarchies (hybrid hosts) for
+                        limits and accounting
+  CONTAIN_CGROUP_V1_BASE  the cgroup path runs' v1 cgroups go under in each
+                        hierarchy (default /contain for root, your own
+                        cgroup otherwise, where you may write it)
+  (all of these are ignored when contain runs with privilege its caller
+  lacks: setuid, setgid, file capabilities)
   CONTAIN_RUN_CGROUP, CONTAIN_RUN_DIR, CONTAIN_RUN_ID
                         set by contain in each worker's environment; a contain
                         started inside a run reads them to nest under it

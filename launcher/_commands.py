@@ -42,8 +42,8 @@ def add_parsers(sub: Any, argtype: Any) -> None:
     g = sub.add_parser("gc", help="remove ended runs' directories",
                        description="Remove the directories of ended runs (a terminal record and no owner). "
                        "Live, orphaned and unreadable runs are never removed. Without options every ended "
-                       "run goes. Automatically, a run start keeps at most CONTAIN_KEEP_RUNS (default 1000) "
-                       "run directories.")
+                       "run goes. Automatically, a run start that finds more than CONTAIN_KEEP_RUNS (default 1000) "
+                       "plus 100 run directories removes the oldest ended ones down to CONTAIN_KEEP_RUNS.")
     g.add_argument("--older-than", type=argtype(parse_duration), metavar="DURATION",
                    help="only runs that ended more than DURATION ago (90s, 15m, 2h, 7d, 2w)")
     g.add_argument("--keep", type=argtype(parse_count), metavar="N", help="keep the N most recently ended runs")

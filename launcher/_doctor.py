@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable
 
 from ._advice import modes, next_steps
+from ._policy import policy_env
 from ._procfs import mounts
 
 _TRUE = "/bin/true"
@@ -242,7 +243,7 @@ def capabilities() -> dict[str, Any]:
     caps["modes"] = modes(caps)
     # What a plain `contain run` gets: an explicit CONTAIN_CGROUP_BASE that
     # cannot be used fails every run (125) rather than falling back.
-    broken_base = bool(os.environ.get("CONTAIN_CGROUP_BASE")) and not (cg.get("usable") and base)
+    broken_base = bool(policy_env("CONTAIN_CGROUP_BASE")) and not (cg.get("usable") and base)
     caps["containment_possible"] = not broken_base and any(
         m["available"] and m["backend"] in ("cgroup2", "pidns") for m in caps["modes"])
     caps["next_steps"] = next_steps(caps)

@@ -142,6 +142,13 @@ class EscapeWatch:
             container.ledger = w.ledger
         return w
 
+    def wall_fell_back(self, problem: str) -> None:
+        """`auto` asked for the wall and the host refused it: the ledger was
+        left off for a wall that is not there, so nothing watched."""
+        if self.ledger is None and self.reason and self.reason.startswith("not watched: a PID-namespace wall"):
+            self.reason = (f"no fork ledger: it was left off for the PID-namespace wall, which this host "
+                           f"refused ({problem})")
+
     def after_spawn(self, pid: int, container: Any = None) -> None:
         if self.ledger is not None:
             path = getattr(container, "path", None)

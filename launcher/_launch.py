@@ -83,7 +83,7 @@ def _start(run: Run) -> None:
     if weaker:
         run.facts.notes.append(f"backend auto: {weaker}")
         if callable(run.opts.notify):
-            run.opts.notify(weaker)
+            run.opts.notify(weaker, run.container.backend)
     run.facts.lead, problem = _nested.join_lead(run.container, os.environ, {
         "id": run.id, "run_uid": run.uid, "run_dir": layout.path})
     if problem is not None:
@@ -121,6 +121,10 @@ def _start(run: Run) -> None:
     run.facts.spawned(sp, run.container, req, t0)
     if run.facts.identity is not None:
         note_spawn(sp.pid, run.facts.identity.start_time)
+    fell_back = getattr(run.container, "wall_problem", None)
+    if fell_back:
+        run.facts.notes.append(f"backend auto: {fell_back}; the cgroup alone holds the tree")
+        run.watch.wall_fell_back(fell_back)
     run.watch.after_spawn(sp.pid, run.container)
     try:
         layout.write_run(run.facts.run_info(run, sp.via))

@@ -211,10 +211,10 @@ def exit_status(snap: Snapshot, exit_code: int | None, signal: int | None) -> in
     the CLI's business, _sigproxy.py.)"""
     if snap.outcome is Outcome.SPAWN_FAILED:
         return exit_code if exit_code is not None else 125
+    if snap.phase in (Phase.UNCONFIRMED, Phase.BREACHED):
+        return 125        # the stop did not hold: that comes before why it was stopped (a timeout)
     if snap.outcome is Outcome.TIMED_OUT:
         return 124
-    if snap.phase in (Phase.UNCONFIRMED, Phase.BREACHED):
-        return 125
     if snap.outcome is Outcome.CANCELLED:
         return EXIT_CANCELLED
     if signal is not None:

@@ -85,7 +85,7 @@ def append_stats(path: str, line: str) -> None:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise OSError(21 if stat.S_ISDIR(st.st_mode) else 22, f"--stats-json {path}: not a regular file")
+            raise OSError(21 if stat.S_ISDIR(st.st_mode) else 22, "not a regular file")
         os.set_blocking(fd, True)
         data = (line.rstrip("\n") + "\n").encode()
         n = os.write(fd, data)

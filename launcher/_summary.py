@@ -23,9 +23,12 @@ if TYPE_CHECKING:
 _NAMES_SHOWN = 3
 
 
-def weaker_line(reason: str) -> str:
-    return (f"{reason}; using backend none (process group and /proc scan: nothing proves the tree gone, "
-            "never REAPED). `contain doctor` says what this host needs for a cgroup container")
+def weaker_line(reason: str, backend: str = "none") -> str:
+    if backend == "pidns":
+        how = "using backend pidns"       # the reason says what the wall alone gives
+    else:
+        how = f"using backend {backend} (process group and /proc scan: nothing proves the tree gone, never REAPED)"
+    return f"{reason}; {how}. `contain doctor` says what this host needs for a cgroup container"
 
 
 def _steps(rec: dict[str, Any]) -> list[dict[str, Any]]:

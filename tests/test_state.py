@@ -118,3 +118,15 @@ def test_spawn_failure_still_needs_emptiness():
     s = S.step(S.Snapshot(), E.SPAWN_FAILED)
     assert s.outcome is S.Outcome.SPAWN_FAILED and s.state is S.State.RUNNING
     assert S.step(s, E.EMPTY).state is S.State.REAPED
+
+
+def test_a_stop_that_did_not_hold_exits_125_even_after_a_timeout():
+    """`--timeout` is 124 only when the stop after it held: a caller must
+    never read "timed out and stopped" for a tree that may live on."""
+    snap = S.step(S.step(S.Snapshot(), S.Event.TIMEOUT), S.Event.DEADLINE)
+    assert snap.phase is S.Phase.UNCONFIRMED
+    assert S.exit_status(snap, None, None) == 125
+    snap = S.step(S.step(S.Snapshot(), S.Event.TIMEOUT), S.Event.EMPTY_ESCAPED)
+    assert S.exit_status(snap, None, 9) == 125
+    snap = S.step(S.step(S.Snapshot(), S.Event.TIMEOUT), S.Event.EMPTY)
+    assert S.exit_status(snap, None, 15) == 124

@@ -149,9 +149,17 @@ def writable_places(uid: int, gids: Iterable[int], paths: Iterable[str]) -> list
 
 def supervisor_paths(state_dir: str | None) -> list[str]:
     """What the supervisor runs or reads: its interpreter, the launcher
-    package, the module search path, and the state directory."""
+    package, the module search path, and the state directory (the one
+    given, else where this process keeps its runs: _statedir.location)."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     paths = [sys.executable, here] + [p for p in sys.path if p and os.path.isdir(p)]
+    if not state_dir:
+        from .._statedir import location
+
+        try:
+            state_dir = location()
+        except OSError:            # StateDirError: then no run gets this far
+            state_dir = None
     if state_dir:
         paths.append(state_dir)
     return paths
