@@ -92,3 +92,18 @@ def test_explicit_pidns_backend_refuses_a_seal(user):
     env = user_env(CONTAIN_STATE_DIR=os.path.join(home, "state"), **{TOKEN_VAR: token})
     p = as_uid(uid, [SYS_PY, "-m", "launcher", "run", "--backend", "pidns", "--seal", "--", "true"], env=env)
     assert p.returncode == 125 and "Traceback" not in p.stderr and "--seal" in p.stderr, p.stderr
+
+
+def test_a_worker_that_can_write_the_state_directory_is_not_called_sealed(user):
+    """The worker runs as the caller's uid, which owns the state directory:
+    it can rewrite what the supervisor reads (it does, here), so the record
+    must say sealed false, naming the directory, whichever way the state
+    directory was chosen (CONTAIN_STATE_DIR, not an option)."""
+    uid, token, home = user
+    state = os.path.join(home, "state")
+    rc, rec = _run(uid, token, home, "--", "sh", "-c", f'touch "{state}/written-by-the-worker"')
+    assert rc == 0
+    assert os.path.exists(os.path.join(state, "written-by-the-worker")), "the test is void: nothing was written"
+    c = rec["containment"]
+    assert c["sealed"] is False, c
+    assert c["sealed_reason"], c
