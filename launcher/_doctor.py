@@ -192,13 +192,6 @@ def _connector() -> dict[str, Any]:
     return {"ok": True, "subscribe_ms": round(ms, 3)}
 
 
-def _ns(what: int) -> dict[str, Any]:
-    from ._native import lib
-
-    rc = lib.ct_seal_probe(what)
-    return {"ok": True} if rc == 0 else {"ok": False, "error": os.strerror(-rc)}
-
-
 def _controllers(v2_base: str | None) -> dict[str, Any]:
     """Per controller, where a run's limits and numbers come from here (v2
     under the base, or a v1 hierarchy on hybrid hosts), or why none: read
@@ -219,8 +212,6 @@ def _wall() -> dict[str, Any]:
 
 def capabilities() -> dict[str, Any]:
     """What `contain doctor` reports (also `launcher.capabilities()`)."""
-    from ._native import lib
-
     caps: dict[str, Any] = {"schema": "contain.capabilities/1", "kernel": os.uname().release,
                             "euid": os.geteuid()}
     cg = _cgroup2()
@@ -232,8 +223,6 @@ def capabilities() -> dict[str, Any]:
         skip if not base else {"ok": None, "present": None, "error": "no cgroup.kill (before 5.14)"})
     caps["pidfd"] = _probe(_pidfd)
     caps["process_connector"] = _probe(_connector)
-    caps["mount_namespace"] = _probe(lambda: _ns(lib.CT_PROBE_MOUNTNS))
-    caps["user_namespace"] = _probe(lambda: _ns(lib.CT_PROBE_USERNS))
     if base and os.geteuid() == 0:
         caps["seal"] = _probe(lambda: _sealed_spawn(base))
     else:
@@ -296,8 +285,6 @@ def render(caps: dict[str, Any]) -> str:
     probe("pidfd", caps["pidfd"])
     pc = caps["process_connector"]
     probe("process connector", pc, f"works (subscribed in {pc.get('subscribe_ms')} ms)")
-    probe("mount+cgroup namespaces", caps["mount_namespace"])
-    probe("user namespace (id map)", caps["user_namespace"])
     probe("PID-namespace wall", caps["pidns_wall"], "works (/bin/true ran behind one; its init said empty)")
     probe("namespace seal", caps["seal"], "works (/bin/true ran sealed in a scratch leaf)")
     lines.append("")

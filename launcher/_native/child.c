@@ -13,7 +13,6 @@
  */
 #include "child.h"
 #include "fds.h"
-#include "seal.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -145,14 +144,6 @@ int ct_child_join(const struct ct_spawn_args *a) {
     return 0;
 }
 
-/* The seal's mount steps live in seal.c (see there for why each one). */
-static int child_seal(const struct ct_spawn_args *a) {
-    int rc = ct_seal_child_mounts((const char *const *)a->cg2_paths, a->ncg2, a->ro_paths, a->nro);
-    if (rc < 0) return rc;
-    if (a->userns) return ct_seal_child_userns();
-    return 0;
-}
-
 static int child_drop_caps(const struct ct_spawn_args *a) {
     struct __user_cap_header_struct hdr = {_LINUX_CAPABILITY_VERSION_3, 0};
     struct __user_cap_data_struct data[2];
@@ -253,10 +244,6 @@ void ct_child_exec(const struct ct_spawn_args *a, struct ct_report *rep) {
         } else if (setpgid(0, 0) < 0) {
             child_fail(rep, CT_STAGE_PGROUP, errno, -1);
         }
-    }
-    if (a->seal) {
-        rep_stage(rep, CT_STAGE_SEAL);
-        if ((rc = child_seal(a)) < 0) child_fail(rep, CT_STAGE_SEAL, -rc, -1);
     }
     if (a->ndrop > 0) {
         rep_stage(rep, CT_STAGE_CAPS);

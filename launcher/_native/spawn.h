@@ -15,7 +15,7 @@ enum {
     CT_STAGE_STDIO = 5,
     CT_STAGE_CHDIR = 6,
     CT_STAGE_PGROUP = 7,
-    CT_STAGE_SEAL = 8,
+    CT_STAGE_SEAL = 8,          /* (not reached any more: the seal is the wall's user namespace, init.c) */
     CT_STAGE_CAPS = 9,
     CT_STAGE_CREDS = 10,
     CT_STAGE_FDS = 11,      /* close-on-exec marking, pass_fds made inheritable */
@@ -53,15 +53,9 @@ struct ct_spawn_args {
     long gid;                   /* -1: keep */
     const unsigned int *groups; /* used when uid != -1 */
     int ngroups;
-    int seal;                   /* new mount + cgroup namespace, ro_paths read-only */
-    const char *const *ro_paths;
-    int nro;
     const int *drop_caps;       /* dropped from bounding, effective, permitted, inheritable */
     int ndrop;
     int no_new_privs;
-    const char *const *cg2_paths; /* cgroup2 mounts replaced by the run's own view (seal.c) */
-    int ncg2;
-    int userns;                 /* seal: identity-mapped user namespace (seal.c) */
     uint64_t sig_ignore;        /* bit s-1 set: signal s is SIG_IGN in the worker; all others SIG_DFL */
     const int *pass_fds;        /* ascending, each >= 3: left open across exec */
     int npass;

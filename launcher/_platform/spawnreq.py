@@ -128,16 +128,14 @@ def inherited_fds() -> list[int]:
 
 class SpawnRequest:
     __slots__ = ("argv", "env", "cwd", "stdio", "new_pgroup", "new_session", "uid", "gid",
-                 "groups", "seal_ro_paths", "drop_caps", "no_new_privs", "seal_cg2_paths",
-                 "seal_userns", "keep_ignored", "pass_fds", "shell", "clear_caps",
+                 "groups", "drop_caps", "no_new_privs", "keep_ignored", "pass_fds", "shell", "clear_caps",
                  "pidns", "userns", "uid_map", "gid_map", "mount_proc", "die_with_parent", "join_fds", "on_init")
 
     def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
                  stdio: tuple[int, int, int] = (-1, -1, -1), new_pgroup: bool = False,
                  new_session: bool = False, uid: int = -1, gid: int = -1, groups: Sequence[int] = (),
-                 seal_ro_paths: Sequence[str] | None = None, drop_caps: Sequence[int] = (),
-                 no_new_privs: bool = False, seal_cg2_paths: Sequence[str] = (),
-                 seal_userns: bool = False, keep_ignored: Iterable[int] | None = None,
+                 drop_caps: Sequence[int] = (), no_new_privs: bool = False,
+                 keep_ignored: Iterable[int] | None = None,
                  pass_fds: Iterable[int] = (), shell: str | None = SHELL,
                  clear_caps: bool = False, pidns: bool = False, userns: str | None = None,
                  uid_map: str | None = None, gid_map: str | None = None, mount_proc: bool = False,
@@ -153,11 +151,8 @@ class SpawnRequest:
         self.uid = uid
         self.gid = gid
         self.groups = list(groups)
-        self.seal_ro_paths = seal_ro_paths    # None: no seal
         self.drop_caps = list(drop_caps)
         self.no_new_privs = no_new_privs
-        self.seal_cg2_paths = list(seal_cg2_paths)   # replaced by the run's own view (seal.c)
-        self.seal_userns = seal_userns
         # None: what this process ignores now, minus NEVER_KEPT (the library's rule)
         self.keep_ignored = keep_ignored_now() if keep_ignored is None else frozenset(keep_ignored) - NEVER_KEPT
         fds = [int(fd) for fd in pass_fds]
@@ -270,13 +265,6 @@ def spawn_args(req: SpawnRequest, cgroup_fd: int, join_fds: Sequence[int], expec
     if req.groups:
         a.groups = _ints("unsigned int[]", req.groups, keep)
     a.ngroups = len(req.groups)
-    if req.seal_ro_paths is not None:
-        a.seal = 1
-        a.ro_paths = _cstrs(req.seal_ro_paths, keep)
-        a.nro = len(req.seal_ro_paths)
-        a.cg2_paths = _cstrs(req.seal_cg2_paths, keep)
-        a.ncg2 = len(req.seal_cg2_paths)
-        a.userns = int(req.seal_userns)
     if req.drop_caps:
         a.drop_caps = _ints("int[]", req.drop_caps, keep)
         a.ndrop = len(req.drop_caps)
