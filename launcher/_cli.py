@@ -304,6 +304,8 @@ def console() -> None:
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
+    if sys.platform == "win32" and rc > 0x7FFFFFFF:
+        rc -= 1 << 32                    # an NTSTATUS exit code (0xC0000005): the same DWORD as an int
     os._exit(rc)
 
 
@@ -415,12 +417,14 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
 
     # Signals cancel the run; they are turned into wake-ups of the owner
     # loop, which records the intent durably before anything is signalled.
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, lambda n, _f: run.deliver_signal(n))
-    signal.signal(signal.SIGCHLD, lambda n, _f: run.wake())
-    from ._native import lib
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGBREAK"):    # (SIGHUP: not Windows; SIGBREAK: Windows)
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), lambda n, _f: run.deliver_signal(n))
+    if sys.platform != "win32":          # Windows: no SIGCHLD, no subreaper (the job holds the tree)
+        signal.signal(signal.SIGCHLD, lambda n, _f: run.wake())
+        from ._native import lib
 
-    lib.ct_set_child_subreaper(1)
+        lib.ct_set_child_subreaper(1)
     try:
         run.start()
     except RunConflict as e:

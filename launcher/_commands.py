@@ -211,7 +211,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     from ._cancel import cancel
-    from ._statedir import StateDir
+    from ._layout import StateDir
 
     # A cancel writes (the intent, perhaps the whole stop): only into a
     # state directory of this user's own. Another user's is refused here,

@@ -17,9 +17,11 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any, Callable
 
-from ._ledger import VIA, Ledger, LedgerUnavailable
 from ._procfs import cgroup_of, read_stat
 from ._record import now_iso
+
+if TYPE_CHECKING:
+    from ._ledger import Ledger
 
 
 def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float,
@@ -30,6 +32,8 @@ def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float
     become readable. Repeats while the ledger finds more (an escaper's own
     children). Returns one entry per escaper, `gone` True only when its exit
     was observed."""
+    from ._ledger import VIA
+
     known = known if known is not None else set()
     found: dict[tuple[int, int], dict[str, Any]] = {}
     fds: dict[int, tuple[int, int]] = {}
@@ -126,6 +130,12 @@ class EscapeWatch:
         if env.get("CONTAIN_LEDGER", "on").lower() in ("0", "off", "no", "false"):
             w.reason = "fork ledger turned off (CONTAIN_LEDGER=off)"
             return w
+        if container.backend == "job-object":
+            # (The netlink ledger is not even imported on Windows.)
+            w.reason = "not watched: no fork ledger on Windows; the job says whether it can be left"
+            return w
+        from ._ledger import Ledger, LedgerUnavailable   # lazy: Linux's process connector
+
         t0 = time.perf_counter()
         try:
             w.ledger = Ledger.open()
@@ -166,11 +176,15 @@ class EscapeWatch:
 
     def evidence(self, container: Any, terminal: bool) -> dict[str, Any]:
         """The `escapes` layer when no escape was recorded."""
+        if container.backend == "job-object":
+            return dict(container.escape_evidence())
         if self.ledger is None:
             detail = self.reason or "no fork ledger"
             if not detail.startswith("not watched"):
                 detail += ": a process that left the container would not be seen"
             return {"observed": None, "at": None, "via": "none", "detail": detail}
+        from ._ledger import VIA
+
         complete = self.ledger.complete()
         info = dict(self.ledger.summary(), ledger_start_ms=self.start_ms)
         if container.backend == "none":

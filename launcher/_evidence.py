@@ -99,7 +99,9 @@ class RunEvidence:
                 self.notes.append(f"identity not read: {e}")
         self.placement = container.placed(sp.pid)
         if container.backend != "none":
-            expected = container.hierarchy.cg_path(container.leaf)
+            # (A Job Object has no hierarchy: its placement is its own path.)
+            hierarchy = getattr(container, "hierarchy", None)
+            expected = hierarchy.cg_path(container.leaf) if hierarchy is not None else container.path
             if self.placement is not None and self.placement != expected:
                 self.escapes.append({"pid": sp.pid, "seen_in": self.placement, "at": now_iso(),
                                      "via": "/proc/<pid>/cgroup right after spawn"})

@@ -23,7 +23,6 @@ from ._containers import make_container, spawn_request
 from ._errors import ContainmentUnavailable, LauncherError, SpawnFailed
 from ._layout import RunDir
 from ._escapes import EscapeWatch
-from ._ledger import note_spawn
 
 
 def start(run: Run) -> None:
@@ -57,7 +56,9 @@ def start(run: Run) -> None:
         raise err from (None if err is e else e)
     run.pid, run.root = sp.pid, run.container.root(sp)
     run.facts.spawned(sp, run.container, req, t0)
-    if run.facts.identity is not None:
+    if run.facts.identity is not None and run.container.backend != "job-object":
+        from ._ledger import note_spawn   # Linux's fork ledger (never loaded on Windows)
+
         note_spawn(sp.pid, run.facts.identity.start_time)
     run.watch.after_spawn(sp.pid, run.container)
     layout.write_run(run.facts.run_info(run, sp.via))

@@ -113,6 +113,8 @@ def register(env: Any, info: dict[str, Any]) -> str | None:
 def describe(seen: list[dict[str, Any]], lead_run_dir: str | None) -> list[dict[str, Any]]:
     """The `nested` list of the lead's record: each nested run that ended
     with it, with what its own record said at the lead's end."""
+    if not seen:
+        return []
     registry = _registry(lead_run_dir, len(seen))[0]
     out = []
     for s in seen:

@@ -27,7 +27,6 @@ directory and what is wrong; nothing in it is read or written.
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import stat
 import time
@@ -245,6 +244,8 @@ def claim_lock(st: StateDir) -> int:
     the returned fd: claims, and the renames of retention, are serialised by
     it. Waits at most CLAIM_WAIT_S for another holder (a stopped process
     holding it must not wedge every later run). Raises StateDirError."""
+    import fcntl
+
     path = os.path.join(st.path, "runs", ".claim.lock")
     try:
         fd = os.open(".claim.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,

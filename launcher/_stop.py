@@ -88,7 +88,10 @@ class StopSequence:
     def _terminate(self) -> None:
         try:
             via, detail = self.container.terminate()
-            self.facts.signal_step("term", True, via, detail)
+            # A container that could send nothing says so (`sent`: a Job
+            # Object with no member on our console): the step is not observed.
+            sent = detail.get("sent", True) if isinstance(detail, dict) else True
+            self.facts.signal_step("term", sent, via, detail)
         except OSError as e:
             self.facts.signal_step("term", None, "SIGTERM by pidfd", f"failed: {e}")
 

@@ -170,20 +170,41 @@ def lock_held(path: str) -> bool | None:
 
 # -- reads and atomic writes -----------------------------------------------------
 
-def read_bytes(path: str) -> bytes:
+def read_bytes(path: str, limit: int | None = None) -> bytes:
     """The whole file, opened with every share mode for as long as the read
-    takes, and without following a reparse point."""
+    takes, and without following a reparse point. With `limit`, a file
+    larger than that raises OSError(EFBIG) (at most limit + 1 bytes read)."""
+    data, _size, _prev = read_at(path, 0, None if limit is None else limit + 1)
+    if limit is not None and len(data) > limit:
+        raise OSError(errno.EFBIG, f"{path}: more than the {limit} bytes allowed")
+    return data
+
+
+def read_at(path: str, offset: int, size: int | None) -> tuple[bytes, int, bytes]:
+    """At most `size` bytes (None: all) from `offset`, opened as read_bytes
+    opens; also the file's size and the byte before `offset` (b"" at 0 or
+    past the end). Raises FileNotFoundError, OSError(ELOOP) for a reparse
+    point, OSError(EINVAL) for what is not a regular file."""
     if sys.platform != "win32":
-        require_windows("read_bytes")
+        require_windows("read_at")
         raise AssertionError
     import msvcrt
+    import stat
 
     h = _open_handle(path, _GENERIC_READ, _FILE_SHARE_READ | _FILE_SHARE_WRITE | _FILE_SHARE_DELETE,
                      _OPEN_EXISTING, _FILE_FLAG_OPEN_REPARSE_POINT)
     fd = msvcrt.open_osfhandle(h, os.O_RDONLY)
     with os.fdopen(fd, "rb") as f:
         _refuse_reparse(f.fileno(), path)
-        return f.read()
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"{path}: not a regular file")
+        prev = b""
+        if 0 < offset <= st.st_size:
+            f.seek(offset - 1)
+            prev = f.read(1)
+        f.seek(offset)
+        return (f.read() if size is None else f.read(size)), st.st_size, prev
 
 
 def append_line(path: str, data: bytes, *, fsync: bool = False) -> None:
@@ -267,21 +288,23 @@ def state_dir(env: "Mapping[str, str]" = os.environ) -> str:
     return os.path.join(local, "contain")
 
 
-def ensure_private_dir(path: str) -> None:
-    """Create `path` if missing and verify it: a directory, not a reparse
-    point, owned by this user (or, for an elevated administrator, by the
-    token's default owner). Raises OSError with the reason. On Windows a
-    new directory inherits its parent's ACL; under %LOCALAPPDATA% that is
-    the user, SYSTEM and Administrators."""
+def ensure_private_dir(path: str, *, create: bool = True) -> None:
+    """Create `path` if missing (with `create`; else FileNotFoundError) and
+    verify it: a directory, not a reparse point, owned by this user (or,
+    for an elevated administrator, by the token's default owner). Raises
+    OSError with the reason. On Windows a new directory inherits its
+    parent's ACL; under %LOCALAPPDATA% that is the user, SYSTEM and
+    Administrators."""
     if sys.platform != "win32":
         require_windows("ensure_private_dir")
         raise AssertionError
     from .._native import ffi, lib
 
-    try:
-        os.mkdir(path)
-    except FileExistsError:
-        pass
+    if create:
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            pass
     h = _open_handle(path, _READ_CONTROL, _FILE_SHARE_READ | _FILE_SHARE_WRITE | _FILE_SHARE_DELETE,
                      _OPEN_EXISTING, _FILE_FLAG_BACKUP_SEMANTICS | _FILE_FLAG_OPEN_REPARSE_POINT)
     try:
