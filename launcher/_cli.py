@@ -1,283 +1,60 @@
-"""`contain`: argument parsing, exit codes, human output.
+"""`contain`: the entry point, exit codes and human output (the arguments
+are parsed in _cliparse.py; the commands other than `run` are in
+_commands.py).
 
 Imports stay lean on the `run` path: the supervisor's own start-up is part of
 every run's cost (benchmarks/bench_cli.py). A plain `contain run [OPTIONS]
--- CMD` is parsed without argparse (see _fast_run); everything else, help
-and every error included, goes through the argparse parser below.
+-- CMD` is parsed without argparse (_cliparse.fast_run).
 """
 from __future__ import annotations
 
 import os
 import signal
 import sys
-from types import SimpleNamespace
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     import argparse
+    from types import SimpleNamespace
     from typing import Any, Sequence
 
-EXIT_USAGE = 2
+from ._cliparse import EXIT_USAGE, fast_run, parser
+
 EXIT_NOT_FOUND = 3
 EXIT_CONTAIN_FAILED = 125
 
-
-def _seconds_value(text: str, positive: bool = False) -> float:
-    """Raises ValueError with the message argparse shows (launcher/_args.py
-    holds the rules, so the library and the command line agree)."""
-    from ._args import parse_seconds
-
-    return parse_seconds(text, positive=positive)
-
-
-def _seconds(text: str) -> float:
-    import argparse
-
-    try:
-        return _seconds_value(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _positive_seconds(text: str) -> float:
-    """--timeout and --kill-timeout: 0 is refused, not read as "none" (it
-    would either cancel the run before it ran, or never see it empty)."""
-    import argparse
-
-    try:
-        return _seconds_value(text, positive=True)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _argtype(parse: Any) -> Any:
-    """An argparse `type=` from a parser that raises ValueError."""
-    def convert(text: str) -> Any:
-        import argparse
-
-        try:
-            return parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    return convert
-
-
-def _run_id(text: str) -> str:
-    """An ID argument. One that no run could have (CONTRACT: letters,
-    digits, '.', '_', '-'; at most 100) is a usage error, 2; a well-formed
-    ID that names no run is "no such run", 3, from the command itself."""
-    import argparse
-
-    from ._layout import check_id
-
-    try:
-        return check_id(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-# What `contain` reads from its own environment (never the worker's), for
-# --help. Keep in step with README.md.
-_ENVIRONMENT = """environment:
-  CONTAIN_STATE_DIR     the state directory (default /run/contain for root,
-                        $XDG_RUNTIME_DIR/contain or /run/user/UID/contain
-                        otherwise; without either, set this); it must be
-                        yours and private, or contain refuses it (125)
-  CONTAIN_KEEP_RUNS     how many run directories a run start keeps (default
-                        1000; 0: no automatic removal; see `contain gc`)
-  CONTAIN_CGROUP_BASE   the cgroup v2 directory runs are made under (default:
-                        contain/ under the mount for root, your own delegated
-                        cgroup otherwise)
-  CONTAIN_BACKEND       the default of --backend (auto, cgroup2, job-object, none)
-  CONTAIN_LEDGER        off (or 0, no, false): no fork ledger; escapes are
-                        then not watched
-  CONTAIN_RUN_CGROUP, CONTAIN_RUN_DIR, CONTAIN_RUN_ID
-                        set by contain in each worker's environment; a contain
-                        started inside a run reads them to nest under it
-  XDG_RUNTIME_DIR       where a non-root user's state directory goes
-
-`contain doctor` says what this host gives and what to do next."""
-
-
-# Every `contain run` option, once: both the argparse parser and the fast
-# path below are built from this table, so they cannot drift apart.
-# (flag, dest, kind, default, help); kind is "seconds" (>= 0), "positive"
-# (seconds > 0), "text", "flag", or a tuple of choices.
-_RUN_OPTIONS: tuple[tuple[str, str, Any, Any, str], ...] = (
-    ("--id", "id", "text", None, "run id (default: generated); a live run's id cannot be reused"),
-    ("--grace", "grace", "seconds", 5.0, "seconds between SIGTERM and SIGKILL (default 5)"),
-    ("--timeout", "timeout", "positive", None, "cancel the run after this many seconds (exit 124); > 0"),
-    ("--kill-timeout", "kill_timeout", "positive", 10.0,
-     "seconds to wait for the container to empty after SIGKILL (default 10); > 0"),
-    ("--record", "record", "text", None, "also write the final stop record to FILE (`-`: stdout); only a "
-     "regular file is ever replaced, a device or FIFO is written in place; exit 125 if it cannot be written"),
-    ("--backend", "backend", ("auto", "cgroup2", "job-object", "none"), None,
-     "container kind (default auto, or CONTAIN_BACKEND)"),
-    ("--seal", "seal", "flag", False,
-     "make leaving the container impossible; needs a root supervisor (docs/sealing.md)"),
-    ("--user", "user", "text", None, "run the worker as USER (name or uid)"),
-    ("--workspace", "workspace", "text", None,
-     "after the stop, check no process holds DIR and nothing writes under it"),
-    ("--check-sockets", "check_sockets", "flag", False,
-     "after the stop, check every socket the tree held at the stop is closed"),
-    ("--quiet", "quiet", "flag", False, "say nothing on stderr when the container is weaker than this host allows"),
-    ("--no-pidns", "no_pidns", "flag", False,
-     "no PID-namespace wall (default: one wherever the kernel allows it; see docs/design.md)"),
-)
-_METAVARS = {"--record": "FILE", "--workspace": "DIR", "--user": "USER"}
-_RUN_BY_FLAG = {o[0]: o for o in _RUN_OPTIONS}
-_RUN_DEFAULTS = {"cmd": "run", **{o[1]: o[3] for o in _RUN_OPTIONS}}
-
-
-def _fast_run(argv: Sequence[str]) -> SimpleNamespace | None:
-    """The arguments of a plain `contain run`, as argparse would give them,
-    without importing and building argparse (3 ms import + 3 ms parser here,
-    per run: docs/performance.md). Returns None whenever anything is not
-    plain (help, abbreviations, a value that looks like an option, a value
-    argparse would reject): the full parser then decides, with its own
-    messages. tests/test_cli_parse.py holds the two to the same answers."""
-    if not argv or argv[0] != "run":
-        return None
-    vals: dict[str, Any] = dict(_RUN_DEFAULTS)
-    i = 1
-    while i < len(argv):
-        a = argv[i]
-        if a == "--" or not a.startswith("-"):
-            break                             # REMAINDER: argparse keeps a leading "--"
-        name, eq, value = a.partition("=")
-        opt = _RUN_BY_FLAG.get(name)
-        if opt is None:
-            return None
-        _flag, dest, kind, _default, _help = opt
-        if kind == "flag":
-            if eq:
-                return None
-            vals[dest] = True
-            i += 1
-            continue
-        if not eq:
-            if i + 1 >= len(argv):
-                return None
-            value = argv[i + 1]
-            i += 1
-        if not value or (value.startswith("-") and value != "-"):
-            return None
-        if isinstance(kind, tuple):
-            if value not in kind:
-                return None
-            vals[dest] = value
-        elif kind in ("seconds", "positive"):
-            try:
-                vals[dest] = _seconds_value(value, positive=kind == "positive")
-            except ValueError:
-                return None
-        else:
-            vals[dest] = value
-        i += 1
-    vals["command"] = list(argv[i:])
-    return SimpleNamespace(**vals)
-
-
-def _make_parser_class() -> type[argparse.ArgumentParser]:
-    import argparse
-
-    class _Parser(argparse.ArgumentParser):
-        def error(self, message: str) -> Any:   # one clear line, exit 2, no traceback
-            self.exit(EXIT_USAGE, f"contain: {message}\n(see `contain --help`)\n")
-
-    return _Parser
-
-
-def _formatter() -> type[argparse.HelpFormatter]:
-    import argparse
-
-    class _Formatter(argparse.HelpFormatter):
-        """Descriptions wrap as usual; a text laid out in lines (the
-        environment table) is printed as written."""
-
-        def _fill_text(self, text: str, width: int, indent: str) -> str:
-            if "\n" in text:
-                return "".join(indent + line for line in text.splitlines(keepends=True))
-            return super()._fill_text(text, width, indent)
-
-    return _Formatter
-
-
-def _parser() -> argparse.ArgumentParser:
-    import argparse
-
-    from . import __version__
-
-    p = _make_parser_class()(prog="contain", description="Run a process tree inside a kernel container and "
-                             "report exactly what was observed when it stopped.",
-                             epilog=_ENVIRONMENT, formatter_class=_formatter())
-    p.add_argument("--version", action="version", version=f"contain {__version__}")
-    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
-    r = sub.add_parser("run", help="run CMD in a fresh container; exits with its status",
-                       description="Run CMD in a fresh cgroup v2 leaf entered at clone time. stdin, "
-                       "stdout and stderr are inherited. Exit status: the worker's own, 128+N for "
-                       "signal N, 124 on --timeout, 125 if contain failed, 126/127 if CMD cannot run, "
-                       "2 for a usage error.", epilog=_ENVIRONMENT, formatter_class=_formatter())
-    for flag, dest, kind, default, help_text in _RUN_OPTIONS:
-        if kind == "flag":
-            r.add_argument(flag, dest=dest, action="store_true", help=help_text)
-        elif kind in ("seconds", "positive"):
-            r.add_argument(flag, dest=dest, type=_seconds if kind == "seconds" else _positive_seconds,
-                           default=default, metavar="SECONDS", help=help_text)
-        elif isinstance(kind, tuple):
-            r.add_argument(flag, dest=dest, choices=kind, default=default, help=help_text)
-        else:
-            r.add_argument(flag, dest=dest, default=default, metavar=_METAVARS.get(flag), help=help_text)
-    r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
-
-    from . import _commands
-
-    _commands.add_parsers(sub, _argtype)
-
-    st = sub.add_parser("status", help="show one run and every evidence layer")
-    st.add_argument("id", type=_run_id)
-    st.add_argument("--json", action="store_true")
-
-    c = sub.add_parser("cancel", help="cancel a run (durably, idempotently by --op-id)")
-    c.add_argument("id", type=_run_id)
-    c.add_argument("--op-id", help="operation id; repeating it returns the same record")
-    c.add_argument("--run-uid", help="refuse unless the run's uid is this one")
-    c.add_argument("--grace", type=_seconds, help="seconds between SIGTERM and SIGKILL")
-    c.add_argument("--wait", action="store_true", help="wait for the terminal acknowledgement")
-    c.add_argument("--timeout", type=_seconds, default=None, help="with --wait: give up after this long")
-    c.add_argument("--json", action="store_true")
-
-    w = sub.add_parser("wait", help="wait until a run has ended")
-    w.add_argument("id", type=_run_id)
-    w.add_argument("--timeout", type=_seconds, default=None)
-    w.add_argument("--json", action="store_true")
-
-    d = sub.add_parser("doctor", help="what this host can contain, and how strongly")
-    d.add_argument("--json", action="store_true")
-    return p
+# The signal `contain` must die by once main() has returned (a run cancelled
+# by SIGINT, SIGTERM or SIGHUP, or a Ctrl-C anywhere): console() raises it
+# after the output is flushed; in-process callers of main() get 128 + N.
+_die_by: list[int] = []
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _fast_run(sys.argv[1:] if argv is None else argv) or _parser().parse_args(argv)
-    if args.cmd is None:
-        _parser().print_help(sys.stderr)
-        return EXIT_USAGE
-    from ._safefs import UnsafePath
-
+    del _die_by[:]
     try:
-        if args.cmd == "run":
-            return _cmd_run(args)
-        from . import _commands
+        args = fast_run(sys.argv[1:] if argv is None else argv) or parser().parse_args(argv)
+        if args.cmd is None:
+            parser().print_help(sys.stderr)
+            return EXIT_USAGE
+        from ._safefs import UnsafePath
 
-        return int(getattr(_commands, f"cmd_{args.cmd}")(args))
+        try:
+            if args.cmd == "run":
+                return _cmd_run(args)
+            from . import _commands
+
+            return int(getattr(_commands, f"cmd_{args.cmd}")(args))
+        except UnsafePath as e:          # the state directory is not ours: one line, 125
+            _say(str(e))
+            return EXIT_CONTAIN_FAILED
     except KeyboardInterrupt:
-        return 130
+        # Interrupted outside a run's stop (start-up, `wait`, `cancel --wait`):
+        # die by SIGINT too, so the shell around us stops as well.
+        _die_by[:] = [signal.SIGINT]
+        return 128 + signal.SIGINT
     except BrokenPipeError:
         return 1
-    except UnsafePath as e:          # the state directory is not ours: one line, 125
-        _say(str(e))
-        return EXIT_CONTAIN_FAILED
     except OSError as e:             # e.g. a run directory this user may not read
-        _say(f"{args.cmd}: {e.filename + ': ' if e.filename else ''}{e.strerror or e}")
+        _say(f"{getattr(args, 'cmd', 'contain')}: {e.filename + ': ' if e.filename else ''}{e.strerror or e}")
         return 1
 
 
@@ -304,6 +81,10 @@ def console() -> None:
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
+    if _die_by:
+        from ._sigproxy import die_by
+
+        die_by(_die_by[0])
     if sys.platform == "win32" and rc > 0x7FFFFFFF:
         rc -= 1 << 32                    # an NTSTATUS exit code (0xC0000005): the same DWORD as an int
     os._exit(rc)
@@ -375,10 +156,12 @@ def _say(msg: str) -> None:
 
 
 def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
-    from ._errors import ContainmentUnavailable, RunConflict, SpawnFailed
     from ._adopt import finish_nested
+    from ._errors import ContainmentUnavailable, RunConflict, SpawnFailed
+    from ._launch import caller_ignored
     from ._options import Options
     from ._run import Run
+    from ._sigproxy import SignalProxy
 
     cmd = list(args.command)
     if cmd and cmd[0] == "--":
@@ -387,19 +170,26 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
         _say("run: nothing to run (usage: contain run [OPTIONS] -- CMD [ARG...])")
         return EXIT_USAGE
     backend = args.backend or os.environ.get("CONTAIN_BACKEND", "auto")
-    if backend not in ("auto", "cgroup2", "job-object", "none"):
-        _say(f"run: CONTAIN_BACKEND={backend!r} is not auto, cgroup2, job-object or none")
+    if backend not in ("auto", "cgroup2", "pidns", "job-object", "none"):
+        _say(f"run: CONTAIN_BACKEND={backend!r} is not auto, cgroup2, pidns, job-object or none")
         return EXIT_USAGE
-    # The parser has checked the numbers (launcher/_args.py): --timeout and
-    # --kill-timeout are > 0, so 0 never turns into "none" or the default.
-    kw: dict[str, Any] = dict(grace=args.grace, timeout=args.timeout, kill_timeout=args.kill_timeout,
-                              backend=backend, seal=args.seal or None, user=args.user, workspace=args.workspace,
-                              subreaper=True, check_sockets=args.check_sockets,
-                              pidns=False if getattr(args, "no_pidns", False) else None)
-    if "quiet" in Options.__slots__:     # the driver's "weaker container" line reads it (issue 12)
-        kw["quiet"] = args.quiet
+    quiet = bool(getattr(args, "quiet", False))
+    # What the caller handed us without close-on-exec goes on to the worker
+    # (`<(...)`, `3<file`, make's jobserver), as `env` and `timeout` do: read
+    # before contain opens anything of its own (all close-on-exec, PEP 446).
+    passed = _inherited_fds()
     try:
-        opts = Options(**kw)
+        # What the caller ignored, read before any handler of ours exists:
+        # it stays ignored here and in the worker (nohup, `trap '' INT`).
+        ignored = caller_ignored()
+        # The parser has checked the numbers (launcher/_args.py): --timeout
+        # and --kill-timeout are > 0, so 0 never turns into "none".
+        opts = Options(grace=args.grace, timeout=args.timeout, kill_timeout=args.kill_timeout,
+                       backend=backend, seal=args.seal or None, user=args.user, workspace=args.workspace,
+                       subreaper=True, check_sockets=args.check_sockets,
+                       pidns=False if getattr(args, "no_pidns", False) else None,
+                       linger=getattr(args, "linger", 0.0), keep_ignored=ignored, pass_fds=passed,
+                       notify=None if quiet else _say_weaker)
         run = Run(cmd, id=args.id, options=opts)
         run.end_hooks.append(finish_nested)
     except ValueError as e:
@@ -416,12 +206,13 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
         return EXIT_CONTAIN_FAILED
 
     # Signals cancel the run; they are turned into wake-ups of the owner
-    # loop, which records the intent durably before anything is signalled.
-    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGBREAK"):    # (SIGHUP: not Windows; SIGBREAK: Windows)
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), lambda n, _f: run.deliver_signal(n))
-    if sys.platform != "win32":          # Windows: no SIGCHLD, no subreaper (the job holds the tree)
-        signal.signal(signal.SIGCHLD, lambda n, _f: run.wake())
+    # loop, which records the intent durably before anything is signalled
+    # (_sigproxy.py). Installed before the claim: one that arrives during
+    # the start-up is queued and acted on before the spawn.
+    proxy = SignalProxy(run, say=None if quiet else _say)
+    proxy.install()
+    run.on_change = proxy.changed
+    if sys.platform != "win32":          # Windows: no subreaper (the job holds the tree)
         from ._native import lib
 
         lib.ct_set_child_subreaper(1)
@@ -429,26 +220,74 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
         run.start()
     except RunConflict as e:
         _say(f"run: {e}")
-        return EXIT_USAGE
+        return _ended(proxy, EXIT_USAGE)
     except ValueError as e:       # e.g. --user names nobody
         _say(f"run: {e}")
-        return EXIT_USAGE
+        return _ended(proxy, EXIT_USAGE)
     except SpawnFailed as e:
         _say(str(e))
-        return finish(run, target, e.exit_code)
+        return _ended(proxy, finish(run, target, e.exit_code))
     except ContainmentUnavailable as e:
         _say(f"no container: {e}")
-        return finish(run, target, EXIT_CONTAIN_FAILED)
+        return _ended(proxy, finish(run, target, EXIT_CONTAIN_FAILED))
     except OSError as e:
         _say(f"run: {e}")
-        return finish(run, target, EXIT_CONTAIN_FAILED)
+        return _ended(proxy, finish(run, target, EXIT_CONTAIN_FAILED))
     rec = run.supervise()
     if rec.state == "UNCONFIRMED":
         _say(f"run {run.id}: stop not confirmed: the container did not empty; "
              f"`contain cancel {run.id}` repeats the kill")
     elif rec.state == "BREACHED":
         _say(f"run {run.id}: BREACHED: a process left the container and is not proven gone")
-    return finish(run, target, run.exit_status())
+    status = finish(run, target, run.exit_status())
+    if not quiet:
+        _summarise(run, rec.to_dict(), args.record, verbose=bool(getattr(args, "verbose", False)))
+    return _ended(proxy, status)
+
+
+def _inherited_fds() -> list[int]:
+    if sys.platform == "win32":
+        return []
+    from ._platform.spawnreq import inherited_fds
+
+    return inherited_fds()
+
+
+def _ended(proxy: Any, status: int) -> int:
+    """The exit status, unless a signal cancelled the run: then `contain`
+    dies by that signal (console() raises it once the record is written and
+    the output flushed), whatever the worker's own status was."""
+    if proxy.first is not None:
+        _die_by[:] = [proxy.first]
+        return 128 + proxy.first
+    return status
+
+
+def _say_weaker(reason: str) -> None:
+    from ._summary import weaker_line
+
+    _say(weaker_line(reason))
+
+
+def _summarise(run: Any, rec: dict[str, Any], record_path: str | None, *, verbose: bool) -> None:
+    """`-v`: one line on how the run ended. Without it, the same line on a
+    terminal when leftovers of the tree had to be stopped (the worker's own
+    output never says that)."""
+    from ._summary import stopped_leftovers, summary
+
+    if not verbose and not (stopped_leftovers(rec) and _stderr_is_tty()):
+        return
+    paths = [os.path.join(run.layout.path, "record.json")] if run.layout is not None else []
+    if record_path and record_path != "-":
+        paths.append(record_path)
+    _say(summary(rec, paths))
+
+
+def _stderr_is_tty() -> bool:
+    try:
+        return os.isatty(2)
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

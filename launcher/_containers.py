@@ -35,20 +35,43 @@ def make_container(run_id: str, opts: Options) -> Any:
         from ._platform import windows
 
         return windows.Container.create(run_id)
+    weaker = None
     if backend in ("auto", "cgroup2"):
         from ._platform import linux
 
         parent = opts.parent_cgroup or inherited_parent(env)
         try:
             return linux.Container.create(run_id, env, parent_dir=parent)
-        except ContainmentUnavailable:
-            if backend == "cgroup2":
+        except ContainmentUnavailable as e:
+            # A base the caller named is a choice, not a hint: when it cannot
+            # be used the run fails (125) rather than run with less.
+            if backend == "cgroup2" or (parent is None and env.get("CONTAIN_CGROUP_BASE")):
                 raise
-    elif backend != "none":
+            weaker = f"no cgroup container ({e.reason})"
+    if backend in ("auto", "pidns") and opts.pidns is not False:
+        # Without a cgroup of its own a caller can still have a container
+        # that nothing can leave: the PID-namespace wall (pidns.py).
+        from ._platform import pidns
+
+        problem = pidns.available()
+        if problem is None:
+            c = pidns.Container(run_id)
+            if weaker:
+                c.weaker = (f"{weaker}: the PID-namespace wall alone (still REAPED when it empties; no "
+                            "limits, CPU from the init's rusage)")
+            return c
+        if backend == "pidns":
+            raise ContainmentUnavailable(f"PID-namespace wall unavailable: {problem}")
+        weaker = f"{weaker or 'no cgroup container'}; no PID-namespace wall either ({problem})"
+    elif backend == "pidns":
+        raise ContainmentUnavailable("--backend pidns with --no-pidns: nothing left to contain the run")
+    if backend not in ("auto", "none"):
         raise ValueError(f"unknown backend {backend!r}")
     from ._platform import none
 
-    return none.Container(run_id)
+    degraded = none.Container(run_id)
+    degraded.weaker = weaker      # auto got less than this host gives a root user: said on stderr
+    return degraded
 
 
 def inherited_parent(env: Any) -> str | None:
@@ -225,7 +248,7 @@ def spawn_request(argv: list[str], opts: Options, container: Any, run_id: str,
     if container.backend == "job-object":
         from ._platform import winproc
 
-        wreq = winproc.Request(argv, env=env, cwd=opts.cwd, stdio=opts.stdio)
+        wreq = winproc.Request(argv, env=env, cwd=opts.cwd, stdio=opts.stdio, pass_fds=opts.pass_fds)
         container.prepare(wreq, opts)         # refuses --user and --seal
         return wreq                            # type: ignore[return-value]
     from ._platform import posix
@@ -235,6 +258,6 @@ def spawn_request(argv: list[str], opts: Options, container: Any, run_id: str,
     if opts.user is not None:
         uid, gid, groups = resolve_user(opts.user)
     req = posix.SpawnRequest(argv, env=env, cwd=opts.cwd, stdio=opts.stdio, new_pgroup=opts.new_pgroup,
-                             uid=uid, gid=gid, groups=groups)
+                             uid=uid, gid=gid, groups=groups, pass_fds=opts.pass_fds)
     container.prepare(req, opts)
     return req

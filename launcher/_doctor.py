@@ -75,10 +75,19 @@ def _spawn_true(leaf: str, **req_kw: Any) -> dict[str, Any]:
         return {"ok": False, "died_at_birth": True, "error": "child SIGKILLed before it ran"}
     finally:
         os.close(fd)
-    try:
-        info = os.waitid(os.P_PIDFD, sp.pidfd, os.WEXITED)
-    finally:
-        os.close(sp.pidfd)
+    if sp.wall:
+        # Behind the wall: the init is our child; it exits 0 once the worker did.
+        try:
+            info = os.waitid(os.P_PIDFD, sp.init_pidfd, os.WEXITED)
+        finally:
+            for f in (sp.pidfd, sp.init_pidfd, sp.report_fd):
+                if f >= 0:
+                    os.close(f)
+    else:
+        try:
+            info = os.waitid(os.P_PIDFD, sp.pidfd, os.WEXITED)
+        finally:
+            os.close(sp.pidfd)
     code = info.si_status if info is not None else None
     return {"ok": code == 0, "exit_status": code}
 
@@ -153,13 +162,11 @@ def _kill_bug(base: str) -> dict[str, Any]:
 
 
 def _sealed_spawn(base: str) -> dict[str, Any]:
-    """The whole seal, as a run gets it, around /bin/true."""
-    from ._platform import cgroups, linux
-
-    cg2, v1 = cgroups.cgroup_mounts()
+    """The seal as a run gets it (sealing.py), around /bin/true: behind the
+    PID-namespace wall, root inside a user namespace mapped to nobody."""
     with _Scratch(base, "seal") as s:
-        r = _spawn_true(s.dir, seal_ro_paths=v1, seal_cg2_paths=cg2, seal_userns=True,
-                        drop_caps=linux.SEAL_DROP_CAPS, no_new_privs=True)
+        r = _spawn_true(s.dir, pidns=True, mount_proc=True, userns="map", uid_map="0 65534 1",
+                        gid_map="0 65534 1", clear_caps=True, no_new_privs=True)
     return r
 
 

@@ -47,6 +47,7 @@ class RunEvidence:
         self.lead: dict[str, Any] | None = None       # the run this one is nested in
         self.adopted = False
         self.tag: RunTag | None = None                # the run directory's tag (bind_tags)
+        self.linger: dict[str, Any] | None = None     # what lingered after the worker exited (_stop.py)
 
     # -- writing -------------------------------------------------------------
 
@@ -98,10 +99,8 @@ class RunEvidence:
                 # exited: failing here is an observation failure.
                 self.notes.append(f"identity not read: {e}")
         self.placement = container.placed(sp.pid)
-        if container.backend != "none":
-            # (A Job Object has no hierarchy: its placement is its own path.)
-            hierarchy = getattr(container, "hierarchy", None)
-            expected = hierarchy.cg_path(container.leaf) if hierarchy is not None else container.path
+        expected = container.expected_placement() if hasattr(container, "expected_placement") else None
+        if expected is not None:
             if self.placement is not None and self.placement != expected:
                 self.escapes.append({"pid": sp.pid, "seen_in": self.placement, "at": now_iso(),
                                      "via": "/proc/<pid>/cgroup right after spawn"})
@@ -217,6 +216,8 @@ class RunEvidence:
             "notes": self.notes,
             "record_written_at": now_iso(),
         }
+        if self.linger is not None:
+            rec["linger"] = self.linger
         if self.adopted:
             rec["adopted_by"] = {"pid": os.getpid()}
         rec["nested"] = _nested.describe(self.nested_seen, run_dir)
@@ -237,6 +238,7 @@ class RunEvidence:
             e.escapes = list(esc["detail"])
         e.times.update(rec.get("timings") or {})
         e.cpu = rec.get("cpu")
+        e.linger = rec.get("linger") if isinstance(rec.get("linger"), dict) else None
         e.notes = list(rec.get("notes") or [])
         c = rec.get("containment") or {}
         e.sealed = (bool(c.get("sealed")), c.get("sealed_reason"))

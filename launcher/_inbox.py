@@ -29,6 +29,17 @@ from ._errors import LauncherError
 from ._record import now_iso
 
 
+def grace_of(req: dict[str, Any]) -> float | None:
+    """A request's grace, if it gives a usable one: a finite number of
+    seconds >= 0. Anything else is input that chooses nothing (the run's
+    own grace applies)."""
+    g = req.get("grace")
+    if isinstance(g, bool) or not isinstance(g, (int, float)):
+        return None
+    g = float(g)
+    return g if g >= 0 and g != float("inf") else None     # nan fails g >= 0
+
+
 class Arrival:
     """A cancel request the owner applies, with its effect on arrival."""
 
@@ -49,6 +60,11 @@ class Inbox:
         self.facts = facts
         self.offset = 0
         self.ops: dict[str, dict[str, Any]] = {}      # op id -> its acknowledgement as written
+        # Operations this process requested for a signal it received, and
+        # that signal: held in memory, so a request read from the file can
+        # never choose what is sent to the tree.
+        self.signal_ops: dict[str, int] = {}
+        self._undurable: list[dict[str, Any]] = []    # signal requests the inbox file refused
 
     def load(self) -> None:
         """The acknowledgements already written for this run (adoption)."""
@@ -61,8 +77,9 @@ class Inbox:
     def pending(self) -> list[dict[str, Any]]:
         if self.layout is None:
             return []
+        early, self._undurable = self._undurable, []
         reqs, self.offset = self.layout.read_requests(self.offset)
-        return reqs
+        return early + reqs
 
     def arrive(self, req: dict[str, Any], snap: S.Snapshot) -> Arrival | None:
         assert self.layout is not None
@@ -105,6 +122,11 @@ class Inbox:
         self.ops[op] = ack
         self.layout.write_ack(op, ack, durable=durable)
 
+    def signal_of(self, op: str) -> int | None:
+        """The signal whose arrival made this process request `op`, if any:
+        the stop it begins sends the tree that signal first."""
+        return self.signal_ops.get(op)
+
     def request_from_signal(self, signum: int) -> bool:
         """SIGINT/SIGTERM/SIGHUP to the supervisor cancel the run through the
         same durable inbox as any other cancel (intent first). False if that
@@ -116,8 +138,17 @@ class Inbox:
         except ValueError:
             name = str(signum)
         op = f"signal-{name}-{os.getpid()}"
-        if op in self.ops:
+        if op in self.ops or op in self.signal_ops:
             return False
-        self.layout.append_request({"op_id": op, "run_uid": self.run_uid, "requested_at": now_iso(),
-                                    "by": {"pid": os.getpid(), "signal": name}})
+        self.signal_ops[op] = signum
+        req = {"op_id": op, "run_uid": self.run_uid, "requested_at": now_iso(),
+               "by": {"pid": os.getpid(), "signal": name}}
+        try:
+            self.layout.append_request(req)
+        except OSError as e:
+            # A full or broken state directory must not keep a Ctrl-C from
+            # stopping the run: the owner is alive and applies it itself;
+            # the record says the intent was not made durable first.
+            self.facts.notes.append(f"{op}: intent not written ({e}); applied by the owner directly")
+            self._undurable.append(req)
         return True

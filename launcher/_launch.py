@@ -5,13 +5,22 @@
                             then spawned, then described again with the worker
     spawn_failed(run, err)  a start that failed after the claim still ends
                             like a run: stopped, observed, recorded
+    caller_ignored()        the signals the worker starts with ignored
 
 Nothing runs in the container before it is described: an owner killed right
 after the spawn still leaves a run that `ls` shows and `cancel` can adopt.
+
+Signals and cancels during the start-up are never lost: the supervisor's
+handlers only queue the signal (the wake-up pipe may not exist yet), and the
+last step before the spawn is one turn of the owner loop. A cancel that
+arrived by then ends the run there, recorded, with nothing started in its
+container (`cancelled_before_spawn`); one that arrives after it is acted on
+by the first turn after the spawn.
 """
 from __future__ import annotations
 
 import os
+import sys
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
@@ -23,6 +32,7 @@ from ._containers import make_container, spawn_request
 from ._errors import ContainmentUnavailable, LauncherError, SpawnFailed
 from ._layout import RunDir
 from ._escapes import EscapeWatch
+from ._record import not_measured
 
 
 def start(run: Run) -> None:
@@ -37,16 +47,25 @@ def start(run: Run) -> None:
     except ContainmentUnavailable as e:
         spawn_failed(run, e)
         raise
+    weaker = getattr(run.container, "weaker", None)
+    if weaker:
+        run.facts.notes.append(f"backend auto: {weaker}")
+        if callable(run.opts.notify):
+            run.opts.notify(weaker)
     run.facts.lead, problem = _nested.join_lead(run.container, os.environ, {
         "id": run.id, "run_uid": run.uid, "run_dir": layout.path})
     if problem is not None:
         run.facts.notes.append(problem)
     run.open_channels()
     req = spawn_request(run.argv, run.opts, run.container, run.id, layout.path)
+    if run.opts.keep_ignored is not None:     # the CLI's caller's ignores (else: this process's, at the spawn)
+        req.keep_ignored = frozenset(run.opts.keep_ignored)
+    layout.write_run(run.facts.run_info(run, None))
+    if cancelled_before_spawn(run):
+        return
     # The fork ledger listens before the spawn, so a worker that forks at
     # once is not missed (_ledger.py).
     run.watch = run.stop.watch = EscapeWatch.before_spawn(run.container, req)
-    layout.write_run(run.facts.run_info(run, None))
     t0 = time.time()
     try:
         sp = run.container.spawn(req)
@@ -64,6 +83,38 @@ def start(run: Run) -> None:
     layout.write_run(run.facts.run_info(run, sp.via))
     layout.journal("spawned", pid=sp.pid, via=sp.via)
     run.publish()
+
+
+def cancelled_before_spawn(run: Run) -> bool:
+    """The last look before the spawn: one turn of the owner loop (queued
+    signals become durable requests; the inbox is read, including what was
+    written before its wake-up FIFO existed). A cancel found here ends the
+    run with nothing started: the container is observed empty, and no
+    member can have left it, since none was ever made. True if the run is
+    stopping or ended (the spawn is skipped)."""
+    run.stop.never_ran = True
+    run.turn()
+    if run.snap.phase is S.Phase.RUNNING:
+        run.stop.never_ran = False
+        return False
+    run.facts.layers["root_exit"] = not_measured("cancelled before the spawn: no worker was started")
+    if run.snap.terminal:
+        run.finish()
+    return True
+
+
+def caller_ignored() -> frozenset[int]:
+    """The signals this process ignores (SIG_IGN) now, as the kernel has
+    them: what the caller of `contain` ignored (nohup's SIGHUP, a background
+    job's SIGINT, a shell's `trap '' TERM`) stays ignored in the worker, as
+    it would across exec; the CLI installs no handler over them. SIGPIPE
+    and SIGXFSZ (Python ignores those itself) and SIGCHLD are never handed
+    on (posix.NEVER_KEPT)."""
+    if sys.platform == "win32":
+        return frozenset()             # no dispositions to carry over
+    from ._platform import posix       # the Linux spawn module (never loaded on Windows)
+
+    return posix.keep_ignored_now()
 
 
 def spawn_failed(run: Run, err: LauncherError) -> None:

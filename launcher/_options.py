@@ -1,9 +1,11 @@
 """How to run and stop one run: fixed before the spawn, validated here."""
 from __future__ import annotations
 
+from ._args import check_run_numbers, check_seconds
+
 DEFAULT_GRACE = 5.0
 DEFAULT_KILL_TIMEOUT = 10.0
-BACKENDS = ("auto", "cgroup2", "job-object", "none")
+BACKENDS = ("auto", "cgroup2", "pidns", "job-object", "none")
 
 
 class Options:
@@ -11,7 +13,7 @@ class Options:
 
     __slots__ = ("grace", "timeout", "kill_timeout", "backend", "seal", "user", "workspace",
                  "record_file", "env", "cwd", "stdio", "state_dir", "subreaper", "parent_cgroup",
-                 "new_pgroup", "check_sockets", "pidns")
+                 "new_pgroup", "check_sockets", "pidns", "linger", "keep_ignored", "notify", "pass_fds")
 
     def __init__(self, *, grace: float = DEFAULT_GRACE, timeout: float | None = None,
                  kill_timeout: float = DEFAULT_KILL_TIMEOUT, backend: str = "auto",
@@ -20,14 +22,31 @@ class Options:
                  cwd: str | None = None, stdio: tuple[int, int, int] = (-1, -1, -1),
                  state_dir: str | None = None, subreaper: bool = False,
                  parent_cgroup: str | None = None, new_pgroup: bool = False,
-                 check_sockets: bool = False, pidns: bool | None = None) -> None:
-        if grace < 0 or (timeout is not None and timeout <= 0) or kill_timeout <= 0:
-            raise ValueError("grace must be >= 0, timeout and kill_timeout > 0")
+                 check_sockets: bool = False, pidns: bool | None = None, linger: float = 0.0,
+                 keep_ignored: frozenset[int] | None = None, notify: object = None,
+                 pass_fds: tuple[int, ...] | list[int] = ()) -> None:
         if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r} (auto, cgroup2, job-object or none)")
-        self.grace = grace
-        self.timeout = timeout
-        self.kill_timeout = kill_timeout
+            raise ValueError(f"unknown backend {backend!r} (auto, cgroup2, pidns, job-object or none)")
+        # The library's numbers are checked as the CLI checks them (_args.py):
+        # finite, grace >= 0, timeout and kill_timeout > 0.
+        self.grace, self.timeout, kt = check_run_numbers(grace=grace, timeout=timeout, kill_timeout=kill_timeout)
+        self.kill_timeout = DEFAULT_KILL_TIMEOUT if kt is None else kt
+        # After the worker exits, how long the rest of the tree may go on on
+        # its own before the stop begins (`git gc --auto` backgrounds itself).
+        self.linger = check_seconds(linger, "linger")
+        # Signals the worker starts with ignored: None means "what this
+        # process ignores at the spawn" (_launch.caller_ignored).
+        self.keep_ignored = keep_ignored
+        # Called with one line for a person (the CLI prints it on stderr):
+        # today only "the container is weaker than this host allows".
+        self.notify = notify
+        # Descriptors the worker gets besides stdio, as subprocess's pass_fds
+        # (the CLI passes what its own caller handed it: `<(...)`, `3<file`,
+        # make's jobserver). Every other descriptor is closed at exec.
+        if isinstance(pass_fds, (str, bytes)) or any(isinstance(fd, bool) or not isinstance(fd, int) or fd < 0
+                                                      for fd in pass_fds):
+            raise TypeError(f"pass_fds must be a sequence of descriptor numbers, not {pass_fds!r}")
+        self.pass_fds = tuple(sorted(set(pass_fds)))
         self.backend = backend
         self.seal = seal
         self.user = user

@@ -1,6 +1,7 @@
 """The one parser of each /proc file format we read (STYLE.md, "Rooms").
 
     /proc/<pid>/stat        stat_fields, read_stat, start_time
+    /proc/<pid>/comm        read_comm
     /proc/<pid>/cgroup      parse_cgroups, cgroups_of (every hierarchy), parse_cgroup, cgroup_of (v2)
     /proc/self/mountinfo    mounts
 
@@ -44,6 +45,18 @@ def start_time(pid: int) -> int:
     """Field 22 of /proc/<pid>/stat (clock ticks after boot). Raises OSError."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         return stat_fields(f.read())[4]
+
+
+# -- /proc/<pid>/comm ---------------------------------------------------------
+
+def read_comm(pid: int | str) -> str | None:
+    """The command name (at most 15 bytes, set by the process itself: a
+    label, never an identity), or None if it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            return f.read(64).rstrip(b"\n").decode("utf-8", "replace")
+    except OSError:
+        return None
 
 
 # -- /proc/<pid>/cgroup -------------------------------------------------------

@@ -18,10 +18,18 @@ wake-up pipe for in-process callers and signals. `sources()` names them,
 `next_deadline()` says how long to sleep, the per-platform waiting is
 `host.wait_ready` (an event loop does its own, _aio.py), and `turn()` looks
 at every input once.
+
+`populated 0` can be seen a moment before the worker's status can be taken:
+do_exit() leaves the task's cgroup (cgroup_exit) before exit_notify() makes
+it waitable. When the container is observed empty while the worker's pidfd
+is still open, the driver waits for that pidfd (briefly: an emptied
+container means the worker is exiting, or left it) so the record has the
+worker's status instead of "worker running".
 """
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
@@ -31,7 +39,7 @@ if TYPE_CHECKING:
 from . import _launch, _nested
 from . import _state as S
 from ._evidence import RunEvidence
-from ._inbox import Inbox
+from ._inbox import Inbox, grace_of
 from ._layout import RunDir, new_id, new_uid
 from ._escapes import EscapeWatch
 from ._options import Options
@@ -41,6 +49,7 @@ from ._stop import StopSequence
 
 UNCONFIRMED_RETRIES = 2
 _INBOX_FALLBACK_S = 0.5        # without a wake-up FIFO the inbox is still read this often
+_ROOT_STATUS_WAIT_S = 0.25     # at most, for the status of a worker whose container emptied (it blocks the loop)
 
 
 class Run:
@@ -93,7 +102,6 @@ class Run:
         self.stop.check_sockets = self.opts.check_sockets
 
     def open_channels(self) -> None:
-        # (Windows: one Waiter per run, on the container's completion port.)
         self.wakeups = host.Wakeups(self.layout, container=self.container, run_uid=self.uid)
         if self.wakeups.problem is not None:
             self.facts.notes.append(f"{self.wakeups.problem}: inbox read every {_INBOX_FALLBACK_S} s")
@@ -106,6 +114,7 @@ class Run:
             self.wakeups.wake()
 
     def deliver_signal(self, signum: int) -> None:
+        """Signal-safe; one queued before the wake-up pipe is seen all the same."""
         self._signals.append(signum)
         self.wake()
 
@@ -148,6 +157,8 @@ class Run:
             self.wakeups.drain(ready)
 
     def next_deadline(self) -> float:
+        if self._signals:
+            return time.monotonic()       # a signal delivered before the wake-up pipe existed
         t = self.stop.next_deadline()
         if self._deadline_timeout and self.snap.phase is S.Phase.RUNNING:
             t = min(t, self._deadline_timeout)
@@ -162,7 +173,10 @@ class Run:
         with self._lock:
             now = time.monotonic()
             while self._signals:
-                if self.inbox.request_from_signal(self._signals.pop(0)):
+                signum = self._signals.pop(0)
+                if self.snap.stopping:
+                    self.stop.on_signal(now, signum)   # a second signal: no more waiting
+                if self.inbox.request_from_signal(signum):
                     self._read_inbox()
             self._read_inbox()
             self._check_root()
@@ -176,6 +190,7 @@ class Run:
                 self._check_root()
                 ev = self.stop.observe() if self.stop.stage is not None else None
                 if ev is not None:
+                    self._check_root(wait=ev is not S.Event.OBSERVE_FAILED)
                     self.feed(ev)
                 if not self.snap.terminal:
                     self._advance(now)
@@ -184,7 +199,9 @@ class Run:
 
     # -- inputs ------------------------------------------------------------
 
-    def _check_root(self) -> None:
+    def _check_root(self, wait: bool = False) -> None:
+        if wait and self.root is not None and (src := self.root.source()) is not None:
+            host.wait_ready([src], _ROOT_STATUS_WAIT_S)     # the container emptied: its status is due
         self._root_ended(self.root.poll() if self.root is not None else None)
 
     def _root_ended(self, ex: host.RootExit | None) -> None:
@@ -195,38 +212,45 @@ class Run:
         self.feed(S.Event.ROOT_EXITED, S.Outcome(ex.how) if ex.how else None)
         self.journal("root_exited", exit_code=self.facts.exit_code, signal=self.facts.signal)
         if not was_stopping:
-            self._begin_stop(time.monotonic())
+            self._begin_stop(time.monotonic(), linger=self.opts.linger)
 
     def _read_inbox(self) -> None:
         for req in self.inbox.pending():
             arrival = self.inbox.arrive(req, self.snap)
             if arrival is None:
                 continue
+            grace, signum = grace_of(req), self.inbox.signal_of(arrival.op)
             if arrival.effect is S.Effect.CANCEL_REQUESTED and not self.facts.observed("cancel_requested"):
                 self.facts.cancel_requested(arrival.op, req)
-                if req.get("grace") is not None:
-                    self._cancel_grace = float(req["grace"])
+                self._cancel_grace = grace
             before = self.snap
             self.feed(S.Event.CANCEL)
             self.inbox.acknowledge(arrival, self.snap)
             self.journal("cancel", op_id=arrival.op, effect=arrival.effect.value)
             if self.snap.stopping and not before.stopping:
-                self._begin_stop(time.monotonic(), grace=self._cancel_grace)
+                self._begin_stop(time.monotonic(), grace=self._cancel_grace, signum=signum)
             elif before.phase is S.Phase.UNCONFIRMED:
                 self.stop.retry(time.monotonic())
+            elif before.stopping:
+                self.stop.shorten(time.monotonic(), grace, signum)   # ends a linger; a shorter grace
             if not before.terminal:
                 self.publish()   # one result: a terminal record is never rewritten
 
     # -- acting --------------------------------------------------------------
 
-    def _begin_stop(self, now: float, grace: float | None = None) -> None:
+    def _begin_stop(self, now: float, grace: float | None = None, signum: int | None = None,
+                    linger: float = 0.0) -> None:
         self._see_nested()
         self._check_root()     # an empty container's worker status is taken first
         if self.snap.terminal:
             return
-        ev = self.stop.begin(now, self.opts.grace if grace is None else grace)
+        ev = self.stop.begin(now, self.opts.grace if grace is None else grace,
+                             signum=signum or signal.SIGTERM, linger=linger)
         if ev is not None:
+            self._check_root(wait=ev is not S.Event.OBSERVE_FAILED)
             self.feed(ev)
+        elif self.stop.stage == "linger":
+            self.publish()          # readers see the worker's end and what lingers
 
     def _advance(self, now: float) -> None:
         if self.stop.stage is None:

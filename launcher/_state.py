@@ -200,14 +200,23 @@ def effect_at_end(first: Effect, final: Snapshot) -> Effect:
     return Effect.CANCEL_REQUESTED
 
 
+EXIT_CANCELLED = 128 + 15     # as if `contain` had been sent SIGTERM (docs/design.md, "Exit status")
+
+
 def exit_status(snap: Snapshot, exit_code: int | None, signal: int | None) -> int:
-    """What `contain run` exits with (CONTRACT.md, "Exit status")."""
+    """What `contain run` exits with (CONTRACT.md, "Exit status"). A run
+    cancelled by another process (`contain cancel`) exits 143 whatever its
+    worker did: a worker that traps SIGTERM and exits 0 must not read as a
+    success. (One cancelled by a signal to `contain` dies by that signal:
+    the CLI's business, _sigproxy.py.)"""
     if snap.outcome is Outcome.SPAWN_FAILED:
         return exit_code if exit_code is not None else 125
     if snap.outcome is Outcome.TIMED_OUT:
         return 124
     if snap.phase in (Phase.UNCONFIRMED, Phase.BREACHED):
         return 125
+    if snap.outcome is Outcome.CANCELLED:
+        return EXIT_CANCELLED
     if signal is not None:
         return 128 + signal
     return exit_code if exit_code is not None else 125

@@ -1,13 +1,21 @@
-"""The stop sequence: polite signal, kill, wait for empty, retry.
+"""The stop sequence: linger, polite signal, kill, wait for empty, retry.
 
 Where the stop is decided: the driver (_run.Run) begins a stop when the
 table says the run is stopping (root exit, cancel, timeout) and feeds back
 the events this room returns; nothing here changes the run's state itself.
 
-    begin(now, grace)  observe first; if members remain: SIGTERM (and SIGCONT)
-                       to every member and a grace deadline, or the kill at once
-    advance(now)       at the end of the grace: the kill (cgroup.kill); at the
-                       end of the kill wait: Event.DEADLINE (UNCONFIRMED)
+    begin(now, grace, signum=, linger=)
+                       observe first; if members remain: a linger (after a
+                       root exit, when asked), or `signum` (SIGTERM, or the
+                       signal that cancelled the run) and SIGCONT to every
+                       member and a grace deadline, or the kill at once
+    shorten(now, grace, signum)
+                       a later cancel: a linger ends now (the polite step
+                       begins, with that cancel's signal and grace); a grace
+                       under way ends no later than `now + grace`
+    advance(now)       at the end of the linger: the polite step; at the end
+                       of the grace: the kill (cgroup.kill); at the end of
+                       the kill wait: Event.DEADLINE (UNCONFIRMED)
     retry(now)         unconfirmed is not terminal: the kill again
     observe()          the container's emptiness, as an event: EMPTY (kernel,
                        no escaper alive), EMPTY_ESCAPED, TREE_GONE (degraded),
@@ -15,9 +23,16 @@ the events this room returns; nothing here changes the run's state itself.
 
 REAPED can only follow EMPTY, and EMPTY is returned only on an observed
 `populated 0` of a kernel container with every escaper proven gone.
+
+The linger (`--linger`, `linger=`) exists because cleaning up at once has
+real side effects: `git gc --auto` backgrounds the gc and exits, and a
+SIGTERM 1 ms later left no pack and a stale `gc.pid.lock`. The tree stays in
+its container while it lingers; a tree that empties on its own within it
+ends REAPED with nothing signalled, and the record says what lingered.
 """
 from __future__ import annotations
 
+import signal
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
@@ -28,7 +43,17 @@ if TYPE_CHECKING:
 
 from . import _state as S
 from ._identity import ProcessIdentity
+from ._procfs import read_comm
 from ._record import not_measured, now_iso
+
+_NAMES_KEPT = 16     # processes named in the record per step; the count is always exact
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 class StopSequence:
@@ -41,41 +66,67 @@ class StopSequence:
         self.kill_timeout = kill_timeout
         self.check_sockets = check_sockets
         self.watch = watch
-        self.stage: str | None = None      # None (not begun), "term" or "kill"
+        self.stage: str | None = None      # None (not begun), "linger", "term" or "kill"
         self.deadline = 0.0                # monotonic end of the current stage
         self.kill_rounds = 0
         self.began_at = 0.0
+        self.grace = 0.0                   # of the polite step (still to come while lingering)
+        self.signum = int(signal.SIGTERM)  # the polite step's signal
         self.sockets: tuple[set[int], list[str]] | None = None   # held by members at the stop
-        self.never_ran = False             # a failed spawn: no instruction of the worker ran
+        self.never_ran = False             # cancelled before, or failed at, the spawn: no worker instruction ran
 
     def next_deadline(self) -> float:
         return self.deadline if self.stage is not None else float("inf")
 
     # -- acting --------------------------------------------------------------
 
-    def begin(self, now: float, grace: float) -> S.Event | None:
+    def begin(self, now: float, grace: float, *, signum: int = signal.SIGTERM, linger: float = 0.0) -> S.Event | None:
         self.began_at = self.began_at or now
         ev = self.observe()
         if ev is not None and ev is not S.Event.OBSERVE_FAILED:
             return ev
-        if self.check_sockets and self.sockets is None:
-            from ._postconditions import socket_inodes     # lazy: only runs that asked for it
-
-            self.sockets = socket_inodes(self.container.members())
-        if grace > 0:
-            self._terminate()
-            self.stage, self.deadline = "term", now + grace
-        else:
-            self._kill(now)
+        self._note_sockets()
+        self.grace, self.signum = grace, int(signum)
+        if linger > 0 and ev is None:
+            self.stage, self.deadline = "linger", now + linger
+            self.facts.linger = {"asked_s": linger, "began_at": now_iso(), "ended_at": None,
+                                 "lingered_s": None, "ended_by": None, "seen": self._seen()}
+            if self.journal is not None:
+                self.journal("linger", seconds=linger)
+            return None
+        self._polite(now)
         return ev
 
-    def shorten(self, now: float, grace: float) -> None:
-        """A later request for a shorter grace ends the running one sooner."""
-        if self.stage == "term":
+    def shorten(self, now: float, grace: float | None = None, signum: int | None = None) -> None:
+        """A later cancel (a second signal, `cancel --grace`, `cancel(grace=)`)
+        during the stop: a linger ends at once and the polite step begins
+        (with this cancel's signal and grace where it gives them); a grace
+        under way ends no later than `now + grace`."""
+        if self.stage == "linger":
+            self._end_linger(now, "cancel")
+            if signum is not None:
+                self.signum = int(signum)
+            if grace is not None:
+                self.grace = grace
+            self._polite(now)
+        elif self.stage == "term" and grace is not None:
             self.deadline = min(self.deadline, now + grace)
+
+    def on_signal(self, now: float, signum: int) -> None:
+        """A signal to the supervisor while the stop is under way (a second
+        Ctrl-C): a linger ends and the polite step sends that signal; a grace
+        under way ends now (the kill)."""
+        if self.stage == "linger":
+            self.shorten(now, None, signum)
+        elif self.stage == "term":
+            self.shorten(now, 0.0)
 
     def advance(self, now: float) -> S.Event | None:
         if self.stage is None or now < self.deadline:
+            return None
+        if self.stage == "linger":
+            self._end_linger(now, "deadline")
+            self._polite(now)
             return None
         if self.stage == "term":
             self._kill(now)
@@ -85,24 +136,66 @@ class StopSequence:
     def retry(self, now: float) -> None:
         self._kill(now)
 
-    def _terminate(self) -> None:
+    def _polite(self, now: float) -> None:
+        if self.grace > 0:
+            self._terminate()
+            self.stage, self.deadline = "term", now + self.grace
+        else:
+            self._kill(now)
+
+    def _end_linger(self, now: float, why: str) -> None:
+        lg = self.facts.linger
+        if lg is not None and lg.get("ended_by") is None:
+            lg.update(ended_at=now_iso(), ended_by=why,
+                      lingered_s=round(max(0.0, now - (self.deadline - lg["asked_s"])), 3))
+        self.stage = None
+
+    def _note_sockets(self) -> None:
+        """What the members hold at the stop (once more after a linger: what
+        they opened meanwhile is theirs too)."""
+        if not self.check_sockets:
+            return
+        from ._postconditions import socket_inodes     # lazy: only runs that asked for it
+
+        held, problems = socket_inodes(self.container.members())
+        if self.sockets is not None:
+            held, problems = held | self.sockets[0], self.sockets[1] + problems
+        self.sockets = (held, problems)
+
+    def _seen(self) -> dict[str, Any] | None:
+        """The members about to be signalled (or left to linger): how many,
+        and the first few by pid and command name, for the record and `-v`."""
         try:
-            via, detail = self.container.terminate()
+            pids = sorted(self.container.members())
+        except OSError:
+            return None
+        return {"count": len(pids), "processes": [{"pid": p, "comm": read_comm(p)} for p in pids[:_NAMES_KEPT]]}
+
+    def _terminate(self) -> None:
+        name = signal_name(self.signum)
+        if self.facts.linger is not None:
+            self._note_sockets()
+        seen = self._seen()
+        try:
+            via, detail = self.container.terminate(self.signum)
             # A container that could send nothing says so (`sent`: a Job
             # Object with no member on our console): the step is not observed.
             sent = detail.get("sent", True) if isinstance(detail, dict) else True
-            self.facts.signal_step("term", sent, via, detail)
+            self.facts.signal_step("term", sent, via, dict(detail, signal=name, seen=seen))
         except OSError as e:
-            self.facts.signal_step("term", None, "SIGTERM by pidfd", f"failed: {e}")
+            self.facts.signal_step("term", None, f"{name} by pidfd", f"failed: {e}")
 
     def _kill(self, now: float) -> None:
         self.kill_rounds += 1
+        seen = self._seen() if self.kill_rounds == 1 and self.stage is None else None
         try:
             via = self.container.kill()
             detail: dict[str, Any] = {"round": self.kill_rounds}
             also = getattr(self.container, "also_killed", None)
             if also:
                 detail["also"] = also
+            if seen is not None:
+                detail["seen"] = seen
             self.facts.signal_step("kill", True, via, detail)
         except OSError as e:
             self.facts.signal_step("kill", None, "cgroup.kill", f"failed: {e}")
@@ -121,6 +214,8 @@ class StopSequence:
             return S.Event.OBSERVE_FAILED
         if populated:
             return None
+        if self.stage == "linger":
+            self._end_linger(time.monotonic(), "emptied")
         t = time.time()
         facts.times["empty_at"] = now_iso(t)
         if c.backend == "none":

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from launcher import _cli
+from launcher import _cli, _cliparse
 
 TOKENS = ["--", "--grace", "0", "1.5", "nan", "-1", "inf", "--id", "x", "my-run", "--seal", "--se",
           "-h", "--help", "--id=--", "--id=", "--grace=2", "--timeout", "3", "--kill-timeout=4",
@@ -19,13 +19,13 @@ TOKENS = ["--", "--grace", "0", "1.5", "nan", "-1", "inf", "--id", "x", "my-run"
 
 def _argparse(argv: list[str]) -> dict[str, object] | None:
     try:
-        return vars(_cli._parser().parse_args(argv))
+        return vars(_cliparse.parser().parse_args(argv))
     except SystemExit:
         return None
 
 
 def _check(argv: list[str]) -> None:
-    fast = _cli._fast_run(argv)
+    fast = _cliparse.fast_run(argv)
     if fast is None:
         return                       # argparse decides, as before
     assert vars(fast) == _argparse(argv), argv
@@ -46,7 +46,7 @@ def _check(argv: list[str]) -> None:
     ["run", "--quiet", "--timeout", "0.001", "--", "c"],
 ])
 def test_plain_runs_take_the_fast_path_with_argparse_values(argv: list[str]) -> None:
-    assert _cli._fast_run(argv) is not None
+    assert _cliparse.fast_run(argv) is not None
     _check(argv)
 
 
@@ -57,7 +57,7 @@ def test_plain_runs_take_the_fast_path_with_argparse_values(argv: list[str]) -> 
     ["run", "--timeout", "0", "a"], ["run", "--kill-timeout=0", "a"], ["run", "--timeout=-0", "a"],
 ])
 def test_anything_unusual_is_left_to_argparse(argv: list[str]) -> None:
-    assert _cli._fast_run(argv) is None
+    assert _cliparse.fast_run(argv) is None
 
 
 @settings(max_examples=400, deadline=None)

@@ -173,8 +173,17 @@ def test_locks_not_inspectable_make_the_layer_null(world, tmp_path):
         held = L.held_by([{w.pid}])
         print(json.dumps(L.locks_released(held)))
     """)
-    out = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable, "-c",
-                          probe], capture_output=True, timeout=30, cwd="/")
+    # Some lock must exist on the host: with /proc/locks empty, "no member
+    # holds a lock" is an observation that needs no fd of theirs.
+    import fcntl as _fcntl
+
+    held_here = open(tmp_path / "a-lock", "w")
+    _fcntl.flock(held_here, _fcntl.LOCK_EX)
+    try:
+        out = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable,
+                              "-c", probe], capture_output=True, timeout=30, cwd="/")
+    finally:
+        held_here.close()
     assert out.returncode == 0, out.stderr
     import json
 

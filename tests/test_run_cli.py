@@ -233,7 +233,8 @@ def test_chain_300_deep(box):
                           env=box.env, stderr=subprocess.PIPE, text=True) as proc:
         assert len(wait_holders(box.token, 301, timeout=60)) >= 301
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 128 + signal.SIGTERM
+        # contain dies by the signal that cancelled the run (issue 12; was 128 + SIGTERM).
+        assert proc.wait(60) == -signal.SIGTERM
     rec = assert_reaped_and_clean(box, "x")
     assert rec["outcome"] == "cancelled"
 
@@ -249,8 +250,13 @@ def test_signal_to_contain_cancels(box, sig):
         proc.send_signal(sig)
         rc = proc.wait(30)
     rec = assert_reaped_and_clean(box, "x")
-    # The worker's own fate (CONTRACT: 128+N for the signal it died of).
-    assert rec["signal"] == signal.SIGTERM and rc == 128 + signal.SIGTERM
+    # contain dies by that signal (issue 12; it used to exit 128 + SIGTERM,
+    # the worker's own fate, which is still in the record), and the tree
+    # was sent that same signal first.
+    assert rc == -sig
+    steps = rec["evidence"]["signal_sent"]["detail"]["steps"]
+    assert steps[0]["kind"] == "term" and steps[0]["detail"]["signal"] == signal.Signals(sig).name, steps
+    assert rec["signal"] in (sig, signal.SIGKILL)
     assert rec["outcome"] == "cancelled"
     assert rec["evidence"]["cancel_requested"]["observed"] is True
     op = f"signal-{signal.Signals(sig).name}-{proc.pid}"

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(not IS_ROOT, reason="the seal is built by a root
                                 "the escapes tried need a root worker")
 
 HELPER = os.path.join(ROOT, "tests", "_clone3_into.py")
+SEAL_METHOD = "user namespace mapped to an unprivileged host uid"
 MOUNT = cgroup2_mount() or "/sys/fs/cgroup"
 BASE = contain_base() or "/sys/fs/cgroup/contain"
 PROCS = os.path.join(BASE, "cgroup.procs")
@@ -105,13 +106,13 @@ def test_sealed_root_worker_cannot_leave(contain_runs, tmp_path, name):
     rec = _finish(c)
     assert rec["containment"]["sealed"] is True, rec["containment"]
     seal = rec["containment"]["seal"]
-    assert seal["method"] == "namespaces" and seal["user_namespace"] and seal["no_new_privs"]
+    assert seal["method"] == SEAL_METHOD and seal["host_uid"] != 0 and seal["no_new_privs"]
     assert rec["state"] == "REAPED", (rec["state"], c.stderr)
     assert rec["outcome"] == "cancelled"
     assert rec["_left"] == []
     # Sealed runs are not watched by the ledger, and say so instead of "none".
     esc = rec["evidence"]["escapes"]
-    assert esc["observed"] is None and "sealed" in esc["detail"]
+    assert esc["observed"] is None and "not watched" in esc["detail"]
 
 
 def test_sealed_root_worker_cannot_leave_through_capless_root_process(contain_runs, tmp_path):
@@ -164,7 +165,8 @@ def test_seal_with_user_nobody(contain_runs, tmp_path):
     where = _attempt(c, ["--seal", "--user", "nobody"], ATTEMPTS["write_parent_procs"], str(tmp_path))
     assert all(_inside(c, w) for w in where.values()), where
     rec = _finish(c)
-    assert rec["containment"]["sealed"] is True and rec["containment"]["seal"]["method"] == "namespaces"
+    assert rec["containment"]["sealed"] is True and rec["containment"]["seal"]["method"] == SEAL_METHOD
+    assert rec["containment"]["seal"]["host_uid"] == 65534    # --user's uid is the one mapped to 0
     assert rec["state"] == "REAPED" and rec["_left"] == []
 
 
@@ -178,19 +180,71 @@ def test_unsealed_root_worker_is_not_called_sealed(contain_runs, tmp_path):
     assert rec["containment"]["seal"] is None
 
 
-def test_sealed_worker_keeps_root_file_access_and_sees_its_own_cgroup(contain_runs, tmp_path):
-    """What the seal keeps: uid 0 file access (identity map), a view of its
-    own cgroup; what it takes: writing to it."""
+def test_sealed_root_worker_is_root_only_inside(contain_runs, tmp_path):
+    """A user namespace that maps 0 to host 0 is not a seal: the sealed
+    worker is uid 0 in its namespace and an unprivileged uid outside, so it
+    cannot read root's files, change what the supervisor imports, write the
+    state directory or /etc, open core_pattern, move its cgroup, or signal
+    a root process outside (the test's own checks from outside decide)."""
     c = contain_runs()
-    out = tmp_path / "seen"
-    script = (f"id -u > {out}; cat /proc/self/cgroup | tail -1 >> {out}; "
-              f"test -r /etc/shadow && echo shadow-readable >> {out}; "
-              f"echo 1 > /sys/fs/cgroup/unified/cgroup.procs 2>/dev/null || echo cg-ro >> {out}")
-    assert c.run(["--seal"], ["sh", "-c", script]) == 0, c.stderr
-    seen = out.read_text().split()
-    assert seen[0] == "0" and seen[1] == "0::/"
-    assert "shadow-readable" in seen and "cg-ro" in seen
-    assert c.record()["state"] == "REAPED"
+    import pathlib
+    import tempfile
+
+    # Outside tmp_path (0700 root, which the sealed uid cannot traverse): a
+    # directory of the test's own that the worker may write its report into.
+    report = pathlib.Path(tempfile.mkdtemp(prefix="contain-seal-report-", dir="/tmp"))
+    os.chmod(report, 0o777)
+    out = report / "seen"
+    out.touch()
+    os.chmod(out, 0o666)
+    victim_file = report / "root-owned"           # reachable, but root's and 0644
+    victim_file.write_text("untouched\n")
+    os.chmod(victim_file, 0o644)
+    module = os.path.join(ROOT, "launcher", "_stats.py")      # imported lazily by a supervisor
+    before = open(module, "rb").read()
+    outsider = subprocess.Popen(["sleep", "300"])             # a root process outside the run
+    state = os.path.join(c.tmp, "state")
+    try:
+        script = "; ".join([
+            f"id -u > {out}",
+            f"(cat /etc/shadow >/dev/null 2>&1 && echo shadow-read || echo shadow-denied) >> {out}",
+            f"(echo '#' >> {module} 2>/dev/null && echo module-written || echo module-denied) >> {out}",
+            f"(echo x >> {victim_file} 2>/dev/null && echo file-written || echo file-denied) >> {out}",
+            f"(touch /etc/contain-seal-test 2>/dev/null && echo etc-written || echo etc-denied) >> {out}",
+            f"(touch {state}/forged 2>/dev/null && echo state-written || echo state-denied) >> {out}",
+            "(: > /proc/sys/kernel/core_pattern) 2>/dev/null && echo core-opened >> " + str(out)
+            + " || echo core-denied >> " + str(out),
+            f"(echo $$ > {PROCS} 2>/dev/null && echo moved || echo move-denied) >> {out}",
+            f"(kill -STOP {outsider.pid} 2>/dev/null && echo signalled || echo signal-denied) >> {out}",
+        ])
+        assert c.run(["--seal"], ["sh", "-c", script]) == 0, c.stderr
+        seen = out.read_text().split()
+        assert seen[0] == "0", seen                       # root inside its namespace
+        assert "shadow-denied" in seen and "module-denied" in seen and "file-denied" in seen, seen
+        assert "etc-denied" in seen and "state-denied" in seen and "core-denied" in seen, seen
+        assert "move-denied" in seen and "signal-denied" in seen, seen
+        assert open(module, "rb").read() == before
+        assert victim_file.read_text() == "untouched\n"
+        assert not os.path.exists("/etc/contain-seal-test")
+        assert not os.path.exists(os.path.join(state, "forged"))
+        with open(f"/proc/{outsider.pid}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[0] != "T", "the outside root process was stopped"
+        rec = c.record()
+        assert rec["state"] == "REAPED" and rec["containment"]["sealed"] is True
+        assert rec["containment"]["seal"]["host_uid"] != 0
+    finally:
+        outsider.kill()
+        outsider.wait(10)
+        shutil.rmtree(report, ignore_errors=True)
+
+
+def test_identity_mapped_namespace_is_not_called_sealed(contain_runs, tmp_path):
+    """The old "seal" (a user namespace mapping 0 to 0) is not one: without
+    --seal a root worker is root on the host, and the record says so."""
+    c = contain_runs()
+    assert c.run([], ["true"]) == 0
+    rec = c.record()
+    assert rec["containment"]["sealed"] is False and "root" in rec["containment"]["sealed_reason"]
 
 
 def test_host_cgroup_mount_is_still_read_write():

@@ -6,10 +6,6 @@ Each test types the command as a user would (a `contain` on PATH, bash
 where the issue says bash) and decides by its own observation: the
 process's wait status, what the worker printed, the test's /proc scan.
 
-Most of these wait for work elsewhere (the driver's signal re-raise, the
-spawn's descriptor and signal inheritance, execvp's conventions): they are
-marked xfail(strict=True) with what they wait for, so that the day it lands
-each one fails as XPASS until its marker is removed.
 """
 from __future__ import annotations
 
@@ -33,9 +29,6 @@ pytestmark = needs_cgroup
 
 BASH = shutil.which("bash")
 needs_bash = pytest.mark.skipif(BASH is None, reason="needs bash")
-
-PHASE2 = "needs the driver's signal re-raise (phase 2)"
-FDS = "waits for the spawn to hand on inherited descriptors without close-on-exec (issue 12 item 6, spawn.c/_cli.py)"
 
 
 @pytest.fixture
@@ -71,14 +64,12 @@ def _wait_for(pred, timeout: float, step: float = 0.02):
 
 def _runs(box) -> list[str]:
     root = os.path.join(box.state_dir, "runs")
-    return sorted(os.listdir(root)) if os.path.isdir(root) else []
+    return sorted(n for n in os.listdir(root) if not n.startswith(".")) if os.path.isdir(root) else []
 
 
 # -- Ctrl-C around a loop ----------------------------------------------------------
 
 @needs_bash
-@pytest.mark.xfail(strict=True, reason=PHASE2 + ": contain exits 130 instead of dying by SIGINT, so bash "
-                   "takes the Ctrl-C as handled and starts the next iteration")
 def test_one_ctrl_c_ends_a_shell_loop_around_contain(box, shell_env):
     """`for i in 1 2 3; do contain run -- sleep 100; done` in a real
     terminal: one Ctrl-C (the tty's SIGINT to the foreground process
@@ -143,7 +134,6 @@ def _make_version() -> tuple[int, int] | None:
 
 
 @pytest.mark.skipif(_make_version() is None, reason="needs GNU make")
-@pytest.mark.xfail(strict=True, reason=FDS + ": the sub-make's jobserver pipe is closed at exec")
 def test_recursive_make_keeps_its_jobserver(box, shell_env, tmp_path):
     """`+contain run -- $(MAKE) -C sub` under `make -j4`: the sub-make finds
     the jobserver's descriptors (no "using -j1" warning), as under `env`."""
@@ -161,7 +151,6 @@ def test_recursive_make_keeps_its_jobserver(box, shell_env, tmp_path):
 
 
 @needs_bash
-@pytest.mark.xfail(strict=True, reason=FDS + ": /dev/fd/63 does not exist in the worker")
 def test_process_substitution_reaches_the_worker(box, shell_env):
     p = subprocess.run([BASH, "-c", "contain run -- cat <(echo hi)"], env=shell_env, capture_output=True,
                        text=True, timeout=60)
@@ -170,7 +159,6 @@ def test_process_substitution_reaches_the_worker(box, shell_env):
 
 
 @needs_bash
-@pytest.mark.xfail(strict=True, reason=FDS + ": descriptor 3 is closed in the worker")
 def test_a_descriptor_the_caller_opened_reaches_the_worker(box, shell_env):
     with open("/etc/hostname") as f:
         want = f.read()
@@ -181,9 +169,6 @@ def test_a_descriptor_the_caller_opened_reaches_the_worker(box, shell_env):
 
 # -- an ignored SIGHUP stays ignored ---------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="waits for the spawn and the driver to keep a signal the caller ignored "
-                   "ignored (issue 12 item 6): contain installs its SIGHUP handler over nohup's SIG_IGN, so the "
-                   "hangup cancels the run, and the worker loses the ignore")
 def test_nohup_contain_survives_a_hangup(box, shell_env, tmp_path):
     """`nohup contain run -- ...`: a SIGHUP to contain does not cancel the
     run (the caller ignored it), and the worker still has SIGHUP ignored
@@ -240,7 +225,7 @@ def test_a_missing_interpreter_says_bad_interpreter(box, shell_env, tmp_path):
 
 def test_the_shell_fixture_runs_this_trees_contain(box, shell_env):
     """The `contain` the tests above type is this tree's (a check of the
-    fixture, so an xfail above cannot be an XFAIL for the wrong reason)."""
+    fixture, so a test above cannot pass or fail for the wrong reason)."""
     p = subprocess.run(["contain", "run", "--id", "which", "--", "sh", "-c", "exit 5"], env=shell_env,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 5, p.stderr

@@ -125,6 +125,40 @@ def _writable_dir(path: str) -> bool:
     return os.access(path, os.W_OK | os.X_OK) and os.access(os.path.join(path, "cgroup.procs"), os.W_OK)
 
 
+def _make_dirs(path: str) -> list[str]:
+    """mkdir -p, returning the directories this call made (top first)."""
+    missing = []
+    d = path
+    while not os.path.isdir(d):
+        missing.append(d)
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    made = []
+    try:
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, 0o755)
+            except FileExistsError:
+                continue
+            made.append(d)
+    except OSError:
+        remove_made(made)
+        raise
+    return made
+
+
+def remove_made(made: list[str]) -> None:
+    """Remove the base directories a run made, deepest first, while they are
+    empty: one that holds another run's cgroup stays (rmdir says EBUSY)."""
+    for d in reversed(made):
+        try:
+            os.rmdir(d)
+        except OSError:
+            return
+
+
 def _choose_base(env: dict[str, str] | os._Environ[str]) -> tuple[Hierarchy, str, str]:
     """(hierarchy, base filesystem path, which rule chose it), with no side
     effect: CONTAIN_CGROUP_BASE if set ("explicit"); as root a `contain`
@@ -161,17 +195,31 @@ def expected_base(env: dict[str, str] | os._Environ[str] = os.environ) -> str | 
         return None
 
 
-def resolve_base(env: dict[str, str] | os._Environ[str] = os.environ) -> tuple[Hierarchy, str]:
-    """Choose where run directories go: (hierarchy, base filesystem path),
-    creating the base if needed (_choose_base says which rule applies)."""
+def resolve_base(env: dict[str, str] | os._Environ[str] = os.environ,
+                 made: list[str] | None = None) -> tuple[Hierarchy, str]:
+    """Choose where run directories go: (hierarchy, base filesystem path)
+    (_choose_base says which rule applies). An explicit base that does not
+    exist is made, and the directories made are added to `made` so that
+    whoever asked removes them when its run ends (nothing `contain` creates
+    is left behind); without `made` (a probe) nothing is created: a missing
+    base is reported as such."""
     h, path, how = _choose_base(env)
     if how == "explicit":
-        try:
-            os.makedirs(path, exist_ok=True)
-        except OSError as e:
-            raise ContainmentUnavailable(f"CONTAIN_CGROUP_BASE {path}: {os.strerror(e.errno or 0)}") from e
+        if made is None:
+            if not os.path.isdir(path):
+                raise ContainmentUnavailable(f"CONTAIN_CGROUP_BASE {path} does not exist "
+                                             "(a run makes it, and removes it when it ends)")
+            mine: list[str] = []
+        else:
+            try:
+                mine = _make_dirs(path)
+            except OSError as e:
+                raise ContainmentUnavailable(f"CONTAIN_CGROUP_BASE {path}: {os.strerror(e.errno or 0)}") from e
         if not _writable_dir(path):
+            remove_made(mine)
             raise ContainmentUnavailable(f"CONTAIN_CGROUP_BASE {path} is not writable")
+        if made is not None:
+            made.extend(mine)
         return h, path
     if how == "root":
         try:

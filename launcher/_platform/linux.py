@@ -25,25 +25,14 @@ if TYPE_CHECKING:
 from .. import _tags
 from .._errors import ContainmentUnavailable, SpawnFailed
 from .._procfs import cgroup_of
-from . import pidwall, posix
-from .cgroups import Hierarchy, cgroup_mounts, hierarchies, identify, resolve_base, writable_procs_above
+from . import pidwall, posix, sealing
+from .cgroups import Hierarchy, hierarchies, identify, remove_made, resolve_base, writable_procs_above
 from .posixwait import Root
 
 if TYPE_CHECKING:
     from .cgattach import CgroupCheck      # adoption only: not loaded on the run path
 
 KIND = "cgroup2"
-
-# Capabilities dropped from a sealed worker's bounding set (and every other
-# set). Inside the seal's user namespace they would only act on that
-# namespace; dropping them too keeps the worker from building new mount or
-# cgroup namespaces, loading code into the kernel, or reading raw memory:
-# DAC_READ_SEARCH (open_by_handle_at), SYS_MODULE, SYS_RAWIO, SYS_PTRACE,
-# SYS_ADMIN (mount, setns, unshare), SYS_BOOT (kexec), BPF.
-SEAL_DROP_CAPS = (2, 16, 17, 19, 21, 22, 39)
-_CAP_NAMES = {2: "CAP_DAC_READ_SEARCH", 16: "CAP_SYS_MODULE", 17: "CAP_SYS_RAWIO", 19: "CAP_SYS_PTRACE",
-              21: "CAP_SYS_ADMIN", 22: "CAP_SYS_BOOT", 39: "CAP_BPF"}
-
 
 class Container:
     """One run's cgroup subtree."""
@@ -59,7 +48,14 @@ class Container:
         self._dir_fd = -1                 # held by an adopter: what it verified is what it kills
         self._leaves: list[str] = []
         self.identity: dict[str, Any] | None = None   # recorded at creation (cgroups.identify)
+        self.run_id = name
         self.vouched: str | None = None   # a lead's proof for its nested run (_adopt.finish_nested)
+        self._made: list[str] = []       # base directories made for this run, removed after it
+        self.seal_detail: dict[str, Any] | None = None
+        self.seal_error: str | None = None      # why --seal cannot be had (the spawn fails with it)
+        self.seal_uid: int | None = None        # the host uid 0 is mapped to, when sealed
+        self.uid_claim: str | None = None       # the dynamic uid's claim file (sealing.py)
+        self.state_dir: str | None = None
         self.empty_proof = "cgroup.events populated 0"
         self.wall: pidwall.PidWall | None = None
         self.wall_mode: bool | None = None      # None: where the kernel allows; True: required
@@ -71,19 +67,29 @@ class Container:
     @classmethod
     def create(cls, run_id: str, env: dict[str, str] | os._Environ[str] = os.environ,
                parent_dir: str | None = None) -> "Container":
+        made: list[str] = []      # base directories this run made (removed with it)
         if parent_dir is not None:
             h = next(x for x in hierarchies() if parent_dir.startswith(x.mount))
             base = parent_dir
         else:
-            h, base = resolve_base(env)
+            h, base = resolve_base(env, made)
         prefix = "sub" if parent_dir is not None else "run"
         for _ in range(8):
             c = cls(h, base, f"{prefix}-{run_id}-{os.urandom(4).hex()}")
+            c.run_id = run_id
+            c._made = made
             try:
                 os.mkdir(c.dir)
             except FileExistsError:
                 continue
+            except FileNotFoundError:
+                if parent_dir is not None:
+                    raise ContainmentUnavailable(f"cannot create {c.dir}: its parent is gone") from None
+                # The run that made the base removed it as it ended: make it again.
+                h, base = resolve_base(env, made)
+                continue
             except OSError as e:
+                remove_made(made)
                 raise ContainmentUnavailable(f"cannot create {c.dir}: {os.strerror(e.errno or 0)}") from e
             try:
                 c.identity = identify(h, base, c.dir)
@@ -94,6 +100,7 @@ class Container:
                 c.remove()
                 raise ContainmentUnavailable(f"cannot prepare {c.dir}: {os.strerror(e.errno or 0)}") from e
             return c
+        remove_made(made)
         raise ContainmentUnavailable(f"no free cgroup name under {base}")
 
     def bind(self, tag: _tags.RunTag) -> str | None:
@@ -128,8 +135,8 @@ class Container:
     # -- spawning ----------------------------------------------------------
 
     def spawn(self, req: posix.SpawnRequest) -> posix.Spawned:
-        if getattr(self, "_seal_error", None):
-            raise ContainmentUnavailable(self._seal_error or "")
+        if self.seal_error:
+            raise ContainmentUnavailable(self.seal_error)
         try:
             sp = self._spawn(req)
         except SpawnFailed as e:
@@ -147,6 +154,10 @@ class Container:
     def root(self, sp: posix.Spawned) -> Any:
         """The worker as the owner watches it."""
         return self.wall.root(sp) if self.wall is not None else Root(sp.pid, sp.pidfd)
+
+    def expected_placement(self) -> str:
+        """Where the worker must be right after the spawn (/proc/<pid>/cgroup's v2 path)."""
+        return self.hierarchy.cg_path(self.leaf)
 
     def unleavable(self) -> str | None:
         """How no member can have left unseen, if the container itself says so."""
@@ -211,58 +222,13 @@ class Container:
         self._prepare_seal(req, opts)
 
     def _prepare_seal(self, req: posix.SpawnRequest, opts: Any) -> None:
-        """Apply the seal when asked (docs/sealing.md): new mount, cgroup and
-        user namespaces in which every cgroup2 mount is replaced by a
-        read-only view of the run's own leaf, cgroup v1 mounts are read-only,
-        the capabilities in SEAL_DROP_CAPS are gone and no_new_privs is set.
-        `opts.seal` None ("auto") adds nothing to the spawn: the run is then
-        sealed only if the worker's uid cannot write any cgroup.procs above it."""
-        self.seal_detail: dict[str, Any] | None = None
-        self._seal_error: str | None = None
-        if not opts.seal:
-            return
-        if os.geteuid() != 0:
-            uid = req.uid if req.uid >= 0 else os.geteuid()
-            if writable_procs_above(uid, _gids_of(req), self.dir) is not None:
-                self._seal_error = ("--seal: only a root supervisor can build the namespace seal, "
-                                    f"and uid {uid} may write a cgroup.procs above the run")
-            return
-        cg2, v1 = cgroup_mounts()
-        req.seal_cg2_paths = cg2
-        req.seal_ro_paths = v1
-        req.seal_userns = True
-        req.drop_caps = sorted(set(req.drop_caps) | set(SEAL_DROP_CAPS))
-        req.no_new_privs = True
+        sealing.prepare(self, req, opts)
 
     def seal_status(self, req: posix.SpawnRequest) -> tuple[bool, str | None]:
-        """Whether the worker provably cannot leave, and how (`seal_detail`,
-        recorded as containment.seal)."""
-        uid = req.uid if req.uid >= 0 else os.geteuid()
-        if req.seal_ro_paths is not None:
-            self.seal_detail = {
-                "method": "namespaces",
-                "cgroup2_replaced": list(req.seal_cg2_paths),
-                "cgroup1_read_only": list(req.seal_ro_paths),
-                "user_namespace": "identity map" if req.seal_userns else None,
-                "caps_dropped": [_CAP_NAMES.get(c, str(c)) for c in req.drop_caps],
-                "no_new_privs": req.no_new_privs,
-                "mounts": "private",
-            }
-            return True, None
-        if uid != 0:
-            above = writable_procs_above(uid, _gids_of(req), self.dir)
-            if above is None:
-                self.seal_detail = {"method": "unprivileged-uid", "uid": uid,
-                                    "checked": "no cgroup.procs above the run is writable by this uid"}
-                return True, None
-            self.seal_detail = None
-            return False, (f"worker uid {uid} may write {above}: it could move itself out "
-                           "(use --seal)")
-        self.seal_detail = None
-        why = "worker runs as root"
-        if not self.hierarchy.nsdelegate:
-            why += " on a cgroup2 mount without nsdelegate"
-        return False, why + ": it could write its pid into another cgroup.procs (use --seal or --user)"
+        """Whether the tree's host credentials cannot act outside the run
+        (CONTRACT.md "sealed"), with what was checked (`seal_detail`)."""
+        return sealing.status(self, req, writable_procs_above(
+            req.uid if req.uid >= 0 and req.userns != "map" else os.geteuid(), _gids_of(req), self.dir))
 
     def escape_evidence(self) -> dict[str, Any]:
         return {"observed": None, "at": None, "via": "none",
@@ -324,11 +290,13 @@ class Container:
         p.poll(max(0, int(timeout * 1000)))
 
     def members(self) -> list[int]:
+        """The tree's processes in the subtree (the wall's init is ours, not the tree's)."""
+        init = self.wall.init.pid if self.wall is not None else -1
         pids: list[int] = []
         for d, _subdirs, _files in os.walk(self.dir):
             try:
                 with open(os.path.join(d, "cgroup.procs")) as f:
-                    pids.extend(int(x) for x in f.read().split())
+                    pids.extend(p for p in map(int, f.read().split()) if p != init)
             except OSError:
                 continue
         return pids
@@ -406,6 +374,7 @@ class Container:
         """Remove the run's cgroups bottom-up. Returns None, or why not."""
         if self.wall is not None:
             self.wall.close()
+        sealing.release_claim(self.uid_claim)
         for fd in (self._events_fd, self._dir_fd):
             if fd >= 0:
                 os.close(fd)
@@ -426,6 +395,8 @@ class Container:
                         continue
                     problem = f"rmdir {d}: {os.strerror(e.errno or 0)}"
                     break
+        if problem is None:
+            remove_made(self._made)
         return problem
 
 

@@ -58,6 +58,7 @@ class Container:
     hierarchy = None
     events_fd = -1
     seal_detail = None
+    weaker: str | None = None     # why `auto` got this and not a cgroup (_containers.make_container)
     empty_via = "/proc scan (process group, sessions and groups led by members, ancestry, fork ledger)"
 
     def __init__(self, run_id: str) -> None:

@@ -190,6 +190,10 @@ class Container:
     def owns(self, pid: int) -> bool:
         return False
 
+    def expected_placement(self) -> str:
+        """Where the worker must be right after the spawn: in this job."""
+        return self.path
+
     def escape_evidence(self) -> dict[str, Any]:
         """No API removes a process from a job; leaving needs breakaway at
         creation, which needs a breakaway flag on the job. So: are they set?"""

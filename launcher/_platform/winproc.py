@@ -63,17 +63,22 @@ class Request:
     """A spawn request for Windows: what the driver's spawn_request gives
     the container (`_containers.spawn_request` builds one on Windows)."""
 
-    __slots__ = ("argv", "env", "cwd", "stdio", "new_pgroup")
+    __slots__ = ("argv", "env", "cwd", "stdio", "new_pgroup", "keep_ignored", "pass_fds")
 
     def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
-                 stdio: tuple[int, int, int] = (-1, -1, -1), new_pgroup: bool = True) -> None:
+                 stdio: tuple[int, int, int] = (-1, -1, -1), new_pgroup: bool = True,
+                 pass_fds: Sequence[int] = ()) -> None:
         if not argv:
             raise ValueError("argv must not be empty")
+        if pass_fds:
+            raise ValueError("pass_fds is not supported on Windows: only the three standard handles are passed")
         self.argv = [os.fsdecode(a) for a in argv]
         self.env = dict(os.environ) if env is None else env
         self.cwd = cwd
         self.stdio = stdio
         self.new_pgroup = new_pgroup
+        self.keep_ignored: frozenset[int] = frozenset()   # no signal dispositions to carry over
+        self.pass_fds: tuple[int, ...] = ()
 
 
 class Spawned:

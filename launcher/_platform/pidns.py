@@ -1,0 +1,164 @@
+"""The `pidns` backend: the PID-namespace wall alone, for callers with no
+cgroup of their own (a laptop terminal, cron, most CI containers).
+
+The wall is a container in its own right (pidwall.py): nothing can leave a
+PID namespace, and its init is reaped only once every member is gone. A
+caller without root gets it inside a user namespace that maps its own uid
+to itself, with every capability dropped before the worker runs
+(pidwall.shape). There is no cgroup: the run can end REAPED, its whole-tree
+CPU comes from the init's rusage (it reaps every member), and limits need a
+cgroup (refused).
+"""
+from __future__ import annotations
+
+import os
+import select
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any
+
+from .._errors import ContainmentUnavailable
+from . import pidwall, posix, sealing
+from .posixwait import WallRoot
+
+KIND = "pidns"
+
+_available: dict[str | None, str | None] = {}
+
+
+def available() -> str | None:
+    """None if this caller can make the wall here, else why not (probed
+    once per process: a spawn of /bin/true behind one)."""
+    userns = None if os.geteuid() == 0 else "self"
+    if userns not in _available:
+        _available[userns] = posix.wall_available(userns, mount_proc=True)
+    return _available[userns]
+
+
+class Container:
+    backend = KIND
+    dir = None
+    leaf = None
+    hierarchy = None
+    events_fd = -1
+    empty_via = "the PID namespace's init"
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.path = f"pid namespace of run {run_id}"
+        self.wall: pidwall.PidWall | None = None
+        self.userns: str | None = None if os.geteuid() == 0 else "self"
+        self.seal_detail: dict[str, Any] | None = None
+        self.empty_proof = pidwall.PROOF
+        self._state_dir: str | None = None
+        self._seal_error: str | None = None
+        self.weaker: str | None = None   # auto got less than a root user would: said on stderr
+
+    # -- spawning ----------------------------------------------------------
+
+    def prepare(self, req: posix.SpawnRequest, opts: Any) -> None:
+        self._state_dir = getattr(opts, "state_dir", None)
+        if getattr(opts, "seal", None):
+            self._seal_error = ("--seal needs a root supervisor and a cgroup (the pidns backend runs as the "
+                                "caller's own uid, which owns the state directory)")
+        if req.uid >= 0:
+            req.clear_caps = req.no_new_privs = True
+        pidwall.shape(req, True, userns=self.userns)
+
+    def spawn(self, req: posix.SpawnRequest) -> posix.Spawned:
+        if self._seal_error:
+            raise ContainmentUnavailable(self._seal_error)
+        sp = posix.spawn(req)
+        self.wall = pidwall.PidWall.of(sp, self.userns)
+        if self.wall.inode is not None:
+            self.path = f"pid:[{self.wall.inode}]"
+        return sp
+
+    def root(self, sp: posix.Spawned) -> WallRoot:
+        assert self.wall is not None
+        return self.wall.root(sp)
+
+    def placed(self, pid: int) -> str | None:
+        try:
+            return os.readlink(f"/proc/{pid}/ns/pid")
+        except OSError:
+            return None
+
+    def expected_placement(self) -> str | None:
+        return None if self.wall is None or self.wall.inode is None else f"pid:[{self.wall.inode}]"
+
+    def seal_status(self, req: posix.SpawnRequest) -> tuple[bool, str | None]:
+        uid = req.uid if req.uid >= 0 else os.geteuid()
+        gids = [req.gid] if req.gid >= 0 else [os.getegid(), *os.getgroups()]
+        ok, why, detail = sealing.check(uid, gids, self._state_dir, wall=self.wall is not None,
+                                        no_new_privs=req.no_new_privs, no_caps=req.clear_caps)
+        self.seal_detail = dict(detail, method="unprivileged-uid", uid=uid) if ok else None
+        return ok, why
+
+    def escape_evidence(self) -> dict[str, Any]:
+        return {"observed": None, "at": None, "via": "none",
+                "detail": "not watched: a PID-namespace wall, which no process can leave"}
+
+    # -- observing ---------------------------------------------------------
+
+    def sources(self) -> list[tuple[int, int]]:
+        return self.wall.sources() if self.wall is not None else []
+
+    def drain(self, ready: Any) -> None:
+        if self.wall is not None:
+            self.wall.drain(ready)
+
+    def populated(self) -> bool:
+        return self.wall is not None and not self.wall.empty()
+
+    def wait_change(self, timeout: float) -> None:
+        fds = [fd for fd, _ in self.sources()]
+        if not fds:
+            return
+        p = select.poll()
+        for fd in fds:
+            p.register(fd, select.POLLIN)
+        p.poll(max(0, int(timeout * 1000)))
+
+    def members(self) -> list[int]:
+        """Processes in the run's namespace (or below it), by its inode."""
+        if self.wall is None or self.wall.inode is None:
+            return []
+        out = []
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    if os.stat(f"/proc/{name}/ns/pid").st_ino == self.wall.inode:
+                        out.append(int(name))
+                except OSError:
+                    continue
+        return out
+
+    def unleavable(self) -> str | None:
+        return pidwall.UNLEAVABLE if self.wall is not None else None
+
+    def walls(self) -> list[dict[str, Any]]:
+        return [self.wall.record()] if self.wall is not None else []
+
+    def owns(self, pid: int) -> bool:
+        return self.wall is not None and self.wall.owns(pid)
+
+    def cpu_stat(self) -> dict[str, int] | None:
+        return self.wall.cpu() if self.wall is not None else None
+
+    # -- stopping ----------------------------------------------------------
+
+    def terminate(self, sig: int = 15) -> tuple[str, dict[str, Any]]:
+        if self.wall is None:
+            raise OSError(3, "no worker")
+        return self.wall.terminate(sig)
+
+    def kill(self) -> str:
+        if self.wall is None:
+            raise OSError(3, "no worker")
+        return self.wall.kill()
+
+    def remove(self) -> str | None:
+        if self.wall is not None:
+            self.wall.close()
+        return None

@@ -1,0 +1,245 @@
+"""The seal: the tree's host credentials cannot act outside its containers.
+
+`sealed: true` only when (CONTRACT.md, docs/sealing.md) the tree has no host
+root, `no_new_privs`, no capabilities (the bounding set emptied), cannot
+signal anything outside (the PID-namespace wall: nothing outside has a pid
+it can name), and has no write access to the state directory or to anything
+the supervisor runs or reads. A user namespace that maps 0 to host 0 keeps
+host root (DAC checks and signal permissions compare kuids): it is not a
+seal (KERNEL-NOTES.md, 2026-12-01).
+
+How a root supervisor seals a run:
+- `--seal`: the worker is root *inside* a user namespace whose 0 maps to an
+  unprivileged host uid: `--user`'s, or a per-run uid from DYNAMIC_FIRST to
+  DYNAMIC_LAST (the range systemd's DynamicUser= uses), claimed for the run
+  so two live runs never share one;
+- `--user USER`: the worker runs as USER on the host, with no_new_privs and
+  no capabilities; sealed when USER is not root and may write no
+  cgroup.procs above the run.
+Either way the run is behind the PID-namespace wall, which a seal needs (a
+uid shared with processes outside could signal them without it).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import random
+import stat
+import sys
+import time
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any, Iterable
+
+DYNAMIC_FIRST, DYNAMIC_LAST = 61184, 65519
+CLAIMS = "dynamic-uids"          # in the (root) state directory: one file per claimed uid
+_CLAIM_STALE_S = 60.0            # a claim older than this whose uid no process has is free
+
+
+def _uids_in_use() -> set[int]:
+    """Every real, effective, saved and filesystem uid of a live process."""
+    used: set[int] = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status") as f:
+                for line in f:
+                    if line.startswith("Uid:"):
+                        used.update(int(x) for x in line.split()[1:])
+                        break
+        except (OSError, ValueError):
+            continue
+    return used
+
+
+def claim_dynamic_uid(state_dir: str, run_id: str) -> tuple[int, str]:
+    """A host uid for one sealed run, from the dynamic range: one no live
+    process has and no recent claim names. Returns (uid, claim path); the
+    claim is removed when the run ends (release_claim). Claims are made
+    under an flock of the claims directory, so two supervisors never take
+    the same one. Raises OSError when none is free."""
+    d = os.path.join(state_dir, CLAIMS)
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
+        pass
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(dfd)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            raise OSError(errno.EPERM, f"{d}: not a private directory of this user")
+        import fcntl
+
+        fcntl.flock(dfd, fcntl.LOCK_EX)
+        used = _uids_in_use()
+        now = time.time()
+        claimed: set[int] = set()
+        for name in os.listdir(dfd):
+            if not name.isdigit():
+                continue
+            uid = int(name)
+            try:
+                age = now - os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mtime
+            except OSError:
+                continue
+            if uid in used or age < _CLAIM_STALE_S:
+                claimed.add(uid)
+            else:
+                os.unlink(name, dir_fd=dfd)       # stale: nothing runs with it any more
+        span = DYNAMIC_LAST - DYNAMIC_FIRST + 1
+        start = random.randrange(span)
+        for i in range(span):
+            uid = DYNAMIC_FIRST + (start + i) % span
+            if uid in used or uid in claimed:
+                continue
+            fd = os.open(str(uid), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600, dir_fd=dfd)
+            try:
+                os.write(fd, run_id.encode() + b"\n")
+            finally:
+                os.close(fd)
+            return uid, os.path.join(d, str(uid))
+        raise OSError(errno.EUSERS, f"no free uid in {DYNAMIC_FIRST}-{DYNAMIC_LAST}")
+    finally:
+        os.close(dfd)
+
+
+def release_claim(path: str | None) -> None:
+    if path:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _writable_by(st: os.stat_result, uid: int, gids: Iterable[int]) -> bool:
+    if st.st_uid == uid:
+        return bool(st.st_mode & 0o200)
+    if st.st_gid in gids:
+        return bool(st.st_mode & 0o020)
+    return bool(st.st_mode & 0o002)
+
+
+def writable_places(uid: int, gids: Iterable[int], paths: Iterable[str]) -> list[str]:
+    """Which of `paths` (and the directories above them) `uid` could change:
+    write the file, or replace it through a directory above it (a sticky
+    directory protects entries it does not own)."""
+    gids = set(gids)
+    found: list[str] = []
+    seen: set[str] = set()
+    for p in paths:
+        p = os.path.abspath(p)
+        cur = p
+        while cur not in seen:
+            seen.add(cur)
+            try:
+                st = os.stat(cur)
+            except OSError:
+                break
+            sticky_dir = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
+            if _writable_by(st, uid, gids) and not (sticky_dir and cur != p):
+                found.append(cur)
+            parent = os.path.dirname(cur)
+            if parent == cur:
+                break
+            cur = parent
+    return found
+
+
+def supervisor_paths(state_dir: str | None) -> list[str]:
+    """What the supervisor runs or reads: its interpreter, the launcher
+    package, the module search path, and the state directory."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [sys.executable, here] + [p for p in sys.path if p and os.path.isdir(p)]
+    if state_dir:
+        paths.append(state_dir)
+    return paths
+
+
+def check(uid: int, gids: Iterable[int], state_dir: str | None, *, wall: bool, no_new_privs: bool,
+          no_caps: bool) -> tuple[bool, str | None, dict[str, Any]]:
+    """(sealed, why not, what was checked) for a tree whose host uid is `uid`."""
+    detail: dict[str, Any] = {"host_uid": uid, "no_new_privs": no_new_privs,
+                              "capabilities": "none (bounding set emptied)" if no_caps else "kept",
+                              "pid_namespace": wall}
+    if uid == 0:
+        return False, "the tree is root on the host", detail
+    if not (no_new_privs and no_caps):
+        return False, "the tree keeps capabilities or may gain privileges (no_new_privs unset)", detail
+    if not wall:
+        return False, (f"no PID-namespace wall: uid {uid} could signal processes outside that share it"), detail
+    writable = writable_places(uid, gids, supervisor_paths(state_dir))
+    detail["checked_not_writable"] = "interpreter, launcher package, module path, state directory"
+    if writable:
+        detail["writable"] = writable[:10]
+        return False, f"uid {uid} may write {writable[0]}, which the supervisor runs or reads", detail
+    return True, None, detail
+
+
+# -- what a cgroup2 run asks for, and what it got (linux.Container) -----------------
+
+def prepare(c: Any, req: Any, opts: Any) -> None:
+    """The seal when asked (sealing.py, docs/sealing.md). `--user` alone
+    also gets no_new_privs and no capabilities; `--seal` (root only)
+    makes the worker root inside a user namespace whose 0 is an
+    unprivileged host uid, behind the wall."""
+    c.seal_detail = c.seal_error = c.seal_uid = c.uid_claim = None
+    c.state_dir = getattr(opts, "state_dir", None)
+    if req.uid >= 0:
+        req.clear_caps = req.no_new_privs = True
+    if not opts.seal:
+        return
+    if os.geteuid() != 0:
+        c.seal_error = ("--seal needs a root supervisor (only root can map the worker to another "
+                        "uid); run contain as root, or leave out --seal")
+        return
+    if c.wall_mode is False:
+        c.seal_error = "--seal needs the PID-namespace wall: leave out --no-pidns"
+        return
+    if req.uid >= 0:
+        uid, gid = req.uid, (req.gid if req.gid >= 0 else req.uid)
+    else:
+        from .._statedir import location
+
+        c.state_dir = c.state_dir or location()
+        uid, c.uid_claim = claim_dynamic_uid(c.state_dir, c.run_id)
+        gid = uid
+    # Root inside, `uid` outside: the init becomes 0 in the namespace once
+    # the maps are written, and the worker keeps that (no setuid inside).
+    req.uid = req.gid = -1
+    req.groups = []
+    c.seal_uid = uid
+    from . import pidwall
+
+    pidwall.shape(req, True, userns="map", uid_map=f"0 {uid} 1", gid_map=f"0 {gid} 1")
+
+
+def status(c: Any, req: Any, above: str | None) -> tuple[bool, str | None]:
+    """Whether the tree's host credentials cannot act outside the run
+    (CONTRACT.md "sealed"), with what was checked (`seal_detail`). `above`:
+    a cgroup.procs above the run that the worker's uid may write, if any."""
+    walled = c.wall is not None
+    if req.userns == "map" and c.seal_uid is not None:
+        ok, why, detail = check(c.seal_uid, [c.seal_uid], c.state_dir, wall=walled,
+                                no_new_privs=req.no_new_privs, no_caps=req.clear_caps)
+        c.seal_detail = dict(detail, method="user namespace mapped to an unprivileged host uid",
+                             uid_in_namespace=0, dynamic=c.uid_claim is not None)
+        return ok, why
+    uid = req.uid if req.uid >= 0 else os.geteuid()
+    if uid == 0:
+        c.seal_detail = None
+        why = "worker runs as root"
+        if not c.hierarchy.nsdelegate:
+            why += " on a cgroup2 mount without nsdelegate"
+        return False, why + ": it could write its pid into another cgroup.procs (use --seal or --user)"
+    if above is not None:
+        c.seal_detail = None
+        advice = "use --seal or --user" if os.geteuid() == 0 else "preventing that needs a root supervisor"
+        return False, f"worker uid {uid} may write {above}: it could move itself out ({advice})"
+    gids = sorted({req.gid, *req.groups} - {-1}) if req.uid >= 0 else sorted({os.getegid(), *os.getgroups()})
+    ok, why, detail = check(uid, gids, c.state_dir, wall=walled,
+                            no_new_privs=req.no_new_privs, no_caps=req.clear_caps)
+    c.seal_detail = dict(detail, method="unprivileged-uid", uid=uid,
+                         checked="no cgroup.procs above the run is writable by this uid") if ok else None
+    return ok, why

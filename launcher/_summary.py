@@ -1,0 +1,93 @@
+"""What `contain run` says about a run on stderr, besides the worker's own
+output (which it never touches).
+
+    weaker_line(reason)      `auto` could not give the container a root user
+                             with cgroup v2 gets here: what it used instead,
+                             and where to look (`--quiet` hides it)
+    stopped_leftovers(rec)   whether the stop had to signal something after
+                             the worker exited on its own
+    summary(rec, paths)      one line: how the run ended, what was stopped
+                             (how many, which), what lingered, the state, and
+                             where the record is (`-v`; and on a terminal
+                             whenever leftovers were stopped)
+
+Everything here is read from the record as written: the line says what the
+record says, never more.
+"""
+from __future__ import annotations
+
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any, Sequence
+
+_NAMES_SHOWN = 3
+
+
+def weaker_line(reason: str) -> str:
+    return (f"{reason}; using backend none (process group and /proc scan: nothing proves the tree gone, "
+            "never REAPED). `contain doctor` says what this host needs for a cgroup container")
+
+
+def _steps(rec: dict[str, Any]) -> list[dict[str, Any]]:
+    ss = ((rec.get("evidence") or {}).get("signal_sent") or {}).get("detail")
+    steps = ss.get("steps") if isinstance(ss, dict) else None
+    return [s for s in steps if isinstance(s, dict)] if isinstance(steps, list) else []
+
+
+def stopped_leftovers(rec: dict[str, Any]) -> bool:
+    return rec.get("outcome") in ("exited", "signaled") and any(s.get("observed") for s in _steps(rec))
+
+
+def _signame(n: Any) -> str:
+    import signal
+
+    try:
+        return signal.Signals(int(n)).name
+    except (TypeError, ValueError):
+        return f"signal {n}"
+
+
+def _how(rec: dict[str, Any]) -> str:
+    code, sig = rec.get("exit_code"), rec.get("signal")
+    worker = (f"worker died of {_signame(sig)}" if sig is not None else
+              f"worker exited {code}" if code is not None else "worker status unknown")
+    outcome = rec.get("outcome")
+    if outcome in ("exited", "signaled"):
+        return worker
+    if outcome == "spawn_failed":
+        return "the worker could not start"
+    return f"{str(outcome).replace('_', ' ')} ({worker})" if outcome else worker
+
+
+def _processes(seen: Any) -> str:
+    if not isinstance(seen, dict) or not isinstance(seen.get("count"), int):
+        return "the tree"
+    n = seen["count"]
+    names = [str(p.get("comm")) for p in seen.get("processes") or [] if isinstance(p, dict) and p.get("comm")]
+    shown = ", ".join(names[:_NAMES_SHOWN]) + (", ..." if n > _NAMES_SHOWN and names else "")
+    return f"{n} process{'es' if n != 1 else ''}" + (f" ({shown})" if shown else "")
+
+
+def summary(rec: dict[str, Any], paths: Sequence[str]) -> str:
+    parts = [f"run {rec.get('run_id')}: {_how(rec)}"]
+    lg = rec.get("linger")
+    if isinstance(lg, dict):
+        parts.append(f"{_processes(lg.get('seen'))} lingered {lg.get('lingered_s')} s of {lg.get('asked_s')} "
+                     f"({'left on their own' if lg.get('ended_by') == 'emptied' else 'then stopped'})")
+    steps = [s for s in _steps(rec) if s.get("observed")]
+    if steps:
+        d = steps[0].get("detail")
+        first: dict[str, Any] = d if isinstance(d, dict) else {}
+        how = (str(first.get("signal", "SIGTERM")) if steps[0].get("kind") == "term" else "SIGKILL")
+        if steps[0].get("kind") == "term" and any(s.get("kind") == "kill" for s in steps):
+            how += ", then SIGKILL"
+        what = _processes(first.get("seen"))
+        if stopped_leftovers(rec):
+            what = what.replace(" process", " leftover process", 1) if what[:1].isdigit() else "the leftovers"
+        parts.append(f"stopped {what} with {how}")
+    elif rec.get("outcome") in ("exited", "signaled"):
+        parts.append("nothing was left to stop")
+    parts.append(str(rec.get("state")))
+    if paths:
+        parts.append("record: " + ", ".join(paths))
+    return "; ".join(parts)

@@ -1,0 +1,94 @@
+"""A caller without root and without a delegated cgroup still gets a
+container that nothing can leave: the PID-namespace wall alone (`pidns`).
+
+Each test runs `contain` as a spare uid (setpriv), decides survival by its
+own /proc scan (the token in every workload's environment), and removes
+what it made.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from _proc import holders, kill_holders, new_token
+from _users import SYS_PY, Shared, as_uid, spare_uids, user_env, why_not
+
+WHY_NOT = why_not()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+TOKEN_VAR = "CONTAIN_TEST_TOKEN"
+
+
+@pytest.fixture
+def user():
+    uid = spare_uids(1)[0]
+    token = new_token()
+    with Shared() as shared:
+        home = shared.sub("home", uid=uid, mode=0o700)
+        try:
+            yield uid, token, home
+        finally:
+            kill_holders(token)
+
+
+def _run(uid: int, token: str, home: str, *args: str) -> tuple[int, dict]:
+    rec_path = os.path.join(home, "record.json")
+    env = user_env(CONTAIN_STATE_DIR=os.path.join(home, "state"), **{TOKEN_VAR: token})
+    p = as_uid(uid, [SYS_PY, "-m", "launcher", "run", "--record", rec_path, *args], env=env)
+    assert "Traceback" not in p.stderr, p.stderr
+    with open(rec_path) as f:
+        return p.returncode, json.load(f)
+
+
+def test_readme_example_is_reaped_for_a_user_without_delegation(user):
+    """The README's `setsid` grandchild, run by a user who owns no cgroup:
+    REAPED, proven by the wall, with nothing left (the test's own scan)."""
+    uid, token, home = user
+    rc, rec = _run(uid, token, home, "--", "sh", "-c", "setsid sleep 300 & echo started; exit 0")
+    assert rc == 0
+    assert holders(token) == [], "the setsid grandchild outlived the run"
+    assert rec["state"] == "REAPED" and rec["containment"]["backend"] == "pidns"
+    assert rec["evidence"]["descendants_exit"]["observed"] is True
+    assert [w["kind"] for w in rec["containment"]["walls"]] == ["pidns"]
+    assert rec["containment"]["walls"][0]["user_namespace"] == "self"
+
+
+def test_tree_cpu_is_counted_without_a_cgroup(user):
+    """Whole-tree CPU comes from the init's rusage: it reaps every member,
+    a setsid grandchild's burn included."""
+    uid, token, home = user
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    script = f"setsid {SYS_PY} -c '{burn}' & wait; sleep 0.5"
+    rc, rec = _run(uid, token, home, "--", "sh", "-c", script)
+    assert rc == 0 and rec["state"] == "REAPED"
+    assert rec["cpu"]["usage_usec"] >= 250_000, rec["cpu"]
+
+
+def test_worker_behind_the_wall_has_no_capabilities(user):
+    """Root of its user namespace is not what the worker gets: its own uid,
+    no capability, no_new_privs."""
+    uid, token, home = user
+    out = os.path.join(home, "status")
+    rc, rec = _run(uid, token, home, "--", "sh", "-c", f"grep -E '^(Uid|Cap(Eff|Bnd|Amb)|NoNewPrivs)' "
+                   f"/proc/self/status > {out}")
+    assert rc == 0, rec
+    status = dict(line.split(":", 1) for line in open(out).read().splitlines())
+    assert status["Uid"].split()[0] == str(uid)
+    assert int(status["CapEff"], 16) == 0 and int(status["CapBnd"], 16) == 0 and int(status["CapAmb"], 16) == 0
+    assert status["NoNewPrivs"].strip() == "1"
+
+
+def test_no_cgroup_and_no_wall_is_degraded_not_reaped(user):
+    """With the wall turned off, a user without a cgroup gets the honest
+    degraded mode: never REAPED."""
+    uid, token, home = user
+    rc, rec = _run(uid, token, home, "--no-pidns", "--", "sh", "-c", "exit 0")
+    assert rc == 0 and rec["state"] == "EXITED" and rec["containment"]["backend"] == "none"
+
+
+def test_explicit_pidns_backend_refuses_a_seal(user):
+    uid, token, home = user
+    env = user_env(CONTAIN_STATE_DIR=os.path.join(home, "state"), **{TOKEN_VAR: token})
+    p = as_uid(uid, [SYS_PY, "-m", "launcher", "run", "--backend", "pidns", "--seal", "--", "true"], env=env)
+    assert p.returncode == 125 and "Traceback" not in p.stderr and "--seal" in p.stderr, p.stderr
