@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import sys
 import time
 from typing import Any, Callable
 
@@ -198,6 +199,10 @@ def _ns(what: int) -> dict[str, Any]:
 
 def capabilities() -> dict[str, Any]:
     """What `contain doctor` reports (also `launcher.capabilities()`)."""
+    if sys.platform == "win32":
+        from ._platform import windoctor
+
+        return windoctor.capabilities()
     from ._native import lib
 
     caps: dict[str, Any] = {"schema": "contain.capabilities/1", "kernel": os.uname().release,
@@ -330,6 +335,10 @@ def _modes(caps: dict[str, Any]) -> list[dict[str, Any]]:
 
 def render(caps: dict[str, Any]) -> str:
     """The human-readable report."""
+    if caps.get("platform") == "win32":
+        from ._platform import windoctor
+
+        return windoctor.render(caps)
     cg = caps["cgroup2"]
     lines = [f"contain doctor (kernel {caps['kernel']}, euid {caps['euid']})", ""]
 

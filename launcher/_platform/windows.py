@@ -330,7 +330,7 @@ class Container:
         if rc != 0:
             # Wine 8 implements only CTRL_C_EVENT (server/console.c,
             # propagate_console_signal).
-            detail.update(sent=None, delivered=None, reason=str(_error(rc, "GenerateConsoleCtrlEvent")))
+            detail["reason"] = str(_error(rc, "GenerateConsoleCtrlEvent"))
             return via, detail
         # Posted to those processes; whether their handlers exit is theirs.
         detail.update(sent=True, delivered=True, reached=len(reach), not_reached=len(members) - len(reach))
