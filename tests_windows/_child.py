@@ -201,9 +201,9 @@ def role_console_stop(d: str, mode: str, grace: str) -> int:
     try:
         procs = _census.wait_marks(d, "cw", 1)
         out["marked"] = len(procs)
-        reached, missed = c.terminate()
+        _via, detail = c.terminate()
         out["terminate"] = c.last_terminate
-        out["reached"], out["missed"] = reached, missed
+        out["reached"], out["missed"] = detail["reached"], detail["not_reached"]
         deadline = time.monotonic() + float(grace)
         while c.root_status()[0] and time.monotonic() < deadline:
             w.wait(deadline - time.monotonic())
