@@ -172,6 +172,24 @@ def test_ctrl_break_ignoring_console_worker_is_killed_after_the_grace(box: Box) 
     assert term["observed"] is True
 
 
+def test_ctrl_c_to_contain_cancels_the_run(box: Box) -> None:
+    """^C in contain's console: the intent is recorded, the tree stopped,
+    the record written, and contain ends as a run cancelled by SIGINT
+    (130: Windows has no dying by a signal, docs/windows.md)."""
+    p = subprocess.Popen(child("ctrl_c_contain", box.dir, box.state, box.record_file()),
+                         creationflags=CREATE_NEW_CONSOLE, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    assert p.wait(LONG) == 0
+    out = load(os.path.join(box.dir, "ctrl_c.json"))
+    assert out["marked"] == 1 and out["sent"][0] == 1, out
+    assert out["rc"] == 130, out
+    rec = load(box.record_file())
+    assert_reaped(rec)
+    assert rec["outcome"] == "cancelled" and rec["evidence"]["cancel_requested"]["observed"] is True
+    assert "SIGINT" in json.dumps(rec["evidence"]["cancel_requested"]), rec["evidence"]["cancel_requested"]
+    assert _census.wait_gone(_census.marks(box.dir, "cc")) == []
+
+
 def test_the_polite_step_without_a_console_is_recorded_as_not_sent(box: Box) -> None:
     """The suite's own situation under Wine (stdio are pipes, no console):
     the record says CTRL_BREAK_EVENT was not sent, and why."""
