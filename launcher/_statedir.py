@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import sys
 import time
 
 from . import _safefs as F
@@ -71,6 +72,8 @@ def _at_secure() -> bool:
 def elevated() -> bool:
     """Whether this process holds privilege its caller may not have: then
     the caller's environment must not choose paths or policy."""
+    if sys.platform == "win32":      # no setuid on Windows: an elevated token is the caller's own
+        return False
     return os.getuid() != os.geteuid() or os.getgid() != os.getegid() or _at_secure()
 
 

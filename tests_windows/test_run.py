@@ -314,3 +314,26 @@ def test_doctor_reports_the_windows_facts(box: Box) -> None:
     human = box.contain("doctor")
     assert human.returncode == 0 and "job object" in human.stdout
 
+
+
+def test_ls_status_wait_and_gc(box: Box) -> None:
+    """The readers on Windows: a live run listed and described, `wait` until
+    it ends, then `gc` removes it (and only ended runs)."""
+    run = box.start("run", "--id", "rd", "--grace", "0.3", "--", *child("sleep", box.dir, "rd"))
+    try:
+        _census.wait_marks(box.dir, "rd", 1)
+        ls = json.loads(box.contain("ls", "--json").stdout)
+        assert [(v["id"], v["state"], v["owner_alive"]) for v in ls] == [("rd", "RUNNING", True)], ls
+        st = box.contain("status", "rd")
+        assert st.returncode == 0 and "job-object" in st.stdout and "FILETIME" in st.stdout, st.stdout
+        waiter = box.start("wait", "rd", "--json")
+        assert box.contain("cancel", "rd").returncode == 0
+        out, _err = waiter.communicate(timeout=LONG)
+        assert waiter.returncode == 0 and json.loads(out)["state"] == "REAPED", out
+        run.communicate(timeout=LONG)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    g = box.contain("gc", "--json")
+    assert g.returncode == 0 and json.loads(g.stdout)["removed"] == ["rd"], g.stdout + g.stderr
+    assert not os.path.exists(os.path.join(box.state, "runs", "rd"))

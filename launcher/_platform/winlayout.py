@@ -23,8 +23,9 @@ What differs from Linux, and why:
   and no record, and adopts nothing.
 - Replacing a file that a reader holds open fails on Windows: replaces are
   retried for a bounded time (winfs.replace), then raise PersistError.
-- Ended runs are moved aside on id reuse as on Linux; the retention bound
-  (`_gc.maybe_prune`) and `contain gc` are not built here yet.
+- Ended runs are moved aside on id reuse as on Linux. Retention and
+  `contain gc` look at every run (winstate.collect): no link count to
+  tell cheaply whether the bound is passed.
 """
 from __future__ import annotations
 
@@ -45,8 +46,14 @@ from .._runfiles import (ID_RE, MAX_ACK, MAX_LINE, MAX_RECORD, MAX_RUN_INFO, Rej
 from .._safefs import UnsafePath
 from .._state import LIVE_STATES
 from . import winfs, winsync
-from .winstate import (StateDir as StateDir, Watcher as Watcher, check_dir, check_id, claim_guard,
+from .._statedir import PRUNE_SLACK, keep_runs
+from .winstate import (StateDir as StateDir, Watcher as Watcher, check_dir, check_id, claim_guard, collect,
                        location as location, move_aside, persist_error, remove_tree)
+
+
+def gc(st: StateDir, *, older_than: float | None = None, keep: int | None = None) -> Any:
+    """`contain gc` on Windows (winstate.collect over this RunDir)."""
+    return collect(st, RunDir, older_than=older_than, keep=keep)
 
 MAX_WAITERS = 1024
 
@@ -114,6 +121,13 @@ class RunDir:
                 old = d.load_run()
                 move_aside(st, run_id, old.run_uid if isinstance(old, RunInfo) else None)
             d._create(st, info)
+            keep = keep_runs()
+            # (Counting names is cheap; reading every record is not.)
+            if keep > 0 and sum(1 for e in os.scandir(st.runs) if ID_RE.match(e.name)) > keep + PRUNE_SLACK:
+                try:
+                    collect(st, cls, prune_to=keep)    # the retention bound (docs/protocol.md)
+                except OSError:
+                    pass                              # retention never fails a run
         finally:
             guard.release()
         return d

@@ -164,3 +164,79 @@ def remove_tree(path: str) -> None:
     import shutil
 
     shutil.rmtree(path, ignore_errors=True)
+
+
+def collect(st: StateDir, make: Any, *, older_than: float | None = None, keep: int | None = None,
+            prune_to: int | None = None) -> Any:
+    """`contain gc` on Windows (and, with `prune_to`, the retention bound a
+    claim applies): remove ended runs (a terminal record and no owner, or a
+    directory moved aside) except the newest `keep` and those that ended
+    less than `older_than` seconds ago; with `prune_to`, only the oldest
+    until at most that many run directories are left. `make(path)` is the
+    RunDir class. Each is renamed to `.gc-*` under the claim guard, then
+    removed. Live, orphaned and unreadable runs are never removed."""
+    from .._gc import CLAIM_STALE_S, GcResult
+    from .._runfiles import TERMINAL, iso_epoch
+
+    now = time.time()
+    res = GcResult()
+    ended: list[tuple[float, str]] = []
+    names = [e.name for e in os.scandir(st.runs) if e.name != ".claim.lock"]
+    for n in names:
+        path = os.path.join(st.runs, n)
+        try:
+            mtime = os.lstat(path).st_mtime
+        except OSError:
+            continue
+        if n.startswith((".ended-", ".gc-")) or (n.startswith(".claim-") and now - mtime > CLAIM_STALE_S):
+            if not winfs.lock_held(os.path.join(path, "owner.lock")):
+                ended.append((0.0, n))     # the oldest of all: nothing runs in them
+            continue
+        if not ID_RE.match(n):
+            continue
+        d = make(path)
+        if d.owner_alive():
+            res.live += 1
+            continue
+        rec = d.load_record()
+        if isinstance(rec, dict) and rec.get("state") in TERMINAL:
+            ended.append((iso_epoch((rec.get("timings") or {}).get("ended_at")) or mtime, n))
+        elif rec is None and d.load_run() is None and now - mtime > CLAIM_STALE_S:
+            ended.append((mtime, n))        # claimed, never described, owner gone: nothing ever ran
+        elif isinstance(rec, dict) or rec is None:
+            res.live += 1                   # RUNNING or UNCONFIRMED with no owner: orphaned, never removed
+        else:
+            res.unreadable += 1
+    ended.sort(reverse=True)
+    if prune_to is not None:
+        runs = sum(1 for n in names if ID_RE.match(n))
+        chosen = [n for _t, n in ended if n.startswith(".")]
+        chosen += [n for _t, n in reversed(ended) if not n.startswith(".")][:max(0, runs - prune_to)]
+    else:
+        chosen = []
+        for i, (t, n) in enumerate(x for x in ended if not x[1].startswith(".")):
+            if (keep is not None and i < keep) or (older_than is not None and now - t < older_than):
+                res.kept += 1
+            else:
+                chosen.append(n)
+        chosen += [n for _t, n in ended if n.startswith(".")]
+    guard = claim_guard(st) if prune_to is None else None   # a claim holds it already
+    try:
+        for n in chosen:
+            src = os.path.join(st.runs, n)
+            dst = src if n.startswith(".gc-") else os.path.join(st.runs, f".gc-{n.lstrip('.')}-{os.urandom(3).hex()}")
+            try:
+                if dst != src:
+                    winfs.replace(src, dst)
+            except OSError:
+                res.failed.append(n)
+                continue
+            remove_tree(dst)
+            if os.path.lexists(dst):
+                res.failed.append(n)
+            elif not n.startswith("."):
+                res.removed.append(n)
+    finally:
+        if guard is not None:
+            guard.release()
+    return res
