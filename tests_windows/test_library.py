@@ -94,6 +94,19 @@ def test_spawn_with_a_pipe(state: str) -> None:
         assert w.wait(60).state == "REAPED"
 
 
+def test_communicate(state: str) -> None:
+    import launcher
+
+    w = launcher.spawn([sys.executable, "-c", "import sys; d = sys.stdin.read(); print(d[::-1]); "
+                        "sys.stderr.write('err'); sys.exit(4)"],
+                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = w.communicate(b"abc", timeout=60)
+    assert out is not None and out.strip() == b"cba" and err == b"err"
+    rec = w.wait(60)
+    assert rec.state == "REAPED" and rec.exit_code == 4
+    w.close()
+
+
 def test_open_worker_on_asyncio(state: str, helpers) -> None:  # type: ignore[no-untyped-def]
     import anyio
 
