@@ -315,6 +315,16 @@ def test_doctor_reports_the_windows_facts(box: Box) -> None:
     assert human.returncode == 0 and "job object" in human.stdout
 
 
+def test_doctor_inside_a_run_sees_the_job_it_runs_in_and_nests(box: Box) -> None:
+    """A supervisor that itself runs in a job (here, a run's): doctor says
+    so, and its own probe spawn nests a job inside that one."""
+    r = box.contain("run", "--", *CONTAIN, "doctor", "--json")
+    assert r.returncode == 0, r.stderr
+    caps = json.loads(r.stdout)
+    assert caps["own_job"]["in_job"] is True, caps["own_job"]
+    assert caps["job_object"]["ok"] is True and caps["job_object"]["observed_empty"] is True, caps["job_object"]
+
+
 
 def test_ls_status_wait_and_gc(box: Box) -> None:
     """The readers on Windows: a live run listed and described, `wait` until
