@@ -76,6 +76,9 @@ def _adopt(layout: RunDir, vouched: str | None = None) -> tuple[Run, AttachResul
     if facts.identity is not None:
         r.pid = facts.identity.pid
     r.set_container(att.container)
+    problem = r.usage.adopt(info, att.container)
+    if problem:
+        facts.notes.append(problem)
     if not r.snap.terminal and facts.exit_code is None and facts.signal is None and facts.identity is not None:
         r.root = host.Root.reattach(facts.identity)
         if r.root is None and not facts.observed("root_exit"):

@@ -125,3 +125,25 @@ def _num(v: float) -> str:
     if v != v or v in (float("inf"), float("-inf")) or abs(v) >= 1e15 or v != int(v):
         return repr(v)
     return str(int(v))
+
+
+_WAIT_CHUNK = 3600.0       # seconds: below threading.TIMEOUT_MAX on every platform
+
+
+def wait_event(event: Any, timeout: float | None) -> bool:
+    """`event.wait(timeout)` for any timeout check_seconds accepts: Python's
+    own raises OverflowError above threading.TIMEOUT_MAX (about 292 years
+    here, 49 days on Windows), so a long one is waited in chunks."""
+    if timeout is None:
+        while not event.wait(_WAIT_CHUNK):
+            pass
+        return True
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return bool(event.is_set())
+        if event.wait(min(left, _WAIT_CHUNK)):
+            return True

@@ -17,6 +17,7 @@ import sys
 import time
 from typing import Any
 
+from ._args import check_optional_seconds
 from ._identity import ProcessIdentity
 from ._layout import RunDir, new_uid
 from ._record import CancelRecord, now_iso
@@ -91,7 +92,11 @@ if sys.platform == "win32":   # named events and the owner's process handle, not
 def cancel(run_id: str, *, op_id: str | None = None, grace: float | None = None,
            run_uid: str | None = None, wait: bool = False, timeout: float | None = None,
            state_dir: str | None = None) -> CancelRecord:
-    """Cancel a run by id from any process. Raises RunNotFound, RunConflict."""
+    """Cancel a run by id from any process. Raises RunNotFound, RunConflict,
+    ValueError/TypeError (a grace or timeout that is not a finite number of
+    seconds >= 0)."""
+    grace = check_optional_seconds(grace, "grace")
+    timeout = check_optional_seconds(timeout, "timeout")
     layout = RunDir.find(run_id, state_dir)
     op = op_id or f"op-{new_uid()}"
     ack = layout.read_ack(op)

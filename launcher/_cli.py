@@ -161,6 +161,7 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
     from ._launch import caller_ignored
     from ._options import Options
     from ._run import Run
+    from ._policy import policy_env
     from ._sigproxy import SignalProxy
 
     cmd = list(args.command)
@@ -169,7 +170,7 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
     if not cmd:
         _say("run: nothing to run (usage: contain run [OPTIONS] -- CMD [ARG...])")
         return EXIT_USAGE
-    backend = args.backend or os.environ.get("CONTAIN_BACKEND", "auto")
+    backend = args.backend or policy_env("CONTAIN_BACKEND") or "auto"
     if backend not in ("auto", "cgroup2", "pidns", "job-object", "none"):
         _say(f"run: CONTAIN_BACKEND={backend!r} is not auto, cgroup2, pidns, job-object or none")
         return EXIT_USAGE
@@ -189,6 +190,8 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
                        subreaper=True, check_sockets=args.check_sockets,
                        pidns=False if getattr(args, "no_pidns", False) else None,
                        linger=getattr(args, "linger", 0.0), keep_ignored=ignored, pass_fds=passed,
+                       memory_max=args.memory_max, pids_max=args.pids_max, cpu_max=args.cpu_max,
+                       check_locks=args.check_locks, stats_json=args.stats_json,
                        notify=None if quiet else _say_weaker)
         run = Run(cmd, id=args.id, options=opts)
         run.end_hooks.append(finish_nested)
@@ -240,6 +243,14 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
     elif rec.state == "BREACHED":
         _say(f"run {run.id}: BREACHED: a process left the container and is not proven gone")
     status = finish(run, target, run.exit_status())
+    if run.stats_error is not None:
+        _say(run.stats_error)
+        status = EXIT_CONTAIN_FAILED
+    if run.facts.unsaved:
+        # The stop happened; what it found could not all be kept.
+        _say(f"run {run.id}: not saved in the state directory: {'; '.join(run.facts.unsaved)}"
+             + ("" if args.record else " (--record FILE keeps a copy elsewhere)"))
+        status = EXIT_CONTAIN_FAILED
     if not quiet:
         _summarise(run, rec.to_dict(), args.record, verbose=bool(getattr(args, "verbose", False)))
     return _ended(proxy, status)
@@ -257,7 +268,9 @@ def _ended(proxy: Any, status: int) -> int:
     """The exit status, unless a signal cancelled the run: then `contain`
     dies by that signal (console() raises it once the record is written and
     the output flushed), whatever the worker's own status was."""
-    if proxy.first is not None:
+    if proxy.first is not None and status != EXIT_CONTAIN_FAILED:
+        # contain's own failure (no container, a record not written, a stop
+        # not confirmed) is never hidden behind "it died of the signal you sent".
         _die_by[:] = [proxy.first]
         return 128 + proxy.first
     return status

@@ -120,10 +120,19 @@ _RUN_OPTIONS: tuple[tuple[str, str, Any, Any, str], ...] = (
     ("--quiet", "quiet", "flag", False, "say nothing on stderr about a weaker container or the stop"),
     ("--verbose", "verbose", "flag", False,
      "at the end, one line on stderr: how the run ended, what was stopped, the state, the record"),
+    ("--memory-max", "memory_max", "text", None,
+     "limit the whole tree's memory (bytes, or K/M/G/T); the run fails (125) if it cannot be applied"),
+    ("--pids-max", "pids_max", "text", None, "limit the tree to N tasks (threads count; 125 if it cannot)"),
+    ("--cpu-max", "cpu_max", "text", None,
+     "limit the tree's CPU: a number of CPUs (0.5, 2, 150%%) or cgroup v2's \"QUOTA PERIOD\" in us"),
+    ("--check-locks", "check_locks", "flag", False,
+     "after the stop, check every file lock the tree held at the stop is released"),
+    ("--stats-json", "stats_json", "text", None, "append one JSON line of the run's accounting to FILE"),
     ("--no-pidns", "no_pidns", "flag", False,
      "no PID-namespace wall (default: one wherever the kernel allows it; see docs/design.md)"),
 )
-_METAVARS = {"--record": "FILE", "--workspace": "DIR", "--user": "USER"}
+_METAVARS = {"--record": "FILE", "--workspace": "DIR", "--user": "USER", "--memory-max": "BYTES",
+             "--pids-max": "N", "--cpu-max": "SPEC", "--stats-json": "FILE"}
 _SHORT = {"--quiet": "-q", "--verbose": "-v"}
 _RUN_BY_FLAG = {o[0]: o for o in _RUN_OPTIONS}
 _RUN_BY_FLAG.update({_SHORT[o[0]]: o for o in _RUN_OPTIONS if o[0] in _SHORT})
@@ -256,6 +265,8 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("id", type=_run_id)
     w.add_argument("--timeout", type=_seconds, default=None)
     w.add_argument("--json", action="store_true")
+    w.add_argument("--redispatch", action="store_true",
+                   help="exit 0 only if the next attempt may start in the same workspace (redispatch_eligible)")
 
     d = sub.add_parser("doctor", help="what this host can contain, and how strongly")
     d.add_argument("--json", action="store_true")

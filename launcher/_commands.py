@@ -17,8 +17,8 @@ from ._errors import LauncherError, RunConflict, RunNotFound
 from ._layout import RunDir
 from ._runfiles import TERMINAL, RunInfo, Unreadable
 from ._safefs import UnsafePath
-from ._views import (ID_WIDTH, UNREADABLE, age, cut, empty_view, exit_text, fill_view, layers, live_view,
-                     observed, parse_iso, signame, text)
+from ._views import (ID_WIDTH, UNREADABLE, age, cost_lines, cut, empty_view, exit_text, fill_view, layers,
+                     live_view, observed, parse_iso, signame, text, usage_lines)
 
 EXIT_OK, EXIT_DID_NOT_HOLD, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_CONTAIN_FAILED = 0, 1, 2, 3, 125
 
@@ -191,6 +191,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"{('at ' + lay['at']) if lay.get('at') else '-':<31} via {lay.get('via') or '-'}")
             if lay.get("detail") is not None:
                 add(f"    {'':<20} {text(lay['detail'])}")
+        for line in cost_lines(record):
+            add(line)
         for note in record.get("notes") or []:
             add(f"  note       {text(note)}")
     elif isinstance(info, RunInfo):
@@ -202,6 +204,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         add(f"    members    {'-' if view['members'] is None else view['members']} (processes in its cgroup now)")
         if view["cpu_usec"] is not None:
             add(f"    cpu        {view['cpu_usec'] / 1e6:.2f} s")
+        for line in usage_lines(view.get("usage")):
+            add(line)
     for ack in acks:
         add(f"  cancel     {ack.get('op_id')}: {ack.get('effect')}"
             + (f" (requested {ack['requested_at']})" if ack.get("requested_at") else "")
@@ -298,6 +302,17 @@ def cmd_wait(args: argparse.Namespace) -> int:
     else:
         print(f"run {d.id}: {record.get('state') or UNREADABLE}  outcome {record.get('outcome') or '-'}  "
               f"exit {exit_text(record)}")
+    if getattr(args, "redispatch", False):
+        # What a scheduler asks before the next attempt in the same workspace:
+        # 0 only when the record says redispatch_eligible true (REAPED, every
+        # measured postcondition held); 1 when false or not observable.
+        from ._redispatch import redispatch_eligible
+
+        layer = redispatch_eligible(record)
+        if not args.json:
+            print(f"  redispatch_eligible {str(layer.get('observed')).lower() if layer.get('observed') is not None else 'unknown'}"
+                  f"  ({layer.get('via')})")
+        return EXIT_OK if layer.get("observed") is True else EXIT_DID_NOT_HOLD
     return EXIT_OK if record.get("state") in ("REAPED", "EXITED") else EXIT_DID_NOT_HOLD
 
 

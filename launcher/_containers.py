@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 from . import _nested, _tags
 from ._errors import ContainmentUnavailable
-from ._options import resolve_user
+from ._options import user_account
+from ._policy import policy_env
 
 
 def make_container(run_id: str, opts: Options) -> Any:
@@ -28,7 +29,7 @@ def make_container(run_id: str, opts: Options) -> Any:
     from the supervisor's own environment, never from the worker's `env=`:
     a job must not choose its own containment or join another run."""
     env = os.environ
-    backend = opts.backend if opts.backend != "auto" else env.get("CONTAIN_BACKEND", "auto")
+    backend = opts.backend if opts.backend != "auto" else (policy_env("CONTAIN_BACKEND", env) or "auto")
     if backend == "job-object" or (backend == "auto" and sys.platform == "win32"):
         if sys.platform != "win32":
             raise ContainmentUnavailable("Job Objects exist only on Windows")
@@ -45,7 +46,7 @@ def make_container(run_id: str, opts: Options) -> Any:
         except ContainmentUnavailable as e:
             # A base the caller named is a choice, not a hint: when it cannot
             # be used the run fails (125) rather than run with less.
-            if backend == "cgroup2" or (parent is None and env.get("CONTAIN_CGROUP_BASE")):
+            if backend == "cgroup2" or (parent is None and policy_env("CONTAIN_CGROUP_BASE", env)):
                 raise
             weaker = f"no cgroup container ({e.reason})"
     if backend in ("auto", "pidns") and opts.pidns is not False:
@@ -77,7 +78,7 @@ def make_container(run_id: str, opts: Options) -> Any:
 def inherited_parent(env: Any) -> str | None:
     """A run started from inside another run goes beside that run's worker
     (a nested run), so cancelling the lead stops it too."""
-    d = env.get(_nested.ENV_CGROUP)
+    d = policy_env(_nested.ENV_CGROUP, env)
     if d and os.path.isdir(d) and os.access(d, os.W_OK):
         return str(d)
     return None
@@ -256,7 +257,12 @@ def spawn_request(argv: list[str], opts: Options, container: Any, run_id: str,
     uid = gid = -1
     groups: list[int] = []
     if opts.user is not None:
-        uid, gid, groups = resolve_user(opts.user)
+        uid, gid, groups, names = user_account(opts.user)
+        for k, v in names.items():
+            # The account's own, as su(1) gives them; an explicit env= of a
+            # library caller that names one keeps it.
+            if opts.env is None or k not in opts.env:
+                env[k] = v
     req = posix.SpawnRequest(argv, env=env, cwd=opts.cwd, stdio=opts.stdio, new_pgroup=opts.new_pgroup,
                              uid=uid, gid=gid, groups=groups, pass_fds=opts.pass_fds)
     container.prepare(req, opts)

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 from ._errors import ContainmentUnavailable
 from ._limits import LIMIT_CONTROLLER, Limits
+from ._policy import policy_env
 from ._procfs import parse_mountinfo
 
 # Controllers a run may want: for a limit, or for the accounting alone.
@@ -186,7 +187,7 @@ def v2_offer(v2_base: str, want: Iterable[str], *, enable: bool = True) -> dict[
 def v1_base_for(h: V1Hierarchy, env: Mapping[str, str], own: Mapping[str, str]) -> tuple[str | None, str, bool]:
     """(cgroup path under which this run's v1 cgroup goes, or None; why;
     whether that path is the base, which is created when missing)."""
-    explicit = env.get("CONTAIN_CGROUP_V1_BASE")
+    explicit = policy_env("CONTAIN_CGROUP_V1_BASE", env)
     base = os.path.normpath(explicit) if explicit else V1_BASE_DEFAULT
     if not base.startswith("/"):
         return None, f"CONTAIN_CGROUP_V1_BASE {explicit!r} is not an absolute cgroup path", False
@@ -218,7 +219,7 @@ def routes_for(want: Iterable[str], *, v2_base: str | None, env: Mapping[str, st
         v2 = v2_offer(v2_base, [c for c in want if c != "cpuacct"], enable=enable)
     else:
         v2 = {c: Route(c, None, reason="no cgroup v2 directory for the run") for c in want}
-    v1_off = env.get("CONTAIN_CGROUP_V1", "").lower() in ("0", "off", "no", "false")
+    v1_off = (policy_env("CONTAIN_CGROUP_V1", env) or "").lower() in ("0", "off", "no", "false")
     hs = [] if v1_off else (v1_hierarchies() if hierarchies is None else hierarchies)
     routes: dict[str, Route] = {}
     for c in want:

@@ -178,7 +178,8 @@ def _pidfd() -> dict[str, Any]:
 
 
 def _connector() -> dict[str, Any]:
-    from ._ledger import Ledger, LedgerUnavailable
+    from ._ledger import Ledger
+    from ._proccn import LedgerUnavailable
 
     t0 = time.perf_counter()
     try:

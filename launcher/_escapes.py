@@ -17,6 +17,7 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any, Callable
 
+from ._policy import policy_env
 from ._procfs import cgroup_of, read_stat
 from ._record import now_iso
 
@@ -113,9 +114,10 @@ class EscapeWatch:
         self.reason: str | None = None      # why there is no ledger
         self.start_ms: float | None = None  # what opening it cost
         self.checked = False
+        self.v1: Any = None                 # the run's own v1 cgroups (_runcgroups.RunCgroups), if any
 
     @classmethod
-    def before_spawn(cls, container: Any, req: Any, env: Any = None) -> "EscapeWatch":
+    def before_spawn(cls, container: Any, req: Any, env: Any = None, v1: Any = None) -> "EscapeWatch":
         w = cls()
         env = os.environ if env is None else env
         if getattr(req, "pidns", False):
@@ -127,14 +129,15 @@ class EscapeWatch:
             how = (container.seal_detail or {}).get("method", "sealed")
             w.reason = f"not watched: the run is sealed ({how}), so leaving is prevented rather than detected"
             return w
-        if env.get("CONTAIN_LEDGER", "on").lower() in ("0", "off", "no", "false"):
+        if (policy_env("CONTAIN_LEDGER", env) or "on").lower() in ("0", "off", "no", "false"):
             w.reason = "fork ledger turned off (CONTAIN_LEDGER=off)"
             return w
         if container.backend == "job-object":
             # (The netlink ledger is not even imported on Windows.)
             w.reason = "not watched: no fork ledger on Windows; the job says whether it can be left"
             return w
-        from ._ledger import Ledger, LedgerUnavailable   # lazy: Linux's process connector
+        from ._ledger import Ledger                    # lazy: Linux's process connector
+        from ._proccn import LedgerUnavailable
 
         t0 = time.perf_counter()
         try:
@@ -142,6 +145,9 @@ class EscapeWatch:
         except LedgerUnavailable as e:
             w.reason = f"process connector unavailable: {e.reason}"
         w.start_ms = round((time.perf_counter() - t0) * 1000, 3)
+        if w.ledger is not None and v1 is not None and v1.v1:
+            w.v1 = v1
+            w.ledger.holds = v1.holds
         if container.backend == "none":
             container.ledger = w.ledger
         return w
@@ -168,6 +174,11 @@ class EscapeWatch:
         if self.ledger is None or container.backend == "none":
             return []
         path = container.path
+        if self.v1 is not None:
+            # Still in the run's own v1 cgroups while the v2 container is
+            # empty: members that left it, whatever the ledger attributed.
+            for pid in self.v1.members():
+                self.ledger.track_member(pid, "in the run's own v1 cgroups after the container emptied")
 
         def inside(where: str) -> bool:
             return where == path or where.startswith(path.rstrip("/") + "/")

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 from . import _nested
 from ._identity import ProcessIdentity, boot_id
 from ._record import LAYERS, SCHEMA, evidence, not_measured, now_iso
+from ._redispatch import redispatch_eligible
 from ._tags import RUN_TAG, RunTag, prefix as tag_prefix
 
 
@@ -49,8 +50,22 @@ class RunEvidence:
         self.adopted = False
         self.tag: RunTag | None = None                # the run directory's tag (bind_tags)
         self.linger: dict[str, Any] | None = None     # what lingered after the worker exited (_stop.py)
+        self.accounting: dict[str, Any] | None = None  # the final snapshot (_usage.py, _accounting.py)
+        self.limits: dict[str, Any] | None = None      # what was asked, what was applied, what was hit
+        self.cgroup_v1: dict[str, Any] | None = None   # the run's own v1 cgroups, as made
+        self.signal_cause: dict[str, Any] | None = None   # why a SIGKILL: an OOM kill is not a plain 9
+        self.unsaved: list[str] = []                  # what the state directory could not take (not_saved)
 
     # -- writing -------------------------------------------------------------
+
+    def not_saved(self, what: str, err: OSError) -> None:
+        """A write to the state directory failed. The run goes on and the stop
+        happens all the same; the failure is kept (the CLI exits 125 with it,
+        the library's record carries it in `notes`), once per kind of write."""
+        why = f"{what}: {err.strerror or err}" if isinstance(err, OSError) else f"{what}: {err}"
+        if not any(u.startswith(what + ":") for u in self.unsaved):
+            self.unsaved.append(why)
+            self.notes.append(f"not saved in the state directory: {why}")
 
     def set(self, layer: str, observed: bool | None, via: str, detail: Any = None,
             at: float | None = None) -> None:
@@ -103,8 +118,11 @@ class RunEvidence:
         expected = container.expected_placement() if hasattr(container, "expected_placement") else None
         if expected is not None:
             if self.placement is not None and self.placement != expected:
+                # The worker moved itself at once: its identity goes with the
+                # entry, so that its end can be proven (escapers_alive).
                 self.escapes.append({"pid": sp.pid, "seen_in": self.placement, "at": now_iso(),
-                                     "via": "/proc/<pid>/cgroup right after spawn"})
+                                     "via": "/proc/<pid>/cgroup right after spawn",
+                                     "identity": self.identity.to_dict() if self.identity is not None else None})
         self.sealed = container.seal_status(req)
 
     def run_info(self, run: Any, via: str | None) -> dict[str, Any]:
@@ -124,6 +142,11 @@ class RunEvidence:
         }
         if getattr(c, "identity", None) is not None:
             info["cgroup_identity"] = c.identity
+        usage = getattr(run, "usage", None)
+        if usage is not None and usage.cgroups is not None:
+            # The run's own v1 cgroups: for `status` (live numbers) and for an
+            # adopter, which removes them (_runcgroups.RunCgroups.attach checks them).
+            info["cgroups_v1"] = usage.cgroups.describe()
         if c.backend == "none":
             info["pgid"] = c.pgid if c.pgid > 0 else None
         if run.layout is not None and hasattr(c, "bind"):
@@ -222,11 +245,21 @@ class RunEvidence:
         }
         if self.linger is not None:
             rec["linger"] = self.linger
+        rec["accounting"] = self.accounting if self.accounting is not None else {
+            "value": None, "reason": "the final snapshot is taken once the container is observed empty"}
+        rec["limits"] = self.limits if self.limits is not None else {"asked": {}, "applied": {}}
+        if self.cgroup_v1 is not None:
+            containment["cgroup_v1"] = self.cgroup_v1
+        if self.signal_cause is not None:
+            rec["signal_cause"] = self.signal_cause
         if self.adopted:
             rec["adopted_by"] = {"pid": os.getpid()}
         rec["nested"] = _nested.describe(self.nested_seen, run_dir)
         if self.lead is not None:
             rec["lead"] = self.lead
+        # Derived last, from the record itself: what a scheduler reads before
+        # it starts the next attempt in the same workspace (_redispatch.py).
+        ev["redispatch_eligible"] = redispatch_eligible(rec)
         return rec
 
     @classmethod

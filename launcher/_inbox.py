@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ._layout import RunDir
 
 from . import _state as S
-from ._errors import LauncherError
+from ._errors import LauncherError, RunConflict
 from ._record import now_iso
 
 
@@ -38,6 +38,10 @@ def grace_of(req: dict[str, Any]) -> float | None:
         return None
     g = float(g)
     return g if g >= 0 and g != float("inf") else None     # nan fails g >= 0
+
+
+_CHUNKS_PER_TURN = 16             # of _requests.INBOX_CHUNK each: then the loop looks at the tree again
+_MAX_ANSWERED_REJECTIONS = 100    # journal lines and `unknown` answers for lines that are not requests
 
 
 class Arrival:
@@ -65,6 +69,8 @@ class Inbox:
         # never choose what is sent to the tree.
         self.signal_ops: dict[str, int] = {}
         self._undurable: list[dict[str, Any]] = []    # signal requests the inbox file refused
+        self.rejected = 0                             # inbox lines that were not requests
+        self.on_reject: Any = None                    # (offset, reason) -> None: the run's journal
 
     def load(self) -> None:
         """The acknowledgements already written for this run (adoption)."""
@@ -75,11 +81,41 @@ class Inbox:
                 self.ops[ack["op_id"]] = ack
 
     def pending(self) -> list[dict[str, Any]]:
+        """The requests appended since the last read, each checked
+        (_runfiles.parse_request: an object, a bounded op id, a run uid, a
+        finite grace). A line that is not one is journaled and, when it
+        names an op id, answered `unknown` with the reason: the requester
+        is not left waiting, and nothing in the file can stop the loop."""
         if self.layout is None:
             return []
-        early, self._undurable = self._undurable, []
-        reqs, self.offset = self.layout.read_requests(self.offset)
-        return early + reqs
+        out, self._undurable = self._undurable, []
+        for _ in range(_CHUNKS_PER_TURN):
+            got = self.layout.read_inbox(self.offset, None, require_uid=True)
+            out.extend(r.to_dict() for r in got.accepted)
+            for rej in got.rejected:
+                self._reject(rej)
+            self.offset = got.offset
+            if not got.more:
+                break
+        return out
+
+    def _reject(self, rej: Any) -> None:
+        self.rejected += 1
+        if self.rejected > _MAX_ANSWERED_REJECTIONS:
+            return                  # a flood is counted, not answered line by line
+        if self.on_reject is not None:
+            self.on_reject(rej.offset, rej.reason)
+        op = rej.op_id
+        if not op or op in self.ops:
+            return
+        try:
+            if self.layout is None or self.layout.read_ack(op) is not None:
+                return
+        except LauncherError:
+            return
+        self.write(op, {"op_id": op, "run_id": self.run_id, "run_uid": self.run_uid, "requested_at": None,
+                        "acknowledged_at": now_iso(), "effect": S.Effect.UNKNOWN.value, "state": None,
+                        "detail": f"rejected: {rej.reason}"}, durable=False)
 
     def arrive(self, req: dict[str, Any], snap: S.Snapshot) -> Arrival | None:
         assert self.layout is not None
@@ -120,7 +156,14 @@ class Inbox:
     def write(self, op: str, ack: dict[str, Any], *, durable: bool) -> None:
         assert self.layout is not None
         self.ops[op] = ack
-        self.layout.write_ack(op, ack, durable=durable)
+        try:
+            self.layout.write_ack(op, ack, durable=durable)
+        except RunConflict:
+            raise
+        except OSError as e:
+            # The acknowledgement stays in memory and is settled again at the
+            # end; a full state directory must not abort the stop.
+            self.facts.not_saved(f"the acknowledgement of {op}", e)
 
     def signal_of(self, op: str) -> int | None:
         """The signal whose arrival made this process request `op`, if any:

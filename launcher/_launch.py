@@ -32,18 +32,49 @@ from ._containers import make_container, spawn_request
 from ._errors import ContainmentUnavailable, LauncherError, SpawnFailed
 from ._layout import RunDir
 from ._escapes import EscapeWatch
+from ._options import user_account
 from ._record import not_measured
 
 
 def start(run: Run) -> None:
     """Raises RunConflict, ContainmentUnavailable or SpawnFailed; in the last
-    two cases a final record with outcome `spawn_failed` exists."""
+    two cases a final record with outcome `spawn_failed` exists. Whatever
+    fails after the claim (an unknown user, EMFILE, a full disk, an
+    interrupt) is rolled back the same way: the container stopped and
+    removed, a `spawn_failed` record, the lock released, the id reusable;
+    then the error goes on to the caller."""
+    if run.opts.user is not None:
+        user_account(run.opts.user)        # an unknown user is refused before anything is made
     run.attach(RunDir.claim(run.id, run.opts.state_dir))
+    try:
+        _start(run)
+    except BaseException as e:
+        if not run.finished():
+            roll_back(run, e)
+        raise
+
+
+def roll_back(run: Run, e: BaseException) -> None:
+    err = e if isinstance(e, LauncherError) else ContainmentUnavailable(
+        f"start-up failed: {e}" if not isinstance(e, KeyboardInterrupt) else "interrupted during the start-up")
+    try:
+        spawn_failed(run, err, ran=run.pid > 0)
+    except BaseException:
+        # Even the roll-back failed: at least nobody is locked out, and a
+        # container with nothing in it is not left behind.
+        if run.container is not None and run.pid <= 0:
+            run.container.remove()
+        run.close()
+        raise
+
+
+def _start(run: Run) -> None:
     layout = run.layout
     assert layout is not None
-    layout.journal("claimed", run_uid=run.uid)
+    run.journal("claimed", run_uid=run.uid)
     try:
         run.set_container(make_container(run.id, run.opts))
+        run.usage.create(run.container, run.id)
     except ContainmentUnavailable as e:
         spawn_failed(run, e)
         raise
@@ -65,23 +96,36 @@ def start(run: Run) -> None:
         return
     # The fork ledger listens before the spawn, so a worker that forks at
     # once is not missed (_ledger.py).
-    run.watch = run.stop.watch = EscapeWatch.before_spawn(run.container, req)
+    run.watch = run.stop.watch = EscapeWatch.before_spawn(run.container, req, v1=run.usage.cgroups)
     t0 = time.time()
     try:
+        run.usage.join(req)
         sp = run.container.spawn(req)
     except (SpawnFailed, ContainmentUnavailable, OSError) as e:
         err = e if isinstance(e, LauncherError) else ContainmentUnavailable(f"spawn: {e}")
         spawn_failed(run, err)
         raise err from (None if err is e else e)
+    finally:
+        run.usage.close_join()
     run.pid, run.root = sp.pid, run.container.root(sp)
+    misplaced = run.usage.spawned(sp.pid)
+    if misplaced is not None:
+        # Limited, or not at all: a worker outside its limits is stopped, never
+        # left to run as if they held.
+        err = ContainmentUnavailable(misplaced)
+        spawn_failed(run, err, ran=True)
+        raise err
     run.facts.spawned(sp, run.container, req, t0)
     if run.facts.identity is not None and run.container.backend != "job-object":
         from ._ledger import note_spawn   # Linux's fork ledger (never loaded on Windows)
 
         note_spawn(sp.pid, run.facts.identity.start_time)
     run.watch.after_spawn(sp.pid, run.container)
-    layout.write_run(run.facts.run_info(run, sp.via))
-    layout.journal("spawned", pid=sp.pid, via=sp.via)
+    try:
+        layout.write_run(run.facts.run_info(run, sp.via))
+    except OSError as e:
+        run.facts.not_saved("run.json", e)     # the worker runs: it is stopped, not abandoned
+    run.journal("spawned", pid=sp.pid, via=sp.via)
     run.publish()
 
 
@@ -117,11 +161,12 @@ def caller_ignored() -> frozenset[int]:
     return posix.keep_ignored_now()
 
 
-def spawn_failed(run: Run, err: LauncherError) -> None:
+def spawn_failed(run: Run, err: LauncherError, *, ran: bool = False) -> None:
     """A failed spawn is stopped like any run: the leaf may hold the dying
-    child, and REAPED still needs an observed populated 0."""
+    child, and REAPED still needs an observed populated 0. `ran`: the worker
+    did run (it was found outside its limits) and is killed."""
     run.feed(S.Event.SPAWN_FAILED)
-    run.stop.never_ran = True
+    run.stop.never_ran = not ran
     run.facts.notes.append(str(err))
     run.facts.set("root_exit", False, "spawn", {"error": str(err), "stage": getattr(err, "stage", None)})
     run.facts.exit_code = getattr(err, "exit_code", 125)

@@ -30,7 +30,6 @@ import select
 # _socket, not socket: the wrapper module costs ~2 ms of imports (selectors,
 # array, enum constants) on every unsealed run's start.
 import _socket
-import struct
 import threading
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
@@ -38,28 +37,9 @@ if TYPE_CHECKING:
     from typing import Any, Callable
 
 from ._identity import boot_id
+from ._proccn import PROC_EVENT_FORK, events, listen
 from ._procfs import cgroup_of, read_stat
 
-
-NETLINK_CONNECTOR = 11
-CN_IDX_PROC = 1
-CN_VAL_PROC = 1
-PROC_CN_MCAST_LISTEN = 1
-PROC_CN_MCAST_IGNORE = 2
-PROC_EVENT_NONE = 0x0
-PROC_EVENT_FORK = 0x1
-PROC_EVENT_EXIT = 0x80000000
-NLMSG_DONE = 3
-NLMSG_ERROR = 2
-
-_NLMSGHDR = struct.Struct("=IHHII")       # len, type, flags, seq, pid
-_CN_MSG = struct.Struct("=IIIIHH")        # idx, val, seq, ack, len, flags
-_EVENT = struct.Struct("=IIQ")            # what, cpu, timestamp_ns (CLOCK_MONOTONIC)
-_FORK = struct.Struct("=IIII")            # parent_pid, parent_tgid, child_pid, child_tgid
-_EXIT = struct.Struct("=II")              # process_pid, process_tgid (exit code etc. follow)
-_ACK = struct.Struct("=I")                # err
-_HDR = _NLMSGHDR.size + _CN_MSG.size      # 36: where the proc_event starts
-_DATA = _HDR + _EVENT.size                # 52: where the event's data starts
 
 VIA = "fork ledger (netlink process connector)"
 _COALESCE_S = 0.002
@@ -72,14 +52,6 @@ _OUR_SPAWNS: set[tuple[int, int]] = set()
 def note_spawn(pid: int, start_time: int) -> None:
     """Called right after each spawn of this process (any run)."""
     _OUR_SPAWNS.add((pid, start_time))
-
-
-class LedgerUnavailable(Exception):
-    """The process connector cannot be used here; `reason` says why."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 class Tracked:
@@ -135,6 +107,9 @@ class Ledger:
         # tracked orphan) are attributed by where the kernel put them: a
         # child is born in its creator's cgroup.
         self.inside: Callable[[str], bool] | None = None       # the run's cgroup subtree, set by the run
+        # The run's own v1 cgroups (hybrid hosts): a fork found in them was
+        # born inside the run even if it left the v2 container at once.
+        self.holds: Callable[[int], bool] | None = None
         self._suspects: set[int] = {os.getpid()}
         self._kids: dict[int, list[Tracked]] = {}             # ppid -> tracked children, for reparenting
         self._unresolved: list[tuple[int, int | None, int, str | None]] = []   # (pid, start, parent, cgroup)
@@ -154,34 +129,7 @@ class Ledger:
     @classmethod
     def open(cls, ack_timeout: float = 0.2) -> "Ledger":
         """Subscribe to the process connector. Raises LedgerUnavailable."""
-        try:
-            sock = _socket.socket(_socket.AF_NETLINK, _socket.SOCK_DGRAM | _socket.SOCK_CLOEXEC, NETLINK_CONNECTOR)
-        except OSError as e:
-            raise LedgerUnavailable(f"socket(AF_NETLINK, NETLINK_CONNECTOR): {os.strerror(e.errno or 0)}") from e
-        try:
-            _bigger_buffer(sock)
-            try:
-                sock.bind((0, CN_IDX_PROC))
-            except OSError as e:
-                raise LedgerUnavailable(f"bind to the process connector: {os.strerror(e.errno or 0)}") from e
-            token = (os.getpid() << 8 ^ time.monotonic_ns()) & 0x7FFFFFFF
-            # The unfiltered form (4 bytes) is the one every kernel acks;
-            # the acknowledgement is itself an event, which a filter drops.
-            _control(sock, struct.pack("=I", PROC_CN_MCAST_LISTEN), token)
-            err = _wait_ack(sock, token, ack_timeout)
-            if err is None:
-                raise LedgerUnavailable("the process connector did not acknowledge (another PID or user "
-                                        "namespace than the initial one?)")
-            if err:
-                raise LedgerUnavailable(f"process connector refused to listen: {os.strerror(err)}")
-            # Since 6.6 a listener may ask for some events only: forks and
-            # exits are all the ledger reads. Older kernels ignore this form.
-            _control(sock, struct.pack("=II", PROC_CN_MCAST_LISTEN, PROC_EVENT_FORK | PROC_EVENT_EXIT), token + 2)
-            sock.setblocking(False)
-        except BaseException:
-            sock.close()
-            raise
-        return cls(sock)
+        return cls(listen(ack_timeout))
 
     # -- the tree ----------------------------------------------------------
 
@@ -206,6 +154,26 @@ class Ledger:
         """Take in every event queued so far (every fork that has returned)."""
         with self._lock:
             self._drain()
+
+    def track_member(self, pid: int, note: str) -> bool:
+        """A member found some other way (in the run's own v1 cgroups after
+        the container emptied): tracked from now on, so the stop treats it
+        like any member that left. False if it is tracked already or gone."""
+        st = read_stat(pid)
+        if st is None or st[0] in ("Z", "X"):
+            return False
+        with self._lock:
+            cur = self._live.get(pid)
+            if cur is not None and cur.start_time == st[4]:
+                return False
+            t = Tracked(pid, st[1], st[4], time.monotonic_ns())
+            t.note = note
+            self._live[pid] = t
+            self.tracked.append(t)
+            # If it was an unattributed fork, it is accounted for now.
+            self.unattributed = [u for u in self.unattributed if (u["pid"], u["start_time"]) != (pid, st[4])]
+            self._unresolved = [u for u in self._unresolved if (u[0], u[1]) != (pid, st[4])]
+        return True
 
     def live(self) -> list[Tracked]:
         """Tracked processes that are alive now (identity checked)."""
@@ -300,27 +268,13 @@ class Ledger:
                     continue
                 self.failed = f"recv: {os.strerror(e.errno or 0)}"
                 return
-            off = 0
-            while off + _DATA <= n:
-                ln = _NLMSGHDR.unpack_from(buf, off)[0]
-                if ln < _DATA or off + ln > n:
-                    break
-                what, _cpu, ts = _EVENT.unpack_from(buf, off + _HDR)
-                if what == PROC_EVENT_FORK and ln >= _DATA + _FORK.size:
-                    _pp, ptgid, cpid, ctgid = _FORK.unpack_from(buf, off + _DATA)
-                    if cpid == ctgid:                      # a process, not a thread
-                        if self._root is None:
-                            self._pending.append((what, ptgid, ctgid, ts))
-                        else:
-                            self._on_fork(ptgid, ctgid, ts)
-                elif what == PROC_EVENT_EXIT and ln >= _DATA + _EXIT.size:
-                    pid, tgid = _EXIT.unpack_from(buf, off + _DATA)
-                    if pid == tgid:
-                        if self._root is None:
-                            self._pending.append((what, tgid, 0, ts))
-                        else:
-                            self._on_exit(tgid, ts)
-                off += (ln + 3) & ~3
+            for what, a, b, ts in events(buf, n):
+                if self._root is None:
+                    self._pending.append((what, a, b, ts))
+                elif what == PROC_EVENT_FORK:
+                    self._on_fork(a, b, ts)
+                else:
+                    self._on_exit(a, ts)
 
     def _on_fork(self, ptgid: int, child: int, ts: int) -> None:
         if child == self._root and not self._root_born:
@@ -340,12 +294,16 @@ class Ledger:
             # Perhaps a CLONE_PARENT child of a tracked process: ours if the
             # kernel put it inside the run (it is born in its creator's cgroup).
             where = cgroup_of(child, missing_ok=True)
-            if where is None or self.inside is None or not self.inside(where):
+            if where is not None and self.inside is not None and self.inside(where):
+                note = f"born in the run's cgroup; reported parent {ptgid} is outside the tree (CLONE_PARENT)"
+            elif self.holds is not None and self.holds(child):
+                note = (f"in the run's own v1 cgroups (v2: {where}); reported parent {ptgid} is outside "
+                        "the tree (CLONE_PARENT)")
+            else:
                 st0 = read_stat(child)
                 self._unresolved.append((child, st0[4] if st0 else None, ptgid, where))
                 return
             self.attributed += 1
-            note = f"born in the run's cgroup; reported parent {ptgid} is outside the tree (CLONE_PARENT)"
         st = read_stat(child)
         t = Tracked(child, ptgid, None, ts)
         t.note = note
@@ -381,55 +339,3 @@ class Ledger:
                 self._kids.setdefault(st[1], []).append(kid)
                 if st[1] not in self._live:
                     self._suspects.add(st[1])
-
-
-def _bigger_buffer(sock: _socket.socket) -> None:
-    """A fork storm on the host must not overflow the queue between two
-    drains: ask for 8 MiB (SO_RCVBUFFORCE needs CAP_NET_ADMIN)."""
-    size = 8 << 20
-    try:
-        sock.setsockopt(_socket.SOL_SOCKET, 33, size)      # SO_RCVBUFFORCE
-    except OSError:
-        try:
-            sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_RCVBUF, size)
-        except OSError:
-            pass
-
-
-def _control(sock: _socket.socket, payload: bytes, token: int) -> None:
-    cn = _CN_MSG.pack(CN_IDX_PROC, CN_VAL_PROC, token, token, len(payload), 0) + payload
-    sock.sendto(_NLMSGHDR.pack(_NLMSGHDR.size + len(cn), NLMSG_DONE, 0, token, os.getpid()) + cn, (0, 0))
-
-
-def _wait_ack(sock: _socket.socket, token: int, timeout: float) -> int | None:
-    """The err of our acknowledgement (ack == token + 1), None on timeout.
-    Acknowledgements go to every listener: ours is the one with our token."""
-    deadline = time.monotonic() + timeout
-    buf = bytearray(64 * 1024)
-    p = select.poll()
-    p.register(sock.fileno(), select.POLLIN)
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0 or not p.poll(int(left * 1000) + 1):
-            return None
-        try:
-            n = sock.recv_into(buf)
-        except OSError as e:
-            if e.errno in (errno.ENOBUFS, errno.EINTR):
-                continue
-            raise LedgerUnavailable(f"recv: {os.strerror(e.errno or 0)}") from e
-        off = 0
-        while off + _DATA <= n:
-            ln, typ = _NLMSGHDR.unpack_from(buf, off)[:2]
-            if ln < _HDR:
-                break
-            if typ == NLMSG_ERROR:
-                err = -struct.unpack_from("=i", buf, off + 16)[0]
-                if err:
-                    return err
-            else:
-                _idx, _val, _seq, ack = _CN_MSG.unpack_from(buf, off + _NLMSGHDR.size)[:4]
-                what = _EVENT.unpack_from(buf, off + _HDR)[0]
-                if what == PROC_EVENT_NONE and ack == token + 1:
-                    return int(_ACK.unpack_from(buf, off + _DATA)[0])
-            off += (ln + 3) & ~3

@@ -131,12 +131,13 @@ class HeldLocks:
     "unknown" (OFD locks show no pid; a taker that already exited may have
     been a member): counted as the run's."""
 
-    __slots__ = ("locks", "pids", "problems")
+    __slots__ = ("locks", "pids", "problems", "reused")
 
     def __init__(self) -> None:
         self.locks: dict[tuple[Any, ...], dict[str, Any]] = {}
         self.pids: set[int] = set()
         self.problems: list[str] = []
+        self.reused: set[int] = set()          # ex-member pids a live process now has
 
     def add(self, lk: Lock, via: dict[str, Any] | None) -> None:
         ent = self.locks.get(lk.key)
@@ -152,13 +153,18 @@ class HeldLocks:
             ent["held_via"].append(via)
 
 
-def held_by(pids: Iterable[int]) -> HeldLocks:
+def held_by(pids: Iterable[int], *, exited: Iterable[int] = ()) -> HeldLocks:
     """At the stop, while members are alive: every lock they hold, from each
     member's fdinfo (flock, OFD, lease: through the descriptor; POSIX: the
     files table) and from /proc/locks (a POSIX or flock lock whose pid is a
     member, e.g. taken on an fd since closed in this member but open
     elsewhere). Only fds on a locked file are read: /proc/locks first, then
-    one stat per member fd against its (dev, inode) set."""
+    one stat per member fd against its (dev, inode) set.
+
+    `exited`: pids known to have been members that may have exited already
+    (the worker): a lock /proc/locks still shows under one of them, when no
+    live process has that number, was taken by the tree and is judged too
+    (a worker that flocked, handed the file out and exited)."""
     held = HeldLocks()
     held.pids = set(pids)
     try:
@@ -166,6 +172,7 @@ def held_by(pids: Iterable[int]) -> HeldLocks:
     except OSError as e:
         held.problems.append(f"{LOCKS}: {os.strerror(e.errno or 0)}")
         return held
+    _add_exited(held, table, set(exited) - held.pids)
     locked = {(lk.dev, lk.ino) for lk in table}
     for lk in table:
         if lk.pid in held.pids and lk.kind != "OFDLCK":
@@ -201,6 +208,23 @@ def held_by(pids: Iterable[int]) -> HeldLocks:
             for lk in fdinfo_locks(txt):
                 held.add(lk, {"pid": pid, "fd": int(fd), "path": path})
     return held
+
+
+def _add_exited(held: HeldLocks, table: list[Lock], exited: set[int]) -> None:
+    """Locks /proc/locks shows under a pid known to have been a member. The
+    member is gone when no live process has its number; a live one with it
+    is another process (the number was reused), whose lock may be its own:
+    noted as not judged."""
+    reused = set()
+    for lk in table:
+        if lk.pid in exited and lk.kind != "OFDLCK":
+            if _live_process(lk.pid):
+                reused.add(lk.pid)
+                continue
+            held.locks.setdefault(lk.key, {"lock": lk, "held_via": [], "origin": "member"})
+    if reused:
+        held.reused |= reused
+        held.problems.append(f"pid(s) {sorted(reused)} now belong to other processes: their locks were not judged")
 
 
 def _live_process(pid: int) -> bool:
@@ -275,18 +299,9 @@ def locks_released(held: HeldLocks | None, *, exited_pids: Iterable[int] = ()) -
     except OSError as e:
         return evidence(None, VIA, f"{LOCKS} not readable: {os.strerror(e.errno or 0)}")
     note = None
-    reused: list[int] = []
     if held is None:
         held = HeldLocks()
-        held.pids = set(exited_pids)
-        for lk in now:
-            if lk.pid in held.pids and lk.kind != "OFDLCK":
-                if _live_process(lk.pid):
-                    # The member is gone (the container is empty), so a live
-                    # process with its number is another one: its lock may be its own.
-                    reused.append(lk.pid)
-                    continue
-                held.add(lk, None)
+        _add_exited(held, now, set(exited_pids))
         note = ("the container was already empty when the stop began: only locks taken by pids known to have "
                 "been members are checked, not locks handed out before that")
     current = {lk.key: lk for lk in now}
@@ -300,9 +315,8 @@ def locks_released(held: HeldLocks | None, *, exited_pids: Iterable[int] = ()) -
         detail["inherited"] = inherited
     if note:
         detail["note"] = note
-    if reused:
-        detail["pid_reused"] = sorted(set(reused))
-        held.problems.append(f"pid(s) {sorted(set(reused))} now belong to other processes: their locks were not judged")
+    if held.reused:
+        detail["pid_reused"] = sorted(held.reused)
     if survivors:
         holders, denied = holders_of(survivors)
         detail["still_held"] = [

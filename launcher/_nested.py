@@ -20,13 +20,12 @@ lived in the lead's tree is killed with it: its own record may stay RUNNING
 """
 from __future__ import annotations
 
-import json
 import os
-import stat
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import Any
 
+from ._policy import policy_env
 from ._record import now_iso
 
 ENV_CGROUP = "CONTAIN_RUN_CGROUP"
@@ -77,7 +76,7 @@ def merge(seen: list[dict[str, Any]], more: list[dict[str, Any]]) -> list[dict[s
 def join_lead(container: Any, env: Any, info: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
     """If `container` was made inside the run named by `env`, this run is
     nested: (the record's `lead`, None or why the lead was not told)."""
-    lead_dir = env.get(ENV_CGROUP)
+    lead_dir = policy_env(ENV_CGROUP, env)
     if container is None or container.backend != "cgroup2" or not lead_dir:
         return None, None
     if os.path.dirname(container.dir) != os.path.normpath(lead_dir):
@@ -90,23 +89,18 @@ def register(env: Any, info: dict[str, Any]) -> str | None:
     """Tell the lead (from `env`) about this nested run. None, or why not.
     The lead's directory comes from the environment (input): only a regular
     file of a run directory is appended to, never through a link."""
-    lead_dir = env.get(ENV_DIR)
+    lead_dir = policy_env(ENV_DIR, env)
     if not lead_dir:
         return "no CONTAIN_RUN_DIR in the environment: the lead names this run by its cgroup only"
-    if not os.path.isfile(os.path.join(lead_dir, "owner.lock")):
-        return f"{ENV_DIR} {lead_dir} is not a run directory: the lead was not told"
-    line = (json.dumps(dict(info, at=now_iso()), separators=(",", ":")) + "\n").encode()
+    from ._layout import RunDir
+    from ._safefs import UnsafePath
+
     try:
-        fd = os.open(os.path.join(lead_dir, REGISTRY),
-                     os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-    except OSError as e:
-        return f"lead's run directory {lead_dir}: {os.strerror(e.errno or 0)}"
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return f"{os.path.join(lead_dir, REGISTRY)} is not a regular file: the lead was not told"
-        os.write(fd, line)     # one O_APPEND write: lines of concurrent runs never interleave
-    finally:
-        os.close(fd)
+        # The lead's directory, verified as any run directory is (ours, no
+        # link followed); the line is checked before it is written.
+        RunDir(lead_dir).append_nested(dict(info, at=now_iso()))
+    except (OSError, UnsafePath, ValueError) as e:
+        return f"the lead at {lead_dir} was not told: {getattr(e, 'problem', None) or e}"
     return None
 
 
@@ -168,6 +162,8 @@ def _registry(lead_run_dir: str | None, limit: int,
     """cgroup path -> registration, from the lead's registry and those of the
     nested runs it names (a run nested two deep registers with its own lead);
     registrations that do not hold up are left out, with a note."""
+    from ._layout import RunDir
+
     found: dict[str, dict[str, Any]] = {}
     notes: list[str] = []
     todo = [lead_run_dir] if lead_run_dir else []
@@ -177,19 +173,8 @@ def _registry(lead_run_dir: str | None, limit: int,
         if d in visited:
             continue
         visited.add(d)
-        try:
-            fd = os.open(os.path.join(d, REGISTRY), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue
-        with os.fdopen(fd, "rb") as f:
-            lines = f.readlines() if stat.S_ISREG(os.fstat(fd).st_mode) else []
-        for raw in lines:
-            try:
-                r = json.loads(raw)
-            except ValueError:
-                continue      # a torn line names nobody
-            if not isinstance(r, dict) or not r.get("cgroup"):
-                continue
+        # Written by the lead's tree: every line checked (_runfiles.parse_nested), bounded.
+        for r in RunDir(d).read_nested(limit):
             why = valid_registration(r, lead_run_dir or d, lead_cgroup)
             if why is not None:
                 if len(notes) < 20:
@@ -204,9 +189,9 @@ def _registry(lead_run_dir: str | None, limit: int,
 def _read_record(run_dir: str | None) -> dict[str, Any] | None:
     if not run_dir:
         return None
+    from ._layout import RunDir
+
     try:
-        with open(os.path.join(run_dir, "record.json"), "rb") as f:
-            rec = json.loads(f.read())
-    except (OSError, ValueError):
+        return RunDir(run_dir).read_record()
+    except Exception:       # noqa: BLE001 - another run's record: unreadable is "not known"
         return None
-    return rec if isinstance(rec, dict) else None

@@ -1,6 +1,8 @@
 """How to run and stop one run: fixed before the spawn, validated here."""
 from __future__ import annotations
 
+import os
+
 from ._args import check_run_numbers, check_seconds
 
 DEFAULT_GRACE = 5.0
@@ -13,7 +15,8 @@ class Options:
 
     __slots__ = ("grace", "timeout", "kill_timeout", "backend", "seal", "user", "workspace",
                  "record_file", "env", "cwd", "stdio", "state_dir", "subreaper", "parent_cgroup",
-                 "new_pgroup", "check_sockets", "pidns", "linger", "keep_ignored", "notify", "pass_fds")
+                 "new_pgroup", "check_sockets", "pidns", "linger", "keep_ignored", "notify", "pass_fds",
+                 "limits", "check_locks", "stats_json")
 
     def __init__(self, *, grace: float = DEFAULT_GRACE, timeout: float | None = None,
                  kill_timeout: float = DEFAULT_KILL_TIMEOUT, backend: str = "auto",
@@ -24,7 +27,9 @@ class Options:
                  parent_cgroup: str | None = None, new_pgroup: bool = False,
                  check_sockets: bool = False, pidns: bool | None = None, linger: float = 0.0,
                  keep_ignored: frozenset[int] | None = None, notify: object = None,
-                 pass_fds: tuple[int, ...] | list[int] = ()) -> None:
+                 pass_fds: tuple[int, ...] | list[int] = (), memory_max: int | str | None = None,
+                 pids_max: int | str | None = None, cpu_max: float | str | None = None,
+                 check_locks: bool = False, stats_json: str | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r} (auto, cgroup2, pidns, job-object or none)")
         # The library's numbers are checked as the CLI checks them (_args.py):
@@ -47,6 +52,18 @@ class Options:
                                                       for fd in pass_fds):
             raise TypeError(f"pass_fds must be a sequence of descriptor numbers, not {pass_fds!r}")
         self.pass_fds = tuple(sorted(set(pass_fds)))
+        # Limits, applied before the worker's first instruction or refused
+        # (125): bytes ("256M" or an int), tasks, CPUs ("0.5", "150%") or
+        # cgroup v2's "QUOTA PERIOD" (_limits.py).
+        self.limits = None
+        if memory_max is not None or pids_max is not None or cpu_max is not None:
+            from ._limits import Limits, parse_bytes, parse_cpu_max, parse_pids   # lazy: only runs with limits
+
+            self.limits = Limits(memory_max=None if memory_max is None else parse_bytes(str(memory_max)),
+                                 pids_max=None if pids_max is None else parse_pids(str(pids_max)),
+                                 cpu_max=None if cpu_max is None else parse_cpu_max(str(cpu_max)))
+        self.check_locks = check_locks
+        self.stats_json = stats_json
         self.backend = backend
         self.seal = seal
         self.user = user
@@ -65,16 +82,22 @@ class Options:
         self.pidns = pidns
 
 
-def resolve_user(user: str) -> tuple[int, int, list[int]]:
-    """(uid, gid, supplementary groups) for --user NAME|UID."""
-    import grp
+def user_account(user: str) -> tuple[int, int, list[int], dict[str, str]]:
+    """--user NAME|UID: (uid, gid, supplementary groups, and the HOME, USER
+    and LOGNAME the worker gets, as su(1) sets them). A number with no
+    passwd entry is that uid with gid the same, no groups, no names.
+    Raises ValueError for a name nobody has."""
     import pwd
 
     try:
         pw = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
-    except (KeyError, ValueError):
-        if user.isdigit():
-            return int(user), int(user), []
+    except (KeyError, ValueError, OverflowError):
+        if user.isdigit() and int(user) < 2**32 - 1:
+            return int(user), int(user), [], {}
         raise ValueError(f"no such user {user!r}") from None
-    groups = [g.gr_gid for g in grp.getgrall() if pw.pw_name in g.gr_mem]
-    return pw.pw_uid, pw.pw_gid, sorted({pw.pw_gid, *groups})
+    try:
+        groups = os.getgrouplist(pw.pw_name, pw.pw_gid)     # NSS, as initgroups(3) sees them
+    except OSError:
+        groups = [pw.pw_gid]
+    env = {"HOME": pw.pw_dir or "/", "USER": pw.pw_name, "LOGNAME": pw.pw_name}
+    return pw.pw_uid, pw.pw_gid, sorted({pw.pw_gid, *groups}), env

@@ -31,6 +31,7 @@ LAYERS = (
     "workspace_quiescent",
     "sockets_closed",
     "locks_released",
+    "redispatch_eligible",
 )
 
 

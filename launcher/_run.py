@@ -36,8 +36,9 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any, Callable, Sequence
 
-from . import _launch, _nested
+from . import _ending, _launch, _nested
 from . import _state as S
+from ._args import check_argv
 from ._evidence import RunEvidence
 from ._inbox import Inbox, grace_of
 from ._layout import RunDir, new_id, new_uid
@@ -46,6 +47,7 @@ from ._options import Options
 from ._platform import host
 from ._record import StopRecord, now_iso, write_json_atomic
 from ._stop import StopSequence
+from ._usage import RunUsage
 
 UNCONFIRMED_RETRIES = 2
 _INBOX_FALLBACK_S = 0.5        # without a wake-up FIFO the inbox is still read this often
@@ -57,9 +59,7 @@ class Run:
 
     def __init__(self, argv: Sequence[str], *, id: str | None = None, options: Options | None = None,
                  uid: str | None = None, facts: RunEvidence | None = None) -> None:
-        if not argv:
-            raise ValueError("nothing to run: argv is empty")
-        self.argv = [os.fsdecode(a) for a in argv]
+        self.argv = check_argv(argv)
         self.opts = options or Options()
         self.id = id or new_id()
         self.uid = uid or new_uid()
@@ -70,8 +70,10 @@ class Run:
         self.snap = S.Snapshot()
         self.facts = facts or RunEvidence()
         self.inbox = Inbox(None, self.id, self.uid, self.facts)
+        self.inbox.on_reject = lambda offset, reason: self.journal("rejected", offset=offset, reason=reason[:200])
         self.watch: EscapeWatch | None = None
         self.stop = StopSequence(None, self.facts, kill_timeout=self.opts.kill_timeout, journal=self.journal)
+        self.usage = self.stop.usage = RunUsage(self.opts.limits, check_locks=self.opts.check_locks)
         self.on_change: Callable[[], None] | None = None
         self.end_hooks: list[Callable[[Run], None]] = []   # called once a run ended REAPED
         self._cancel_grace: float | None = None
@@ -81,6 +83,7 @@ class Run:
         self._lock = threading.RLock()
         self._done = threading.Event()
         self._final: StopRecord | None = None
+        self.stats_error: str | None = None       # why --stats-json could not be written
 
     # -- start -------------------------------------------------------------
 
@@ -126,9 +129,11 @@ class Run:
                 sources = self.sources() + [(fd, host.POLLIN) for fd in extra_fds]
                 self.drain(host.wait_ready(sources, self.next_deadline() - time.monotonic()))
                 self.turn()
-        finally:
-            if self.snap.terminal or self.snap.phase is S.Phase.UNCONFIRMED:
-                self.finish()
+        except BaseException as e:
+            _ending.abandon(self, e)
+            raise
+        if self.snap.terminal or self.snap.phase is S.Phase.UNCONFIRMED:
+            self.finish()
         assert self._final is not None
         return self._final
 
@@ -240,7 +245,7 @@ class Run:
 
     def _begin_stop(self, now: float, grace: float | None = None, signum: int | None = None,
                     linger: float = 0.0) -> None:
-        self._see_nested()
+        self.see_nested()
         self._check_root()     # an empty container's worker status is taken first
         if self.snap.terminal:
             return
@@ -268,9 +273,12 @@ class Run:
 
     def journal(self, event: str, **fields: Any) -> None:
         if self.layout is not None:
-            self.layout.journal(event, **fields)
+            try:
+                self.layout.journal(event, **fields)
+            except OSError as e:
+                self.facts.not_saved("the journal", e)
 
-    def _see_nested(self) -> None:
+    def see_nested(self) -> None:
         """Remember the runs nested in this one while their containers exist:
         they end with this run (at the start of its stop, and before removal)."""
         if self.container is not None and self.container.backend == "cgroup2":
@@ -295,28 +303,14 @@ class Run:
         if self._final is not None and self._final.terminal:
             return
         terminal = self.snap.terminal
-        if terminal and (self.opts.workspace or self.opts.check_sockets):
-            from ._postconditions import measure   # lazy: only runs that asked for it
-
-            self.facts.layers.update(measure(self.opts.workspace, self.opts.check_sockets, self.stop.sockets))
-        if self.container is not None:
-            self.facts.cpu = self.container.cpu_stat() or self.facts.cpu
-            self._see_nested()
-            if terminal:
-                problem = self.container.remove()
-                self.facts.cleanup = {"container_removed": problem is None, "detail": problem}
-        if self.snap.phase is S.Phase.REAPED:
-            for hook in self.end_hooks:
-                hook(self)
-        if self.watch is not None:
-            self.watch.close()
-        if terminal and self.root is not None:
-            self.root.close()
+        _ending.settle_tree(self, terminal)
         self.facts.times["ended_at"] = now_iso() if terminal else None
         # The record first: an acknowledgement may only claim what a written
         # record already says (an owner dying in between leaves acks to be
         # settled by the next adopter, never the reverse).
         rec = self.publish()
+        if terminal and self.opts.stats_json:
+            self.stats_error = self.usage.append_stats(self.opts.stats_json, rec.to_dict())
         self.inbox.settle(self.snap)
         self.journal("ended" if terminal else "unconfirmed", state=self.snap.state.value)
         if self.layout is not None:
@@ -336,7 +330,13 @@ class Run:
         rec = self.record_dict()
         durable = self.snap.terminal     # only the result outlives the processes (see _layout.py)
         if self.layout is not None:
-            self.layout.write_record(rec, durable=durable)
+            try:
+                self.layout.write_record(rec, durable=durable)
+            except OSError as e:
+                # Stop first: the record stays in memory (the library returns
+                # it, the CLI says what could not be written and exits 125).
+                self.facts.not_saved("record.json", e)
+                rec = self.record_dict()
         if self.opts.record_file:
             try:
                 write_json_atomic(self.opts.record_file, rec, fsync=durable)

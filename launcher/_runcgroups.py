@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 from ._controllers import (DOCTOR_HINT, Route, V1Hierarchy, plan, read_file, v1_base_for, v1_hierarchies)
 from ._errors import ContainmentUnavailable
 from ._limits import Limits
-from ._procfs import cgroups_of
+from ._procfs import cgroups_of, read_stat
 
 _RUN_NAME = re.compile(r"^(run|sub)-[A-Za-z0-9._-]{1,128}-[0-9a-f]{8}$")
 
@@ -265,6 +265,37 @@ class RunCgroups:
                 pass
         self._fds = []
 
+    def holds(self, pid: int) -> bool:
+        """Whether `pid` is in one of the run's own v1 cgroups now (or in a
+        cgroup below one). A process is born in its creator's cgroups: a
+        fork found here was made inside the run, even if it has left the
+        cgroup v2 container since (a root member can move itself there, and
+        need not think of v1)."""
+        if not self.v1:
+            return False
+        try:
+            where = cgroups_of(pid)
+        except OSError:
+            return False
+        for hname, d in self.v1.items():
+            mine = self.v1_hier[hname].cg_path(d)
+            got = where.get(hname)
+            if got is not None and (got == mine or got.startswith(mine.rstrip("/") + "/")):
+                return True
+        return False
+
+    def members(self) -> list[int]:
+        """Every process in the run's own v1 cgroups now (their subtrees too)."""
+        pids: set[int] = set()
+        for d in self.v1.values():
+            for sub, _dirs, _files in os.walk(d):
+                try:
+                    with open(os.path.join(sub, "cgroup.procs")) as f:
+                        pids.update(int(x) for x in f.read().split())
+                except (OSError, ValueError):
+                    continue
+        return sorted(pids)
+
     def verify(self, pid: int) -> dict[str, Any]:
         """Right after the spawn: /proc/<pid>/cgroup names our cgroup on every
         v1 hierarchy the run joined. Evidence-shaped: observed True (all
@@ -275,11 +306,10 @@ class RunCgroups:
             return {"observed": True, "via": via, "detail": {"v1": {}, "note": "no v1 cgroup to join"}}
         try:
             where = cgroups_of(pid)
-            with open(f"/proc/{pid}/stat") as f:
-                st = f.read()
         except OSError as e:
             return {"observed": None, "via": via, "detail": f"not readable: {os.strerror(e.errno or 0)}"}
-        if st[st.rfind(")") + 2:st.rfind(")") + 3] in ("Z", "X"):
+        st = read_stat(pid)
+        if st is None or st[0] in ("Z", "X"):
             # An exited task's cgroup line is no statement about placement.
             return {"observed": None, "via": via, "detail": f"pid {pid} has exited"}
         detail: dict[str, Any] = {}

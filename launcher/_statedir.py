@@ -29,14 +29,13 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import sys
 import time
 
 from . import _safefs as F
+from ._policy import elevated as elevated, policy_env as policy_env
 from ._safefs import UnsafePath
 
 ENV = "CONTAIN_STATE_DIR"
-AT_SECURE = 23        # include/uapi/linux/auxvec.h
 
 
 class StateDirError(UnsafePath):
@@ -45,46 +44,6 @@ class StateDirError(UnsafePath):
 
     def __str__(self) -> str:
         return f"state directory {self.path}: {self.problem}"
-
-
-_secure: bool | None = None
-
-
-def _at_secure() -> bool:
-    """AT_SECURE from /proc/self/auxv (os.getauxval is not in Python): set
-    when the kernel gave this process privilege at exec (setuid, setgid,
-    file capabilities)."""
-    global _secure
-    if _secure is None:
-        import struct
-
-        try:
-            with open("/proc/self/auxv", "rb") as f:
-                data = f.read()
-            fmt = "@LL"
-            n = len(data) - len(data) % struct.calcsize(fmt)
-            _secure = any(k == AT_SECURE and v != 0 for k, v in struct.iter_unpack(fmt, data[:n]))
-        except OSError:
-            _secure = False
-    return _secure
-
-
-def elevated() -> bool:
-    """Whether this process holds privilege its caller may not have: then
-    the caller's environment must not choose paths or policy."""
-    if sys.platform == "win32":      # no setuid on Windows: an elevated token is the caller's own
-        return False
-    return os.getuid() != os.geteuid() or os.getgid() != os.getegid() or _at_secure()
-
-
-def policy_env(name: str, env: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
-    """A CONTAIN_* setting from the supervisor's own environment, or None
-    when the process is elevated (elevated()). Use it for every variable that
-    chooses a path or a policy: CONTAIN_STATE_DIR, CONTAIN_CGROUP_BASE,
-    CONTAIN_BACKEND, CONTAIN_LEDGER, CONTAIN_KEEP_RUNS."""
-    if elevated():
-        return None
-    return env.get(name) or None
 
 
 def location(env: dict[str, str] | os._Environ[str] = os.environ) -> str:
@@ -247,7 +206,7 @@ def claim_lock(st: StateDir) -> int:
     the returned fd: claims, and the renames of retention, are serialised by
     it. Waits at most CLAIM_WAIT_S for another holder (a stopped process
     holding it must not wedge every later run). Raises StateDirError."""
-    import fcntl
+    import fcntl     # (imported here: this module is loaded on Windows too, for its errors and bounds)
 
     path = os.path.join(st.path, "runs", ".claim.lock")
     try:

@@ -74,6 +74,7 @@ class StopSequence:
         self.signum = int(signal.SIGTERM)  # the polite step's signal
         self.sockets: tuple[set[int], list[str]] | None = None   # held by members at the stop
         self.never_ran = False             # cancelled before, or failed at, the spawn: no worker instruction ran
+        self.usage: Any = None             # the run's RunUsage (_usage.py): locks at the stop, time of empty
 
     def next_deadline(self) -> float:
         return self.deadline if self.stage is not None else float("inf")
@@ -86,6 +87,11 @@ class StopSequence:
         if ev is not None and ev is not S.Event.OBSERVE_FAILED:
             return ev
         self._note_sockets()
+        if self.usage is not None:
+            try:
+                self.usage.at_stop(self.container.members())
+            except OSError:
+                pass                       # the locks layer then says what it could not list
         self.grace, self.signum = grace, int(signum)
         if linger > 0 and ev is None:
             self.stage, self.deadline = "linger", now + linger
@@ -218,6 +224,8 @@ class StopSequence:
             self._end_linger(time.monotonic(), "emptied")
         t = time.time()
         facts.times["empty_at"] = now_iso(t)
+        if self.usage is not None:
+            self.usage.at_empty()
         if c.backend == "none":
             facts.layers["container_empty"] = not_measured("no kernel container (degraded mode)")
             # Everything the scan saw is gone, but nothing held the tree: that

@@ -85,7 +85,12 @@ def summary(rec: dict[str, Any], paths: Sequence[str]) -> str:
         if stopped_leftovers(rec):
             what = what.replace(" process", " leftover process", 1) if what[:1].isdigit() else "the leftovers"
         parts.append(f"stopped {what} with {how}")
-    elif rec.get("outcome") in ("exited", "signaled"):
+    esc = ((rec.get("evidence") or {}).get("escapes") or {}).get("detail")
+    killed = [e for e in esc if isinstance(e, dict) and e.get("killed")] if isinstance(esc, list) else []
+    if killed:
+        parts.append(f"killed {len(killed)} process{'es' if len(killed) != 1 else ''} that had left the container"
+                     + ("" if all(e.get("gone") for e in killed) else " (not all proven gone)"))
+    elif not steps and rec.get("outcome") in ("exited", "signaled"):
         parts.append("nothing was left to stop")
     parts.append(str(rec.get("state")))
     if paths:

@@ -21,6 +21,7 @@ import threading
 from types import TracebackType
 from typing import Any, Sequence
 
+from ._args import check_optional_seconds
 from ._layout import new_uid
 from ._record import StopRecord
 from ._options import DEFAULT_GRACE
@@ -34,7 +35,7 @@ class Supervisor:
     grace when the supervisor stops them on exit."""
 
     def __init__(self, *, grace: float | None = None, **defaults: Any) -> None:
-        self.grace = grace
+        self.grace = check_optional_seconds(grace, "grace")
         self._defaults = defaults
         self._lock = threading.Lock()
         self._runs: list[Run] = []                 # every run, from before it starts

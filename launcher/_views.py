@@ -90,6 +90,26 @@ def members_now(cgroup_dir: str | None) -> tuple[int | None, int | None]:
     return members, cpu
 
 
+def usage_now(info: RunInfo) -> dict[str, Any] | None:
+    """CPU, memory and tasks of a live run now, from its own cgroups
+    (_accounting.live); run.json's description of them is untrusted and
+    checked by RunCgroups.attach. None when the run has none."""
+    desc = info.raw.get("cgroups_v1")
+    v2_dir = info.cgroup_dir if info.backend == "cgroup2" else None
+    if not isinstance(desc, dict) and v2_dir is None:
+        return None
+    from ._accounting import live
+    from ._runcgroups import RunCgroups
+
+    try:
+        cg = RunCgroups.attach(desc, v2_dir=v2_dir) if isinstance(desc, dict) else None
+    except (OSError, ValueError) as e:
+        return {"unreadable": str(e)}
+    if v2_dir is not None and members_now(v2_dir)[0] is None:
+        v2_dir = None                      # not one of our leaves on a cgroup2 mount: not read
+    return live(cg, v2_dir=v2_dir)
+
+
 def live_view(d: RunDir, *, live: bool = True, summary: bool = False) -> dict[str, Any]:
     """What a reader can tell from the layout alone, plus (with `live`) the
     run's cgroup as it is now. `state` is the record's, or UNREADABLE with
@@ -149,6 +169,8 @@ def fill_view(d: RunDir, view: dict[str, Any], live: bool, summary: bool = False
             members, cpu = members_now(info.cgroup_dir)
             view["members"] = members
             view["cpu_usec"] = cpu if cpu is not None else view["cpu_usec"]
+        if live and not summary and isinstance(info, RunInfo):
+            view["usage"] = usage_now(info)
     return view
 
 
@@ -211,8 +233,94 @@ def layers(evidence: dict[str, Any]) -> list[str]:
 def empty_view(d: RunDir) -> dict[str, Any]:
     return {"id": d.id, "run_uid": None, "state": UNREADABLE, "outcome": None, "exit_code": None, "signal": None,
             "orphaned": False, "owner_alive": None, "pid": None, "started_at": None, "ended_at": None,
-            "argv": None, "members": None, "cpu_usec": None, "unreadable": None}
+            "argv": None, "members": None, "cpu_usec": None, "usage": None, "unreadable": None}
 
 
 # -- cancel, wait -----------------------------------------------------------------
 
+
+
+# -- what a run used --------------------------------------------------------------
+
+def size(n: Any) -> str:
+    if not isinstance(n, (int, float)) or isinstance(n, bool):
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return "-"
+
+
+def _metric(m: Any, fmt: Any) -> str | None:
+    """One accounting metric as text: its value, or `unknown (reason)`;
+    None when the snapshot has no such metric."""
+    if not isinstance(m, dict):
+        return None
+    if m.get("value") is None:
+        return f"unknown ({cut(str(m.get('reason') or 'not read'), 60)})"
+    return fmt(m["value"])
+
+
+_COST = (("cpu", "cpu_usec", lambda v: f"{v / 1e6:.2f} s"),
+         ("wall", "wall_s", lambda v: f"{v:.2f} s"),
+         ("memory peak", "memory_peak_bytes", size),
+         ("tasks peak", "tasks_peak", str),
+         ("oom kills", "oom_kills", str),
+         ("io read", "io_read_bytes", size),
+         ("io written", "io_write_bytes", size))
+
+
+def cost_lines(record: dict[str, Any]) -> list[str]:
+    """`status`: what the run cost (the record's accounting; what could not
+    be measured is named, its reason is in --json), the limits it ran under,
+    any it hit, and what the kernel says killed the worker."""
+    out = []
+    acct = record.get("accounting")
+    if isinstance(acct, dict):
+        parts, missing = [], []
+        for label, key, fmt in _COST:
+            m = acct.get(key)
+            if isinstance(m, dict):
+                if m.get("value") is None:
+                    missing.append(label)
+                else:
+                    parts.append(f"{label} {fmt(m['value'])}")
+        if parts or missing:
+            out.append("  cost       " + ", ".join(parts)
+                       + (f"; not measured: {', '.join(missing)} (why: --json)" if missing else ""))
+    lim = record.get("limits")
+    if isinstance(lim, dict) and isinstance(lim.get("applied"), dict) and lim["applied"]:
+        hit = lim.get("hit")
+        hits = [k for k, v in (hit if isinstance(hit, dict) else {}).items() if isinstance(v, dict) and v.get("observed") is True]
+        out.append("  limits     " + ", ".join(_limit_text(k, v) for k, v in lim["applied"].items())
+                   + (f"; hit: {', '.join(hits)}" if hits else ""))
+    cause = record.get("signal_cause")
+    if isinstance(cause, dict) and cause.get("cause"):
+        out.append(f"  killed by  {cause['cause']}" + (f" ({cut(str(cause['basis']), 100)})" if cause.get("basis") else ""))
+    return out
+
+
+def _limit_text(name: str, v: Any) -> str:
+    if not isinstance(v, dict):
+        return f"{name} {render(v)}"
+    value = v.get("value")
+    if isinstance(value, dict) and "cpus" in value:
+        shown = f"{value['cpus']} CPUs (quota {value.get('quota_us')} us a {value.get('period_us')} us period)"
+    else:
+        shown = size(value) if name.endswith("_bytes") else render(value)
+    return f"{name.removesuffix('_bytes')} {shown}" + (f" ({v['via']})" if v.get("via") else "")
+
+
+def usage_lines(usage: Any) -> list[str]:
+    """`status` of a live run: memory and tasks now (CPU is on its own line)."""
+    if not isinstance(usage, dict):
+        return []
+    if usage.get("unreadable"):
+        return [f"    usage      unknown: {cut(str(usage['unreadable']), 120)}"]
+    out = []
+    for label, key, fmt in (("memory", "memory_bytes", size), ("tasks", "tasks", str)):
+        t = _metric(usage.get(key), fmt)
+        if t is not None:
+            out.append(f"    {label:<10} {t}")
+    return out

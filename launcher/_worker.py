@@ -16,6 +16,7 @@ import time
 from typing import IO, Any, Callable, Sequence
 
 from . import _stdio
+from ._args import check_optional_seconds, wait_event
 from ._layout import new_uid
 from ._record import CancelRecord, StopRecord, now_iso
 from ._adopt import finish_nested
@@ -98,7 +99,7 @@ class Worker(RunHandle):
     def wait(self, timeout: float | None = None) -> StopRecord:
         """Block until the owner loop has finished; return the stop record.
         Raises TimeoutError if `timeout` passes first."""
-        if not self._finished.wait(timeout):
+        if not wait_event(self._finished, check_optional_seconds(timeout, "timeout")):
             raise TimeoutError(f"run {self.id} still running after {timeout} s")
         if self._error is not None:
             raise self._error
@@ -108,6 +109,7 @@ class Worker(RunHandle):
         """Request a stop; returns this operation's acknowledgement at once
         (effect `cancel_requested` or `not_live`). `wait()` for the end; the
         settled acknowledgement is `cancel_record(op_id)`."""
+        grace = check_optional_seconds(grace, "grace")
         op = op_id or f"op-{new_uid()}"
         known = self._known_ack(op)
         if known is not None:

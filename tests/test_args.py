@@ -179,3 +179,40 @@ def test_args_stays_off_the_heavy_imports():
     top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     names = {a.name for n in top for a in n.names}
     assert names <= {"annotations", "os"}, names
+
+
+# -- the library applies them -------------------------------------------------------
+# (real runs: the checks are where the library takes the arguments, not only here)
+
+@pytest.mark.parametrize("argv, kind", [("true", TypeError), (b"true", TypeError), (["true", 5], TypeError),
+                                        ([], ValueError)])
+def test_the_library_refuses_bad_argv_before_anything_runs(state_dir, argv, kind):
+    import launcher
+
+    with pytest.raises(kind):
+        launcher.run(argv)
+    with pytest.raises(kind):
+        launcher.spawn(argv)
+    assert not os.path.isdir(os.path.join(state_dir, "runs")) or os.listdir(os.path.join(state_dir, "runs")) in (
+        [], [".claim.lock"]), "a refused argv claimed a run"
+
+
+def test_any_finite_wait_and_grace_work_and_others_are_refused(contained):
+    """Worker.wait(1e300) waits (Python's own Event.wait would raise
+    OverflowError); a NaN grace is a ValueError naming it, not a stop that
+    never ends; Supervisor(grace=...) is checked the same way."""
+    import launcher
+
+    w = launcher.spawn(["sleep", "0.2"], env=contained["env"])
+    assert w.wait(timeout=1e300).state == "REAPED"
+    w = launcher.spawn(["sleep", "30"], env=contained["env"])
+    try:
+        with pytest.raises(ValueError, match="grace"):
+            w.cancel(grace=float("nan"))
+        with pytest.raises(ValueError, match="timeout"):
+            w.wait(timeout=-1)
+    finally:
+        w.cancel(grace=0)
+        assert w.wait(30).state == "REAPED"
+    with pytest.raises(ValueError, match="grace"):
+        launcher.Supervisor(grace=float("inf"))

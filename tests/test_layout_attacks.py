@@ -20,6 +20,8 @@ import time
 
 import pytest
 
+import launcher
+
 from _proc import contain_cmd, holders, run_contain, wait_holders
 from _users import ROOT, Shared, as_uid, contain_as, spare_uids, user_env, why_not
 from conftest import needs_cgroup
@@ -676,6 +678,61 @@ def test_record_that_cannot_be_written_is_an_error_the_user_sees(box):
     assert holders(box.token) == []
 
 
+# -- 7. every failure after the claim rolls back ----------------------------------------
+
+@needs_cgroup
+@pytest.mark.forked        # it lowers RLIMIT_NOFILE of the test process
+def test_a_start_that_runs_out_of_descriptors_wedges_nothing(contained):
+    """EMFILE at every point of the start-up in turn (the soft descriptor
+    limit raised one at a time): each failed start is an error the caller
+    gets, and leaves no descriptor, no child, no cgroup and no held id
+    behind; the id then runs normally."""
+    import resource
+
+    from conftest import children_of, fd_count
+
+    env = contained["env"]
+    launcher.run(["true"], env=env)           # warm: imports, the base, the state directory
+    base_fds, kids = fd_count(), children_of(os.getpid())
+    cgroups = sorted(os.listdir(contained["cgroup_base"]))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    failures = 0
+    try:
+        for limit in range(base_fds + 1, base_fds + 60):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+            try:
+                rec = launcher.run(["true"], id="e", env=env)
+            except (launcher.LauncherError, OSError):
+                rec = None
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            assert fd_count() == base_fds, f"descriptors leaked by a start that failed at limit {limit}"
+            assert children_of(os.getpid()) == kids
+            assert sorted(os.listdir(contained["cgroup_base"])) == cgroups, f"a cgroup left at limit {limit}"
+            if rec is not None and rec.outcome == "exited":
+                break
+            failures += 1
+            assert rec is None or rec.state in ("REAPED", "UNCONFIRMED"), rec.to_dict()
+        else:
+            pytest.fail("the run never started, even with 60 descriptors to spare")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert failures > 3, "the limit never bit: the test proved nothing"
+    again = launcher.run(["true"], id="e", env=env)
+    assert again.state == "REAPED" and again.exit_code == 0
+
+
+@needs_cgroup
+def test_an_unknown_user_is_refused_before_anything_is_made(box):
+    p = run_contain(box.env, "run", "--id", "nu", "--user", "contain-no-such-user", "--", "true")
+    assert p.returncode == 2 and "no such user" in one_line(p.stderr)
+    assert not os.path.exists(os.path.join(box.state_dir, "runs", "nu")) or \
+        box.record("nu")["outcome"] == "spawn_failed"
+    assert box.leaves() == []
+    p = run_contain(box.env, "run", "--id", "nu", "--", "true")
+    assert p.returncode == 0, p.stderr
+
+
 # -- 8. readers are robust ---------------------------------------------------------------
 
 @needs_cgroup
@@ -845,3 +902,24 @@ def test_forged_nested_registrations_are_skipped(tmp_path):
         assert victim.read_text() == "x"
     finally:
         d.release()
+
+
+@needs_mount
+@needs_cgroup
+def test_full_state_dir_during_a_run_still_stops_the_worker(box):
+    """The state directory fills up while the run goes on; then SIGTERM.
+    The stop happens all the same (the test's own scan finds nothing of
+    the tree), contain says on stderr that the record could not be
+    written, exits non-zero, and never with a traceback."""
+    script = (
+        f'CONTAIN_STATE_DIR={{mnt}}/state {sys.executable} -m launcher run --id f -- '
+        'sh -c "setsid sleep 300 & exec sleep 300" & pid=$!; '
+        'for i in $(seq 100); do [ -e {mnt}/state/runs/f/run.json ] && break; sleep 0.05; done; '
+        'sleep 0.3; head -c 4M /dev/zero > {mnt}/filler 2>/dev/null; '
+        'kill -TERM $pid; wait $pid; echo "rc=$?" >&2')
+    p = _in_full_tmpfs(["sh", "-c", script], size="256k", env=box.env)
+    assert "Traceback" not in p.stderr, p.stderr
+    rc = int(p.stderr.rsplit("rc=", 1)[1].split()[0])
+    assert rc != 0, p.stderr
+    assert "No space left on device" in p.stderr, p.stderr
+    assert holders(box.token) == [], "the worker's tree outlived a stop on a full disk"

@@ -153,7 +153,8 @@ def test_ledger_tracks_forks_made_before_the_root_is_registered():
     """Events that arrive before track_root are replayed: a worker that
     forks at once is not missed. Drives the Ledger directly."""
     sys.path.insert(0, ROOT)
-    from launcher._ledger import Ledger, LedgerUnavailable
+    from launcher._ledger import Ledger
+    from launcher._proccn import LedgerUnavailable
 
     try:
         led = Ledger.open()

@@ -306,3 +306,18 @@ def test_cpu_of_the_whole_tree_is_accounted(box):
     assert p.returncode == 0
     cpu = box.record("x")["cpu"]
     assert cpu and cpu["usage_usec"] > 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="--user needs root")
+def test_user_gets_the_accounts_home_names_and_groups(box):
+    """--user NAME runs with the account's HOME, USER and LOGNAME (as su(1)
+    sets them, not the caller's /root) and its supplementary groups."""
+    import pwd
+
+    pw = pwd.getpwnam("nobody")
+    p = run_contain(box.env, "run", "--user", "nobody", "--", "sh", "-c", 'echo "$HOME:$USER:$LOGNAME"; id -u; id -G')
+    assert p.returncode == 0, p.stderr
+    names, uid, groups = p.stdout.splitlines()
+    assert names == f"{pw.pw_dir}:nobody:nobody"
+    assert int(uid) == pw.pw_uid
+    assert sorted(map(int, groups.split())) == sorted(set(os.getgrouplist("nobody", pw.pw_gid)))

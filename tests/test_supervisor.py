@@ -1,6 +1,7 @@
 """Supervisor: many workers, and nothing left behind however the scope ends."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -131,3 +132,24 @@ def test_keyboard_interrupt_in_an_async_supervisor_leaves_nothing_alive(containe
     assert children_of(os.getpid()) == []
     assert [d for d in os.listdir(contained["cgroup_base"]) if d.startswith("run-")] == []
     assert [w.record().state for w in workers] == ["REAPED"] * 4
+
+
+@pytest.mark.forked
+def test_keyboard_interrupt_inside_launcher_run_stops_the_run_and_frees_its_id(contained: dict) -> None:
+    """Ctrl-C while `launcher.run` owns a run in the calling thread: the
+    owner loop is cut short, yet the run is stopped and recorded (not left
+    running, unowned, with its lock held), and its id can be used again."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    killer = subprocess.Popen(["sh", "-c", f"sleep 0.5; kill -INT {os.getpid()}"])
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launcher.run(["sh", "-c", "setsid sleep 300 & trap '' TERM; sleep 300"], id="ki", env=contained["env"])
+    finally:
+        killer.wait(10)
+    assert pids_with_token(contained["token"]) == []
+    assert children_of(os.getpid()) == []
+    with open(os.path.join(contained["state_dir"], "runs", "ki", "record.json")) as f:
+        rec = json.load(f)
+    assert rec["state"] == "REAPED" and rec["evidence"]["cancel_requested"]["via"] == "the owner loop failed", rec
+    again = launcher.run(["true"], id="ki", env=contained["env"])
+    assert again.state == "REAPED" and again.exit_code == 0

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from typing import Any, NamedTuple
 
 from .._errors import ContainmentUnavailable
+from .._policy import policy_env
 from .._procfs import cgroup_of, mounts
 
 
@@ -167,7 +168,7 @@ def _choose_base(env: dict[str, str] | os._Environ[str]) -> tuple[Hierarchy, str
     hs = hierarchies()
     if not hs:
         raise ContainmentUnavailable("no cgroup v2 hierarchy is mounted")
-    explicit = env.get("CONTAIN_CGROUP_BASE")
+    explicit = policy_env("CONTAIN_CGROUP_BASE", env)
     if explicit:
         for h in hs:
             if explicit == h.mount or explicit.startswith(h.mount.rstrip("/") + "/"):

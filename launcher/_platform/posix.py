@@ -83,7 +83,9 @@ def spawn(req: SpawnRequest, cgroup_fd: int = -1, join_fds: Sequence[int] = (),
     opened for writing by the caller) the child writes "0" to before
     anything else, and `expect_cgroup`: lines /proc/self/cgroup must then
     hold (e.g. "0::/contain/run-x/main"), or the spawn fails at "placement"
-    without running a worker instruction."""
+    without running a worker instruction. The request's own `join_fds`
+    are joined too."""
+    join_fds = list(join_fds) + list(req.join_fds)
     if req.pidns:
         return spawn_wall(req, cgroup_fd, join_fds, expect_cgroup)
     keep: list[Any] = []

@@ -264,12 +264,7 @@ class WallRoot:
     def source(self) -> None:
         return None            # the container waits on the init's pidfd and socket
 
-    def poll(self) -> RootExit | None:
-        """The kernel's record of the worker's exit first (it cannot be
-        forged from inside); the init's report where the kernel has none."""
-        if self._ended:
-            return None
-        self.init.pump()
+    def _status(self) -> RootExit | None:
         kernel = pidfd_exit_status(self.pidfd) if self.pidfd >= 0 else None
         if kernel is not None:
             self._end()
@@ -278,7 +273,23 @@ class WallRoot:
         if st is not None:
             self._end()
             return exit_of(st, "the PID namespace's init reaped the worker (its wait status, on the init's socket)")
+        return None
+
+    def poll(self) -> RootExit | None:
+        """The kernel's record of the worker's exit first (it cannot be
+        forged from inside); the init's report where the kernel has none."""
+        if self._ended:
+            return None
+        self.init.pump()
+        got = self._status()
+        if got is not None:
+            return got
         if self.init.reaped():
+            # reaped() read the socket once more: the init may have said
+            # EXIT and exited between the look above and this one.
+            got = self._status()
+            if got is not None:
+                return got
             self._end()
             return RootExit(None, None, None, evidence(
                 True, "the PID namespace's init was reaped (every member is gone)",

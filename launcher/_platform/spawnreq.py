@@ -130,7 +130,7 @@ class SpawnRequest:
     __slots__ = ("argv", "env", "cwd", "stdio", "new_pgroup", "new_session", "uid", "gid",
                  "groups", "seal_ro_paths", "drop_caps", "no_new_privs", "seal_cg2_paths",
                  "seal_userns", "keep_ignored", "pass_fds", "shell", "clear_caps",
-                 "pidns", "userns", "uid_map", "gid_map", "mount_proc", "die_with_parent")
+                 "pidns", "userns", "uid_map", "gid_map", "mount_proc", "die_with_parent", "join_fds")
 
     def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
                  stdio: tuple[int, int, int] = (-1, -1, -1), new_pgroup: bool = False,
@@ -185,6 +185,9 @@ class SpawnRequest:
         self.gid_map = gid_map
         self.mount_proc = mount_proc
         self.die_with_parent = die_with_parent
+        # More cgroup.procs fds the child (or the wall's init) joins before
+        # the worker's first instruction: the run's v1 cgroups (_usage.py).
+        self.join_fds: list[int] = []
 
 
 class Spawned:

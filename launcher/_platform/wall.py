@@ -302,7 +302,15 @@ def spawn_wall(req: SpawnRequest, cgroup_fd: int = -1, join_fds: Sequence[int] =
     # The pidfd's word first; once the init has reaped a worker that exited
     # at once, the pidfd names no pid, and the init's reading (made while the
     # worker was its unreaped child) stands in.
-    pid = pid_of_pidfd(worker.pidfd)
+    try:
+        pid = pid_of_pidfd(worker.pidfd)
+    except OSError:
+        # EMFILE, say: nothing is left running or open on a failed spawn.
+        kill_init(r.init_pidfd)
+        if select.select([r.init_pidfd], [], [], 5.0)[0]:      # bounded: the container's stop covers the rest
+            reap_init(r.init_pidfd)
+        close_fds(r.init_pidfd, r.report_fd, worker.pidfd)
+        raise
     if pid <= 0:
         pid = worker.host_pid
     return Spawned(pid, worker.pidfd, via, wall="pidns", init_pid=r.init_pid, init_pidfd=r.init_pidfd,

@@ -1,0 +1,65 @@
+"""The end of a run's ownership, for `Run.finish` and the owner loop.
+
+    settle_tree(run, terminal)   what the tree left: the postconditions the run
+                                 asked for, the accounting (before the cgroups
+                                 go), the container removed, the end hooks
+    abandon(run, err)            the owner loop failed: the run is stopped all
+                                 the same, or at least handed on (lock released)
+"""
+from __future__ import annotations
+
+import time
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from ._run import Run
+
+from . import _state as S
+
+
+def settle_tree(run: Run, terminal: bool) -> None:
+    """Before the record: everything that must be read while the container
+    and the run's cgroups still exist, then their removal."""
+    if terminal and (run.opts.workspace or run.opts.check_sockets):
+        from ._postconditions import measure   # lazy: only runs that asked for it
+
+        run.facts.layers.update(measure(run.opts.workspace, run.opts.check_sockets, run.stop.sockets))
+    if run.container is not None:
+        run.facts.cpu = run.container.cpu_stat() or run.facts.cpu
+        run.see_nested()
+        if terminal:
+            # Counters live only as long as their cgroups: read them first.
+            run.usage.finish(run.facts, run.container, run.pid)
+            problem = run.container.remove()
+            run.facts.cleanup.update(container_removed=problem is None, detail=problem)
+    if run.snap.phase is S.Phase.REAPED:
+        for hook in run.end_hooks:
+            hook(run)
+    if run.watch is not None:
+        run.watch.close()
+    if terminal and run.root is not None:
+        run.root.close()
+
+
+def abandon(run: Run, err: BaseException) -> None:
+    """The owner loop raised (a bug, an interrupt of a library caller's
+    thread). A worker must not run on unowned with the lock held: the run is
+    stopped as a cancel of contain's own (grace 0: whoever waited on it is
+    gone) and recorded; if even that fails, the lock is released so that
+    `contain cancel` can adopt the run."""
+    why = "interrupted" if isinstance(err, KeyboardInterrupt) else f"{type(err).__name__}: {err}"
+    try:
+        run.facts.notes.append(f"the owner loop failed ({why}): the run was stopped")
+        if not run.snap.terminal and run.snap.phase is not S.Phase.UNCONFIRMED:
+            if not run.snap.stopping:
+                run.facts.set("cancel_requested", True, "the owner loop failed", {"by": "contain", "error": why})
+                run.feed(S.Event.CANCEL)
+                run.publish()
+            now = time.monotonic()
+            ev = run.stop.begin(now, 0.0) if run.stop.stage is None else run.stop.observe()
+            if ev is None or ev is S.Event.OBSERVE_FAILED:
+                ev = run.stop.wait_empty(now + run.opts.kill_timeout)
+            run.feed(ev)
+        run.finish()
+    except BaseException:
+        run.close()
+        raise

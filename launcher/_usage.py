@@ -1,0 +1,159 @@
+"""What a run may use and what it cost, in one run's life (issue 14).
+
+    RunUsage(opts)                 the limits asked (`--memory-max`, `--pids-max`, `--cpu-max`)
+    .create(container, run_id)     the run's own cgroups beside its container (v1 on hybrid
+                                   hosts), limits written and read back: before the spawn
+    .join(req)                     the spawn's join fds: the child writes "0" to each before
+                                   exec, so the whole tree is inside from its first instruction
+    .spawned(pid)                  placement verified right after the spawn (None, or why not)
+    .at_stop(members)              the locks members hold when the stop begins (`locks_released`)
+    .finish(facts, container)      the final snapshot, after the container was observed empty and
+                                   before anything is removed; then the run's cgroups removed
+
+The numbers themselves and where each comes from are _accounting.py's; the
+cgroups are _runcgroups.py's; the locks layer is _locks.py's.
+"""
+from __future__ import annotations
+
+import os
+import time
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Any
+
+    from ._evidence import RunEvidence
+    from ._limits import Limits
+    from ._runcgroups import RunCgroups
+
+
+class RunUsage:
+    def __init__(self, limits: Limits | None, *, check_locks: bool = False) -> None:
+        self.limits = limits
+        self.check_locks = check_locks
+        self.cgroups: RunCgroups | None = None
+        self.problem: str | None = None          # why the run has no cgroups of its own
+        self.spawned_mono: float | None = None
+        self.empty_mono: float | None = None
+        self.locks: Any = None
+        self.worker_pid = -1
+        self.placement: dict[str, Any] | None = None
+
+    def create(self, container: Any, run_id: str) -> None:
+        """Raises ContainmentUnavailable when a limit cannot be applied (the
+        run then fails with 125, never runs unlimited)."""
+        from ._errors import ContainmentUnavailable
+
+        if container.backend == "job-object":
+            # Windows: no cgroups; the job's own accounting (winacct.py).
+            if self.limits:
+                raise ContainmentUnavailable("limits (--memory-max, --pids-max, --cpu-max) are not built for "
+                                             "Job Objects yet")
+            self.problem = "no cgroups on Windows: the Job Object's own accounting is read"
+            return
+        from ._runcgroups import RunCgroups
+
+        v2_dir = getattr(container, "dir", None) if container.backend == "cgroup2" else None
+        name = os.path.basename(v2_dir) if v2_dir else f"run-{run_id}-{os.urandom(4).hex()}"
+        try:
+            self.cgroups = RunCgroups.create(name, self.limits, v2_dir=v2_dir, env=os.environ)
+        except ContainmentUnavailable:
+            raise
+        except (OSError, ValueError) as e:
+            if self.limits:
+                raise ContainmentUnavailable(f"limits: {e}") from e
+            self.problem = f"no cgroups of the run's own for accounting: {e}"
+
+    def adopt(self, info: dict[str, Any], container: Any) -> str | None:
+        """An adopter takes over the run's own cgroups from run.json (checked
+        by RunCgroups.attach: a forged description is refused), so the final
+        numbers are read and the cgroups removed. None, or why not."""
+        from ._runcgroups import RunCgroups
+
+        desc = info.get("cgroups_v1")
+        if desc is None:
+            return None
+        if not isinstance(desc, dict):
+            return "run.json: cgroups_v1 is not an object"
+        v2_dir = getattr(container, "dir", None) if container is not None and container.backend == "cgroup2" else None
+        try:
+            self.cgroups = RunCgroups.attach(desc, v2_dir=v2_dir)
+        except (OSError, ValueError) as e:
+            return f"the run's own cgroups were not taken over: {e}"
+        return None
+
+    def join(self, req: Any) -> None:
+        if self.cgroups is not None:
+            req.join_fds = list(req.join_fds) + self.cgroups.join_fds()
+
+    def close_join(self) -> None:
+        if self.cgroups is not None:
+            self.cgroups.close_join_fds()
+
+    def spawned(self, pid: int) -> str | None:
+        """None if the worker is in every cgroup it must be in, else why not
+        (the caller stops it: a run must not go on as if limited)."""
+        self.spawned_mono = time.monotonic()
+        self.worker_pid = pid
+        if self.cgroups is None:
+            return None
+        self.placement = self.cgroups.verify(pid)
+        if self.placement.get("observed") is False and self.limits:
+            return f"the worker is not in its limited cgroups: {self.placement.get('detail')}"
+        return None
+
+    def at_stop(self, members: list[int]) -> None:
+        if self.check_locks and self.locks is None:
+            from ._locks import held_by
+
+            self.locks = held_by(members, exited=[self.worker_pid] if self.worker_pid > 0 else [])
+
+    def at_empty(self) -> None:
+        self.empty_mono = self.empty_mono or time.monotonic()
+
+    def append_stats(self, path: str, rec: dict[str, Any]) -> str | None:
+        """`--stats-json`: one compact line per run (_stats.py). None, or why
+        it could not be written (the CLI's 125, as for --record)."""
+        from ._stats import append_stats, stats_line
+
+        try:
+            append_stats(path, stats_line(rec))
+        except OSError as e:
+            return f"--stats-json {path}: {e.strerror or e}"
+        return None
+
+    def finish(self, facts: RunEvidence, container: Any, pid: int) -> None:
+        """The final accounting and limits, the locks layer, then removal."""
+        from ._accounting import final_snapshot, limit_hits, signal_cause, wall_time
+
+        v2_dir = getattr(container, "dir", None) if container is not None and container.backend == "cgroup2" else None
+        acct = final_snapshot(self.cgroups, v2_dir=v2_dir, wall_s=wall_time(self.spawned_mono, self.empty_mono),
+                              wall_reason=None if self.empty_mono else "the container was not observed empty")
+        wall_cpu = container.cpu_stat() if container is not None and container.backend == "pidns" else None
+        if wall_cpu:
+            # No cgroup: whole-tree CPU from the init's rusage (it reaps every member).
+            src = "rusage of the PID namespace's init (every member it reaped)"
+            acct["cpu_usec"] = {"value": wall_cpu["usage_usec"], "source": src}
+            acct["cpu_user_usec"] = {"value": wall_cpu["user_usec"], "source": src}
+            acct["cpu_system_usec"] = {"value": wall_cpu["system_usec"], "source": src}
+        if container is not None and container.backend == "job-object":
+            from ._platform.winacct import fields
+
+            acct.update(fields(container))        # `null` with the reason where Wine reads 0
+        hits = limit_hits(acct)
+        facts.accounting = acct
+        if self.cgroups is not None:
+            facts.limits = dict(self.cgroups.limits_record(), hit=hits)
+            facts.cgroup_v1 = self.cgroups.describe()
+        steps = ((facts.layers.get("signal_sent") or {}).get("detail") or {})
+        killed = any(s.get("kind") == "kill" and s.get("observed")
+                     for s in (steps.get("steps") or [] if isinstance(steps, dict) else []))
+        facts.signal_cause = signal_cause(facts.signal, hits, kill_sent_before_exit=killed)
+        if self.check_locks:
+            from ._locks import locks_released
+
+            facts.layers["locks_released"] = locks_released(self.locks, exited_pids=[pid] if pid > 0 else [])
+        if self.cgroups is not None:
+            problem = self.cgroups.remove()
+            facts.cleanup["cgroups_v1_removed"] = problem is None
+            if problem:
+                facts.cleanup["cgroups_v1_detail"] = problem

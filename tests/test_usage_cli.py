@@ -1,0 +1,139 @@
+"""Accounting, limits, locks and redispatch through `contain run`, as a user
+drives them (issue 14). The modules are tested on their own in
+test_accounting.py, test_controllers.py, test_locks.py; here the run applies
+the limits before the worker's first instruction, records what it cost, and
+says whether the next attempt may start. Survival is the test's own scan."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _proc import holders, run_contain
+from conftest import needs_cgroup
+
+pytestmark = needs_cgroup
+PY = sys.executable
+
+
+def _v1(controller: str) -> bool:
+    from launcher import _controllers as C
+
+    return any(controller in h.controllers for h in C.v1_hierarchies())
+
+
+def test_a_clean_run_records_its_cost_and_may_be_redispatched(box, tmp_path):
+    stats = tmp_path / "stats.ndjson"
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.2: pass\n"
+    p = run_contain(box.env, "run", "--id", "a", "--stats-json", str(stats), "--",
+                    "sh", "-c", f"setsid {PY} -c '{burn}' & wait")
+    assert p.returncode == 0, p.stderr
+    rec = box.record("a")
+    acct = rec["accounting"]
+    assert acct["cpu_usec"]["value"] >= 150_000 and "cpu.stat" in acct["cpu_usec"]["source"]
+    assert acct["wall_s"]["value"] > 0
+    for k, m in acct.items():
+        if isinstance(m, dict) and "value" in m:
+            assert m["value"] is not None or m.get("reason"), (k, m)     # never a bare null
+    assert rec["evidence"]["redispatch_eligible"]["observed"] is True
+    line = json.loads(stats.read_text().splitlines()[-1])
+    assert line["run_id"] == "a" and line["state"] == "REAPED"
+    w = run_contain(box.env, "wait", "a", "--redispatch")
+    assert w.returncode == 0 and "redispatch_eligible true" in w.stdout
+    assert holders(box.token) == []
+
+
+@pytest.mark.skipif(not _v1("pids"), reason="no pids controller on this host (neither v2 delegated nor v1)")
+def test_a_fork_bomb_is_stopped_by_pids_max(box):
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    p = run_contain(box.env, "run", "--id", "b", "--pids-max", "24", "--timeout", "3", "--grace", "0",
+                    "--", PY, "-c", bomb, timeout=60)
+    assert p.returncode == 124, p.stderr
+    rec = box.record("b")
+    assert rec["limits"]["applied"]["pids_max"]["value"] >= 24
+    assert rec["accounting"]["tasks_peak"]["value"] <= 25      # the wall's init counts as one task
+    assert rec["limits"]["hit"]["pids_max"]["observed"] is True
+    assert rec["state"] == "REAPED" and holders(box.token) == []
+
+
+@pytest.mark.skipif(not _v1("memory"), reason="no memory controller on this host (neither v2 delegated nor v1)")
+def test_a_memory_hog_is_oom_killed_and_the_record_says_so(box):
+    p = run_contain(box.env, "run", "--id", "m", "--memory-max", "48M", "--",
+                    PY, "-c", "x = bytearray(256 << 20)", timeout=60)
+    assert p.returncode == 128 + 9, p.stderr
+    rec = box.record("m")
+    assert rec["outcome"] == "signaled" and rec["signal"] == 9
+    assert rec["signal_cause"]["cause"] == "oom_kill", rec.get("signal_cause")
+    assert rec["accounting"]["oom_kills"]["value"] >= 1
+    assert rec["limits"]["hit"]["oom_kill"]["observed"] is True
+    assert rec["state"] == "REAPED" and holders(box.token) == []
+
+
+def test_a_limit_no_controller_can_give_is_refused_with_125(box):
+    env = dict(box.env, CONTAIN_CGROUP_V1="off")     # this host's v2 has no controllers
+    p = run_contain(env, "run", "--id", "r", "--memory-max", "64M", "--", "sh", "-c", "echo ran")
+    assert p.returncode == 125 and "ran" not in p.stdout, (p.returncode, p.stdout, p.stderr)
+    assert "memory" in p.stderr and "Traceback" not in p.stderr
+    assert box.leaves() == [] and holders(box.token) == []
+
+
+def test_a_lock_handed_to_an_outside_process_fails_the_locks_layer_and_redispatch(box, tmp_path):
+    """The worker flocks a file and hands the open file to a process outside
+    the run (over a unix socket): the locks layer is false and names it."""
+    sock = str(tmp_path / "s")
+    lock = str(tmp_path / "workspace.lock")
+    holder = subprocess.Popen([PY, "-c", f"""
+import array, fcntl, os, socket, time
+s = socket.socket(socket.AF_UNIX); s.bind({sock!r}); s.listen(1); s.settimeout(30)
+c, _ = s.accept()
+msg, anc, flags, addr = c.recvmsg(16, socket.CMSG_SPACE(4))
+fd = array.array("i", anc[0][2])[0]
+print("held", flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = f"""
+import array, fcntl, os, socket, time
+f = open({lock!r}, "w"); fcntl.flock(f, fcntl.LOCK_EX)
+for _ in range(100):
+    try:
+        s = socket.socket(socket.AF_UNIX); s.connect({sock!r}); break
+    except OSError:
+        time.sleep(0.05)
+s.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [f.fileno()]))])
+time.sleep(0.5)
+"""
+        p = run_contain(box.env, "run", "--id", "l", "--check-locks", "--", PY, "-c", worker, timeout=60)
+        assert p.returncode == 0, p.stderr
+        assert holder.stdout.readline().strip() == "held"
+        rec = box.record("l")
+        locks = rec["evidence"]["locks_released"]
+        assert locks["observed"] is False, locks
+        assert any(h.get("pid") == holder.pid for h in json.dumps(locks["detail"]) and
+                   locks["detail"].get("held_by", [])) or str(holder.pid) in json.dumps(locks["detail"])
+        red = rec["evidence"]["redispatch_eligible"]
+        assert red["observed"] is False and "locks_released" in json.dumps(red["detail"])
+        assert run_contain(box.env, "wait", "l", "--redispatch").returncode == 1
+    finally:
+        holder.kill()
+        holder.wait(10)
+
+
+def test_redispatch_is_unknown_when_a_measured_postcondition_could_not_be_observed(box):
+    """A workspace that does not exist cannot be checked: the layer is null,
+    so redispatch_eligible is null too (never true)."""
+    p = run_contain(box.env, "run", "--id", "u", "--workspace", "/nonexistent/contain-ws", "--", "true")
+    assert p.returncode == 0, p.stderr
+    rec = box.record("u")
+    assert rec["evidence"]["workspace_quiescent"]["observed"] is None
+    assert rec["evidence"]["redispatch_eligible"]["observed"] is None
+    assert run_contain(box.env, "wait", "u", "--redispatch").returncode == 1
+
+
+def test_a_bad_limit_is_a_usage_error(box):
+    p = run_contain(box.env, "run", "--memory-max", "lots", "--", "true")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert os.path.isdir(box.state_dir) is False or box.leaves() == []
