@@ -96,6 +96,14 @@ def test_readme_example_detached_grandchild_is_reaped(box: Box) -> None:
     # Something outlived the worker: the stop had to kill it.
     assert [s["kind"] for s in steps(rec)][-1] == "kill", steps(rec)
     assert _census.wait_gone(tree) == []
+    # Whole-tree CPU from the job's accounting, where it is real; never 0.
+    cpu = rec["accounting"]["cpu_usec"]
+    if cpu["value"] is None:
+        assert cpu["reason"], cpu
+        if not WINE:
+            pytest.fail(f"job CPU accounting missing on Windows: {cpu}")
+    else:
+        assert cpu["value"] > 0 and "QueryInformationJobObject" in cpu["source"], cpu
 
 
 def test_start_b_ping_from_cmd_is_reaped(box: Box) -> None:
