@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import sys
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
@@ -21,8 +22,9 @@ from ._policy import policy_env
 from ._procfs import cgroup_of, read_stat
 from ._record import now_iso
 
-if TYPE_CHECKING:
-    from ._ledger import Ledger
+if sys.platform != "win32":    # the fork ledger (netlink): never loaded on Windows
+    from ._ledger import VIA, Ledger
+    from ._proccn import LedgerUnavailable
 
 
 def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float,
@@ -33,8 +35,6 @@ def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float
     become readable. Repeats while the ledger finds more (an escaper's own
     children). Returns one entry per escaper, `gone` True only when its exit
     was observed."""
-    from ._ledger import VIA
-
     known = known if known is not None else set()
     found: dict[tuple[int, int], dict[str, Any]] = {}
     fds: dict[int, tuple[int, int]] = {}
@@ -133,12 +133,8 @@ class EscapeWatch:
             w.reason = "fork ledger turned off (CONTAIN_LEDGER=off)"
             return w
         if container.backend == "job-object":
-            # (The netlink ledger is not even imported on Windows.)
             w.reason = "not watched: no fork ledger on Windows; the job says whether it can be left"
             return w
-        from ._ledger import Ledger                    # lazy: Linux's process connector
-        from ._proccn import LedgerUnavailable
-
         t0 = time.perf_counter()
         try:
             w.ledger = Ledger.open()
@@ -194,8 +190,6 @@ class EscapeWatch:
             if not detail.startswith("not watched"):
                 detail += ": a process that left the container would not be seen"
             return {"observed": None, "at": None, "via": "none", "detail": detail}
-        from ._ledger import VIA
-
         complete = self.ledger.complete()
         info = dict(self.ledger.summary(), ledger_start_ms=self.start_ms)
         if container.backend == "none":

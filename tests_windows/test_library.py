@@ -21,7 +21,7 @@ ROOT = os.path.dirname(HERE)
 
 # What must never be loaded on Windows: the Linux backends and spawn, the
 # netlink fork ledger, pyroute2, and the POSIX-only standard modules.
-LINUX_ONLY = {"fcntl", "termios", "resource", "pwd", "grp", "pyroute2", "launcher._ledger",
+LINUX_ONLY = {"fcntl", "termios", "resource", "pwd", "grp", "pyroute2", "launcher._ledger", "launcher._proccn",
               "launcher._platform.linux", "launcher._platform.posix", "launcher._platform.posixwait",
               "launcher._platform.spawnreq", "launcher._platform.none", "launcher._platform.cgroups",
               "launcher._platform.wall", "launcher._platform.pidwall", "launcher._platform.pidns",
