@@ -18,7 +18,7 @@ from ._layout import RunDir
 from ._runfiles import TERMINAL, RunInfo, Unreadable
 from ._safefs import UnsafePath
 from ._views import (ID_WIDTH, UNREADABLE, age, cost_lines, cut, empty_view, exit_text, fill_view, layers,
-                     live_view, observed, parse_iso, signame, text, usage_lines)
+                     live_view, observed, parse_iso, signame, size, text, usage_lines)
 
 EXIT_OK, EXIT_DID_NOT_HOLD, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_CONTAIN_FAILED = 0, 1, 2, 3, 125
 
@@ -114,13 +114,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return EXIT_OK
     now = time.time()
     width = None if getattr(args, "no_trunc", False) else ID_WIDTH
-    rows = [("ID", "STATE", "OUTCOME", "EXIT", "AGE", "MEMBERS", "COMMAND")]
+    rows = [("ID", "STATE", "OUTCOME", "EXIT", "AGE", "MEMBERS", "CPU", "MEM", "COMMAND")]
     for v in views:
         state = v["state"] + (" (orphaned)" if v["orphaned"] else "")
         members = "-" if v["members"] is None else str(v["members"])
+        cpu = "-" if not isinstance(v["cpu_usec"], int) else f"{v['cpu_usec'] / 1e6:.2f}s"
+        mem = ((v.get("usage") or {}).get("memory_bytes") or {}).get("value")
         what = (f"({v['unreadable']})" if v["unreadable"] else " ".join(v["argv"] or []))
         rows.append((v["id"] if width is None else cut(v["id"], width), state, v["outcome"] or "-",
-                     exit_text(v), age(v["started_at"], now), members, cut(what, 80)))
+                     exit_text(v), age(v["started_at"], now), members, cpu, size(mem) if mem is not None else "-",
+                     cut(what, 80)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     out = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
     if hidden:

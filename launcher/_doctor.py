@@ -15,6 +15,7 @@ import sys
 import time
 from typing import Any, Callable
 
+from ._advice import modes, next_steps
 from ._procfs import mounts
 
 _TRUE = "/bin/true"
@@ -198,6 +199,24 @@ def _ns(what: int) -> dict[str, Any]:
     return {"ok": True} if rc == 0 else {"ok": False, "error": os.strerror(-rc)}
 
 
+def _controllers(v2_base: str | None) -> dict[str, Any]:
+    """Per controller, where a run's limits and numbers come from here (v2
+    under the base, or a v1 hierarchy on hybrid hosts), or why none: read
+    only (_controllers.host_report makes and enables nothing)."""
+    from ._controllers import host_report
+
+    return {"ok": True, "routes": host_report(v2_base)}
+
+
+def _wall() -> dict[str, Any]:
+    """A PID-namespace wall as runs get it: as root, the init alone; without
+    root, inside a user namespace mapping this user to itself."""
+    from ._platform import posix
+
+    problem = posix.wall_available("self" if os.geteuid() != 0 else None, mount_proc=True)
+    return {"ok": True} if problem is None else {"ok": False, "error": problem}
+
+
 def capabilities() -> dict[str, Any]:
     """What `contain doctor` reports (also `launcher.capabilities()`)."""
     if sys.platform == "win32":
@@ -223,115 +242,16 @@ def capabilities() -> dict[str, Any]:
         caps["seal"] = _probe(lambda: _sealed_spawn(base))
     else:
         caps["seal"] = {"ok": False, "error": "the namespace seal needs a root supervisor" if base else skip["error"]}
-    caps["modes"] = _modes(caps)
-    caps["containment_possible"] = any(m["available"] and m["backend"] == "cgroup2" for m in caps["modes"])
+    caps["pidns_wall"] = _probe(_wall)
+    caps["controllers"] = _probe(lambda: _controllers(base))
+    caps["modes"] = modes(caps)
+    # What a plain `contain run` gets: an explicit CONTAIN_CGROUP_BASE that
+    # cannot be used fails every run (125) rather than falling back.
+    broken_base = bool(os.environ.get("CONTAIN_CGROUP_BASE")) and not (cg.get("usable") and base)
+    caps["containment_possible"] = not broken_base and any(
+        m["available"] and m["backend"] in ("cgroup2", "pidns") for m in caps["modes"])
     caps["next_steps"] = next_steps(caps)
     return caps
-
-
-def _user_manager() -> bool:
-    """Whether this user has a systemd user manager to ask for a delegated
-    scope (its private socket exists). Read from the filesystem only: the
-    doctor makes no scope to find out."""
-    import shutil
-
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if not xdg or shutil.which("systemd-run") is None:
-        return False
-    return os.path.exists(os.path.join(xdg, "systemd", "private"))
-
-
-def next_steps(caps: dict[str, Any]) -> list[str]:
-    """What this user, on this host, can do to get a stronger container,
-    most useful first. Only advice this user can follow: nothing here tells
-    a non-root user to use --seal, which is refused for them."""
-    steps: list[str] = []
-    root = caps["euid"] == 0
-    cg = caps["cgroup2"]
-    modes = {m["mode"]: m for m in caps["modes"]}
-    cg_ok = bool(modes["cgroup2"]["available"])
-    seal_ok = bool(modes["cgroup2 sealed (--seal)"]["available"])
-    explicit = os.environ.get("CONTAIN_CGROUP_BASE")
-    base_error = cg.get("error") or (None if cg.get("writable", True) else "not writable")
-    if not cg.get("mounts"):
-        steps.append("no cgroup v2 hierarchy is mounted, so runs get no container (`--backend none`, never "
-                     "REAPED): " + ("mount one (`mount -t cgroup2 none /sys/fs/cgroup/unified`, or boot with "
-                                    "systemd.unified_cgroup_hierarchy=1)" if root else
-                                    "ask the administrator for a cgroup v2 mount and a cgroup delegated to you"))
-    elif not cg_ok:
-        if explicit:
-            steps.append(f"CONTAIN_CGROUP_BASE={explicit} cannot be used ({base_error or 'spawning into it failed'}):"
-                         " point it at a cgroup v2 directory you can write, or unset it")
-        elif root:
-            steps.append(f"the cgroup v2 base cannot be used ({base_error or 'spawning into it failed'}): in a "
-                         "container, run it with a writable cgroup of its own (a private cgroup namespace with "
-                         "the cgroup delegated), or set CONTAIN_CGROUP_BASE to a cgroup v2 directory you can write")
-        else:
-            uid = caps["euid"]
-            if _user_manager():
-                steps.append("run contain inside a cgroup delegated to you by systemd: "
-                             "`systemd-run --user --scope -p Delegate=yes contain run -- CMD`")
-            steps.append(f"or set CONTAIN_CGROUP_BASE to a cgroup v2 directory delegated to uid {uid} (the "
-                         "directory and its cgroup.procs, cgroup.subtree_control and cgroup.threads owned by "
-                         "you: cgroup-v2.rst, \"Delegation\")" if _user_manager() else
-                         f"set CONTAIN_CGROUP_BASE to a cgroup v2 directory delegated to uid {uid} (the directory "
-                         "and its cgroup.procs, cgroup.subtree_control and cgroup.threads owned by you: "
-                         "cgroup-v2.rst, \"Delegation\"); an administrator can make one")
-            steps.append("or run contain as root, which makes its own base under the cgroup v2 mount")
-    elif root:
-        if seal_ok:
-            steps.append("a root worker can still leave its cgroup on this host"
-                         + ("" if cg.get("nsdelegate") else " (the cgroup2 mount has no nsdelegate)")
-                         + ": `contain run --seal -- CMD` makes leaving impossible, or `--user USER` runs the "
-                         "worker as a uid that cannot write any cgroup.procs above it")
-        else:
-            steps.append(f"--seal does not work here ({caps['seal'].get('error') or 'the seal probe failed'}): "
-                         "run workers with `--user USER` so that they cannot leave their cgroup")
-    else:
-        steps.append(f"runs go under your cgroup ({cg.get('base_cgroup')}); a worker running as you may move itself "
-                     "to another cgroup you own, so its record says sealed false: making that impossible needs "
-                     "a root supervisor (docs/sealing.md)")
-    pc = caps["process_connector"]
-    if cg_ok and not pc.get("ok"):
-        steps.append(f"no fork ledger ({pc.get('error')}): a process that left the cgroup would not be seen; the "
-                     "process connector exists only in the host's initial PID namespace"
-                     + ("; --seal prevents leaving instead" if root and seal_ok else ""))
-    if not steps:
-        steps.append("nothing to do: this host gives the strongest container contain knows")
-    return steps
-
-
-def _modes(caps: dict[str, Any]) -> list[dict[str, Any]]:
-    cg = caps["cgroup2"]
-    spawn_ok = bool(caps["clone3_into_cgroup"].get("ok"))
-    cg_ok = bool(cg.get("usable")) and spawn_ok
-    ledger = bool(caps["process_connector"].get("ok"))
-    seal_ok = cg_ok and bool(caps["seal"].get("ok"))
-    nsdel = bool(cg.get("nsdelegate"))
-    modes = [{
-        "mode": "cgroup2 sealed (--seal)", "backend": "cgroup2", "available": seal_ok,
-        "strongest_state": "REAPED" if seal_ok else None,
-        "escapes": "prevented: namespaces (cgroup2 mount replaced by the run's own view, user namespace, "
-                   "capabilities dropped, no_new_privs)" if seal_ok else None,
-        "why_not": None if seal_ok else (caps["seal"].get("error") or "cgroup2 unusable"),
-    }, {
-        "mode": "cgroup2", "backend": "cgroup2", "available": cg_ok,
-        "strongest_state": "REAPED" if cg_ok else None,
-        "escapes": (("prevented for workers whose uid cannot write a cgroup.procs above the base ("
-                     + ("--user" if caps["euid"] == 0 else "--user, which needs a root supervisor") + ")"
-                     + ("; a cgroup namespace would bind root workers too (nsdelegate)" if nsdel else
-                        "; root workers can leave: the mount has no nsdelegate"))
-                    + ("; the fork ledger detects and stops escapers (REAPED with escapes listed, or BREACHED)"
-                       if ledger else "; no fork ledger: an escaper would not be seen")) if cg_ok else None,
-        "why_not": None if cg_ok else (cg.get("error") or caps["clone3_into_cgroup"].get("error")),
-    }, {
-        "mode": "none (degraded)", "backend": "none", "available": True,
-        "strongest_state": "EXITED",
-        "escapes": "no container: process group, sessions and groups led by members, ancestry, child subreaper"
-                   + (", fork ledger" if ledger else " (no fork ledger)") + "; never REAPED",
-        "why_not": None,
-    }]
-    return modes
 
 
 def render(caps: dict[str, Any]) -> str:
@@ -386,7 +306,16 @@ def render(caps: dict[str, Any]) -> str:
     probe("process connector", pc, f"works (subscribed in {pc.get('subscribe_ms')} ms)")
     probe("mount+cgroup namespaces", caps["mount_namespace"])
     probe("user namespace (id map)", caps["user_namespace"])
+    probe("PID-namespace wall", caps["pidns_wall"], "works (/bin/true ran behind one; its init said empty)")
     probe("namespace seal", caps["seal"], "works (/bin/true ran sealed in a scratch leaf)")
+    lines.append("")
+    lines.append("limits and accounting (--memory-max, --pids-max, --cpu-max; the record's accounting)")
+    ctl = caps.get("controllers") or {}
+    if not ctl.get("ok"):
+        row("controllers", f"unknown: {ctl.get('error')}")
+    for name, r in sorted((ctl.get("routes") or {}).items()):
+        row(name, f"{r['via']} ({r['mount']})" if r.get("via") and r.get("mount") else
+            (r.get("via") or f"none: {r.get('reason')}"))
     lines.append("")
     lines.append("modes (strongest state each can prove)")
     for m in caps["modes"]:
@@ -401,7 +330,7 @@ def render(caps: dict[str, Any]) -> str:
         lines.append("containment: possible")
     else:
         lines.append("containment: IMPOSSIBLE here (only degraded mode, which never proves REAPED)")
-    steps = caps.get("next_steps") or next_steps(caps)
+    steps = caps.get("next_steps") or next_steps(caps)   # (a caps dict made by hand)
     lines.append("")
     lines.append("next steps")
     for step in steps:

@@ -55,6 +55,7 @@ class RunEvidence:
         self.cgroup_v1: dict[str, Any] | None = None   # the run's own v1 cgroups, as made
         self.signal_cause: dict[str, Any] | None = None   # why a SIGKILL: an OOM kill is not a plain 9
         self.unsaved: list[str] = []                  # what the state directory could not take (not_saved)
+        self.pending_wall: dict[str, Any] | None = None   # the wall's init, described before the worker runs
 
     # -- writing -------------------------------------------------------------
 
@@ -138,7 +139,7 @@ class RunEvidence:
             "backend": c.backend, "cgroup": c.path, "cgroup_dir": getattr(c, "dir", None),
             "spawn_via": via, "state_dir": run.layout.path if run.layout else None,
             "boot_id": boot_id(), "grace": run.opts.grace, "kill_timeout": run.opts.kill_timeout,
-            "wall": c.wall.describe() if getattr(c, "wall", None) is not None else None,
+            "wall": c.wall.describe() if getattr(c, "wall", None) is not None else self.pending_wall,
         }
         if getattr(c, "identity", None) is not None:
             info["cgroup_identity"] = c.identity
@@ -165,12 +166,16 @@ class RunEvidence:
             problem = c.bind(self.tag)
             if problem is not None:
                 self.notes.append(problem)
+        wall = getattr(c, "wall", None)
+        wall_desc = wall.describe() if wall is not None else self.pending_wall
+        problem = None
         if ident is not None:
-            wall = getattr(c, "wall", None)
             problem = self.tag.update(worker={"pid": ident.pid, "start_time": ident.start_time},
-                                      sealed=self.sealed[0], wall=wall.describe() if wall is not None else None)
-            if problem is not None and problem not in self.notes:
-                self.notes.append(problem)
+                                      sealed=self.sealed[0], wall=wall_desc)
+        elif wall_desc is not None:
+            problem = self.tag.update(wall=wall_desc)       # the init, before the worker exists
+        if problem is not None and problem not in self.notes:
+            self.notes.append(problem)
         return {"name": tag_prefix() + RUN_TAG, "problem": self.tag.problem}
 
     # -- the record ------------------------------------------------------------

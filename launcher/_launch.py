@@ -99,6 +99,8 @@ def _start(run: Run) -> None:
     # The fork ledger listens before the spawn, so a worker that forks at
     # once is not missed (_ledger.py).
     run.watch = run.stop.watch = EscapeWatch.before_spawn(run.container, req, v1=run.usage.cgroups)
+    if req.pidns:
+        req.on_init = lambda init_pid: describe_wall(run, init_pid, req.userns)
     t0 = time.time()
     try:
         run.usage.join(req)
@@ -127,6 +129,18 @@ def _start(run: Run) -> None:
         run.facts.not_saved("run.json", e)     # the worker runs: it is stopped, not abandoned
     run.journal("spawned", pid=sp.pid, via=sp.via)
     run.publish()
+
+
+def describe_wall(run: Run, init_pid: int, userns: str | None) -> None:
+    """The wall's init exists and waits: run.json and the tag name it before
+    the worker can run, so an owner killed from here on leaves a wall its
+    adopter re-attaches (and so proves emptiness through). Raises
+    PersistError (OSError): then nothing runs."""
+    from ._platform.pidwall import describe_init
+
+    assert run.layout is not None
+    run.facts.pending_wall = describe_init(init_pid, userns)
+    run.layout.write_run(run.facts.run_info(run, None))
 
 
 def cancelled_before_spawn(run: Run) -> bool:

@@ -222,7 +222,7 @@ class RunDir(RunDirBase):
         the waiters. `rec` may be already encoded (encode()): one encoding
         per record for every place it goes. Raises PersistError; the
         previous record is then intact."""
-        data = rec if isinstance(rec, bytes) else encode(rec, pretty=durable)
+        data = rec if isinstance(rec, bytes) else encode(rec)     # compact: the C encoder (pretty is --record's)
         fd = self.dir_fd(write=True)
         try:
             F.replace_file(fd, "record.json", data, self.file("record.json"), mode=FILE_MODE, durable=durable)

@@ -108,7 +108,7 @@ def describe(seen: list[dict[str, Any]], lead_run_dir: str | None) -> list[dict[
     """The `nested` list of the lead's record: each nested run that ended
     with it, with what its own record said at the lead's end."""
     if not seen:
-        return []
+        return []              # (no registry read: the common case, on every record)
     registry = _registry(lead_run_dir, len(seen))[0]
     out = []
     for s in seen:

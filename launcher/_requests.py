@@ -225,7 +225,7 @@ def write_ack(d: RunDir, op: str, ack: dict[str, Any], *, durable: bool = False)
         raise RunConflict(f"operation id {op!r} collides with {str(existing.get('op_id'))[:200]!r}")
     cfd = d.cancellations_fd(write=True, create=True)
     try:
-        F.replace_file(cfd, name, encode(ack, pretty=durable), d.ack_path(op), mode=FILE_MODE, durable=durable)
+        F.replace_file(cfd, name, encode(ack), d.ack_path(op), mode=FILE_MODE, durable=durable)
     finally:
         os.close(cfd)
     d.poke_waiters()

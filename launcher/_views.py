@@ -169,8 +169,8 @@ def fill_view(d: RunDir, view: dict[str, Any], live: bool, summary: bool = False
             members, cpu = members_now(info.cgroup_dir)
             view["members"] = members
             view["cpu_usec"] = cpu if cpu is not None else view["cpu_usec"]
-        if live and not summary and isinstance(info, RunInfo):
-            view["usage"] = usage_now(info)
+        if live and isinstance(info, RunInfo):
+            view["usage"] = usage_now(info)       # live runs only: `ls` of 10,000 ended runs reads none
     return view
 
 

@@ -90,8 +90,9 @@ def test_sigkilled_supervisor_is_adopted_by_cancel(box):
     assert len(holders(box.token)) >= 3, "the tree outlives its supervisor"
     ls = json.loads(run_contain(box.env, "ls", "--json").stdout)
     assert [v["orphaned"] for v in ls if v["id"] == "r"] == [True]
-    rc, ack = cancel(box, "r", "--op-id", "adopt", "--wait")
-    assert rc == 0 and ack["effect"] == "cancelled" and ack["state"] == "REAPED"
+    p = run_contain(box.env, "cancel", "r", "--json", "--op-id", "adopt", "--wait")
+    ack = json.loads(p.stdout) if p.stdout.strip() else {}
+    assert p.returncode == 0 and ack["effect"] == "cancelled" and ack["state"] == "REAPED", (p.returncode, p.stderr, ack)
     rec = box.record("r")
     assert rec["state"] == "REAPED" and rec["evidence"]["container_empty"]["observed"] is True
     assert rec["evidence"]["cancel_requested"]["observed"] is True
@@ -266,3 +267,25 @@ def test_ls_and_status_for_people(box):
     assert s.returncode == 0 and "container_empty" in s.stdout
     cancel(box, "r", "--wait")
     proc.wait(30)
+
+
+def test_the_wall_is_described_before_the_worker_runs(box, tmp_path):
+    """An owner killed at any point after the spawn leaves a wall its adopter
+    can re-attach: the worker's very first look at run.json (its first
+    command) already finds the wall's init there, and an owner SIGKILLed
+    right then is adopted by `cancel`, which proves the tree gone (REAPED),
+    not merely EXITED."""
+    seen = tmp_path / "seen.json"
+    script = f'cat "$CONTAIN_RUN_DIR/run.json" > {seen}; setsid sleep 300 & sleep 300'
+    proc = start(box, "w", script=script, want=2)
+    deadline = time.monotonic() + 10
+    while not (seen.exists() and seen.read_text().endswith("\n")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    wall = json.loads(seen.read_text()).get("wall")
+    assert wall and wall["kind"] == "pidns" and wall["init"]["pid"] > 0 and wall["init"]["start_time"], wall
+    p = run_contain(box.env, "cancel", "w", "--json", "--op-id", "adopt", "--wait")
+    ack = json.loads(p.stdout) if p.stdout.strip() else {}
+    assert p.returncode == 0 and ack.get("state") == "REAPED", (p.returncode, p.stderr, ack)
+    assert holders(box.token) == []

@@ -226,6 +226,16 @@ void ct_init_main(const struct ct_spawn_args *a, const struct ct_wall_args *w, i
         if (syscall(SYS_setgroups, 0, NULL) < 0) init_fail(sock, CT_STAGE_USERNS, errno);
         if (syscall(SYS_setresuid, 0, 0, 0) < 0) init_fail(sock, CT_STAGE_USERNS, errno);
     }
+    if (w->hold && w->userns != CT_USERNS_MAP) {
+        /* The caller describes this init durably before anything runs; an
+         * EOF (the caller died first) ends the namespace before it began. */
+        char b;
+        ssize_t n;
+        do {
+            n = read(sync_rd, &b, 1);
+        } while (n < 0 && errno == EINTR);
+        if (n != 1) init_fail(sock, CT_STAGE_INIT, n < 0 ? errno : ECANCELED);
+    }
     if (sync_rd >= 0) close(sync_rd);
 
     /* The supervisor's /proc, kept until EXEC: through it the worker's pidfd

@@ -44,6 +44,8 @@ struct ct_wall_args {
     const char *gid_map;
     int mount_proc;        /* a mount namespace with every mount private and a fresh /proc */
     int die_with_parent;   /* PR_SET_PDEATHSIG(SIGKILL) on the init (dies with the calling thread) */
+    int hold;              /* the init waits for the caller's go (ct_wall_result.go_fd) before it does
+                              anything for the worker: the caller describes the init durably first */
 };
 
 struct ct_init_msg {

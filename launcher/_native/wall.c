@@ -50,12 +50,13 @@ int ct_wall_spawn(const struct ct_spawn_args *a, const struct ct_wall_args *w, s
     r->report_fd = -1;
     r->stage = CT_STAGE_NONE;
     r->child_errno = 0;
+    r->go_fd = -1;
 
     if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0) {
         r->stage = CT_STAGE_CLONE;
         return -errno;
     }
-    if (w->userns == CT_USERNS_MAP && pipe2(sync, O_CLOEXEC) < 0) {
+    if ((w->userns == CT_USERNS_MAP || w->hold) && pipe2(sync, O_CLOEXEC) < 0) {
         rc = -errno;
         close(sv[0]);
         close(sv[1]);
@@ -86,8 +87,11 @@ int ct_wall_spawn(const struct ct_spawn_args *a, const struct ct_wall_args *w, s
         return -clone_errno;
     }
     if (w->userns == CT_USERNS_MAP) {
-        if ((rc = write_maps(pidfd, w)) == 0 && ct_write_all(sync[1], "G", 1) < 0) rc = -errno;
-        close(sync[1]);
+        if ((rc = write_maps(pidfd, w)) == 0 && !w->hold && ct_write_all(sync[1], "G", 1) < 0) rc = -errno;
+        if (rc < 0 || !w->hold) {
+            close(sync[1]);
+            sync[1] = -1;
+        }
         if (rc < 0) {
             struct ct_spawn_result dead;
             syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, NULL, 0);
@@ -104,6 +108,7 @@ int ct_wall_spawn(const struct ct_spawn_args *a, const struct ct_wall_args *w, s
     r->init_pid = (int)pid;
     r->init_pidfd = pidfd;
     r->report_fd = sv[0];
+    r->go_fd = sync[1];      /* -1 unless hold */
     return 0;
 }
 

@@ -11,6 +11,7 @@ struct ct_wall_result {
     int report_fd;         /* nonblocking, close-on-exec: read with ct_init_recv */
     int stage;             /* of a failure of ct_wall_spawn itself (clone, maps) */
     int child_errno;
+    int go_fd;             /* with hold: write one byte to let the init go on, then close; -1 otherwise */
 };
 
 int ct_wall_spawn(const struct ct_spawn_args *a, const struct ct_wall_args *w, struct ct_wall_result *r);

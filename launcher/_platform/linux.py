@@ -235,11 +235,20 @@ class Container:
                 "detail": "no fork ledger: a process that left the cgroup would not be seen"}
 
     def placed(self, pid: int) -> str | None:
-        """Where the kernel says `pid` is, or None if that cannot be read."""
+        """Where the kernel says `pid` is, or None if that cannot be read.
+        Behind the wall a worker that exits at once is reaped by the init
+        before we look: it was forked by the init, in the init's cgroup, so
+        the init's placement (our unreaped child) is where it ran."""
         try:
             return cgroup_of(pid)
         except OSError:
-            return None
+            pass
+        if self.wall is not None:
+            try:
+                return cgroup_of(self.wall.init.pid)
+            except OSError:
+                return None
+        return None
 
     # -- observing ---------------------------------------------------------
 

@@ -10,7 +10,7 @@ import os
 import signal as _signal
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
-    from typing import Any, Iterable, Sequence
+    from typing import Any, Callable, Iterable, Sequence
 
     from .wall import InitEvent
 
@@ -130,7 +130,7 @@ class SpawnRequest:
     __slots__ = ("argv", "env", "cwd", "stdio", "new_pgroup", "new_session", "uid", "gid",
                  "groups", "seal_ro_paths", "drop_caps", "no_new_privs", "seal_cg2_paths",
                  "seal_userns", "keep_ignored", "pass_fds", "shell", "clear_caps",
-                 "pidns", "userns", "uid_map", "gid_map", "mount_proc", "die_with_parent", "join_fds")
+                 "pidns", "userns", "uid_map", "gid_map", "mount_proc", "die_with_parent", "join_fds", "on_init")
 
     def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
                  stdio: tuple[int, int, int] = (-1, -1, -1), new_pgroup: bool = False,
@@ -188,6 +188,12 @@ class SpawnRequest:
         # More cgroup.procs fds the child (or the wall's init) joins before
         # the worker's first instruction: the run's v1 cgroups (_usage.py).
         self.join_fds: list[int] = []
+        # Behind the wall: called with the init's pid right after its clone,
+        # before the init does anything for the worker (it waits for the
+        # go). The run describes the init durably here, so an owner killed
+        # at any later point leaves a wall its adopter can find. An exception
+        # kills the init and fails the spawn.
+        self.on_init: Callable[[int], None] | None = None
 
 
 class Spawned:

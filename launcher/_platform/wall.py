@@ -243,6 +243,7 @@ def spawn_wall(req: SpawnRequest, cgroup_fd: int = -1, join_fds: Sequence[int] =
             setattr(w, name, c)
     w.mount_proc = int(req.mount_proc)
     w.die_with_parent = int(req.die_with_parent)
+    w.hold = int(req.on_init is not None)
     r = ffi.new("struct ct_wall_result*")
     paths = candidates(req.argv[0], req.env)
     rc = lib.ct_wall_spawn(a, w, r)
@@ -252,6 +253,19 @@ def spawn_wall(req: SpawnRequest, cgroup_fd: int = -1, join_fds: Sequence[int] =
         fail.child_errno = r.child_errno
         fail.candidate = -1
         raise_failure(rc, fail, req, paths, cgroup_fd >= 0)
+    if r.go_fd >= 0:
+        try:
+            assert req.on_init is not None
+            req.on_init(r.init_pid)
+            os.write(r.go_fd, b"G")
+        except BaseException:
+            kill_init(r.init_pidfd)
+            if select.select([r.init_pidfd], [], [], 5.0)[0]:
+                reap_init(r.init_pidfd)
+            close_fds(r.init_pidfd, r.report_fd)
+            raise
+        finally:
+            os.close(r.go_fd)
     via = wall_via(req, cgroup_fd >= 0)
     events: list[InitEvent] = []
     worker: InitExec | None = None
