@@ -64,6 +64,9 @@ class Request:
     the container (`_containers.spawn_request` builds one on Windows)."""
 
     __slots__ = ("argv", "env", "cwd", "stdio", "new_pgroup", "keep_ignored", "pass_fds")
+    # What the driver asks of any request (_launch.py): no PID-namespace wall here.
+    pidns = False
+    userns = None
 
     def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
                  stdio: tuple[int, int, int] = (-1, -1, -1), new_pgroup: bool = True,
