@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import select
+import sys
 import time
 from types import TracebackType
 from typing import Any, Sequence
@@ -31,6 +32,7 @@ from typing import Any, Sequence
 import anyio
 import anyio.abc
 import anyio.lowlevel
+import anyio.to_thread
 
 from ._errors import RunConflict
 from ._handle import RunHandle
@@ -51,7 +53,8 @@ class FdReceiveStream(anyio.abc.ByteReceiveStream):
     """The reading end of a pipe, as an anyio byte stream (owns the fd)."""
 
     def __init__(self, fd: int) -> None:
-        os.set_blocking(fd, False)
+        if sys.platform != "win32":       # Windows: event loops cannot wait for a pipe (read in a thread)
+            os.set_blocking(fd, False)
         self._fd = fd
 
     def fileno(self) -> int:
@@ -61,6 +64,14 @@ class FdReceiveStream(anyio.abc.ByteReceiveStream):
         if max_bytes < 1:
             raise ValueError("max_bytes must be at least 1")
         await anyio.lowlevel.checkpoint_if_cancelled()
+        if sys.platform == "win32":
+            if self._fd < 0:
+                raise anyio.ClosedResourceError
+            data = await anyio.to_thread.run_sync(os.read, self._fd, max_bytes, abandon_on_cancel=True,
+                                                  limiter=anyio.CapacityLimiter(1))
+            if not data:
+                raise anyio.EndOfStream
+            return data
         while True:
             if self._fd < 0:
                 raise anyio.ClosedResourceError
@@ -83,7 +94,8 @@ class FdSendStream(anyio.abc.ByteSendStream):
     Closing it is the worker's end of input."""
 
     def __init__(self, fd: int) -> None:
-        os.set_blocking(fd, False)
+        if sys.platform != "win32":
+            os.set_blocking(fd, False)
         self._fd = fd
 
     def fileno(self) -> int:
@@ -91,6 +103,12 @@ class FdSendStream(anyio.abc.ByteSendStream):
 
     async def send(self, item: bytes) -> None:
         await anyio.lowlevel.checkpoint_if_cancelled()
+        if sys.platform == "win32":
+            try:
+                await anyio.to_thread.run_sync(_write_all, self._fd, bytes(item), limiter=anyio.CapacityLimiter(1))
+            except BrokenPipeError as e:
+                raise anyio.BrokenResourceError from e
+            return
         view = memoryview(item)
         while view:
             if self._fd < 0:
@@ -107,6 +125,14 @@ class FdSendStream(anyio.abc.ByteSendStream):
     async def aclose(self) -> None:
         _close_fd(self)
         await anyio.lowlevel.checkpoint()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    if fd < 0:
+        raise anyio.ClosedResourceError
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _close_fd(s: FdReceiveStream | FdSendStream) -> None:
@@ -209,7 +235,17 @@ class AsyncWorker(RunHandle):
 async def _wait_ready(fds: Sequence[tuple[int, int]], deadline: float) -> list[int]:
     """Wait until one of `fds` is ready or `deadline` (monotonic) passes;
     the ready fds. A fresh epoll each time: the set changes as the run goes
-    (the pidfd closes at root exit), and fd numbers are reused."""
+    (the pidfd closes at root exit), and fd numbers are reused. On Windows
+    the run's Waiter blocks in a thread of its own (an event loop cannot
+    wait on a completion port); a cancel from the loop wakes it (Run.wake)."""
+    if sys.platform == "win32":
+        from ._platform import host
+
+        left = deadline - time.monotonic()
+        if left <= 0:
+            await anyio.lowlevel.checkpoint()
+            return []
+        return list(await anyio.to_thread.run_sync(host.wait_ready, fds, left, limiter=anyio.CapacityLimiter(1)))
     ep = select.epoll(max(1, len(fds)))
     try:
         for fd, events in fds:

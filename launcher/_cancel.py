@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import select
+import sys
 import time
 from typing import Any
 
@@ -82,6 +83,10 @@ class Watcher:
                 os.close(fd)
         self.fd = self.owner_fd = -1
         self.path = ""
+
+
+if sys.platform == "win32":   # named events and the owner's process handle, not FIFOs and a pidfd
+    from ._platform.winlayout import Watcher  # noqa: F811
 
 
 def cancel(run_id: str, *, op_id: str | None = None, grace: float | None = None,

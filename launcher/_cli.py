@@ -85,6 +85,8 @@ def console() -> None:
         from ._sigproxy import die_by
 
         die_by(_die_by[0])
+    if sys.platform == "win32" and rc > 0x7FFFFFFF:
+        rc -= 1 << 32                    # an NTSTATUS exit code (0xC0000005): the same DWORD as an int
     os._exit(rc)
 
 
@@ -213,9 +215,10 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
     proxy = SignalProxy(run, say=None if quiet else _say)
     proxy.install()
     run.on_change = proxy.changed
-    from ._native import lib
+    if sys.platform != "win32":          # Windows: no subreaper (the job holds the tree)
+        from ._native import lib
 
-    lib.ct_set_child_subreaper(1)
+        lib.ct_set_child_subreaper(1)
     try:
         run.start()
     except RunConflict as e:

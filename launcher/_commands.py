@@ -184,7 +184,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         add(f"  container  {c.get('backend') or '-'} {c.get('path') or ''}".rstrip() + f"; sealed: {sealed}")
         ident = record.get("identity") or {}
         if ident:
-            add(f"  worker     pid {ident.get('pid')}, start time {ident.get('start_time')} (clock ticks after boot)")
+            unit = ("FILETIME, 100 ns since 1601" if c.get("backend") == "job-object" else "clock ticks after boot")
+            add(f"  worker     pid {ident.get('pid')}, start time {ident.get('start_time')} ({unit})")
         ev = record.get("evidence") or {}
         add(f"  evidence   as recorded at {record.get('record_written_at') or '-'}")
         for layer in layers(ev):
@@ -218,7 +219,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     from ._cancel import cancel
-    from ._statedir import StateDir
+    from ._layout import StateDir
 
     # A cancel writes (the intent, perhaps the whole stop): only into a
     # state directory of this user's own. Another user's is refused here,
@@ -321,8 +322,11 @@ def cmd_wait(args: argparse.Namespace) -> int:
 # -- gc -----------------------------------------------------------------------------
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from ._gc import gc
-    from ._statedir import StateDir
+    if sys.platform == "win32":
+        from ._platform.winlayout import StateDir, gc
+    else:
+        from ._gc import gc
+        from ._statedir import StateDir
 
     try:
         st = StateDir.open(None, write=True)

@@ -159,6 +159,8 @@ def attach_container(run_dir: str, run_id: str, info: dict[str, Any]) -> AttachR
     for a later owner (trusted_facts), re-verified: a cgroup only if it is
     the recorded one, below our base, tagged for this run; a degraded run's
     members only by pid and start time. run.json is compared, never obeyed."""
+    if sys.platform == "win32":
+        return _attach_job(info)
     facts, source = trusted_facts(run_dir, info, acting=True)
     if facts is None:
         return _detached(None, source)     # run.json's path is not even worth recording
@@ -214,19 +216,44 @@ def attach_container(run_dir: str, run_id: str, info: dict[str, Any]) -> AttachR
     return res
 
 
+def _attach_job(info: dict[str, Any]) -> AttachResult:
+    """Windows: the job of a run whose owner is gone cannot be opened (it
+    was anonymous, and only the owner held it), so nothing is acted on and
+    the stop is UNCONFIRMED with the reason (winhost.Orphaned). There are
+    no tags on Windows: the worker's identity is run.json's, and it is only
+    observed (re-opened by pid + creation time), never signalled."""
+    from ._platform import winhost
+
+    backend = info.get("backend")
+    path = info.get("cgroup") if isinstance(info.get("cgroup"), str) else None
+    why = None if backend == "job-object" else f"adopting a {backend!r} run is not supported on Windows"
+    res = AttachResult(winhost.Orphaned(path, why), why or "its Job Object is gone with its owner")
+    res.notes = ["adoption facts from run.json (Windows keeps no tags)"]
+    w = info.get("worker")
+    res.worker = dict(w, boot_id=info.get("boot_id")) if isinstance(w, dict) else None
+    res.run_uid = info.get("run_uid") if isinstance(info.get("run_uid"), str) else None
+    return res
+
+
 def spawn_request(argv: list[str], opts: Options, container: Any, run_id: str,
                   run_dir: str | None) -> SpawnRequest:
     """What the worker is started with: the caller's environment plus the
     variables a nested run needs, credentials, and the container's own
     preparation (the seal)."""
-    from ._platform import posix
-
     env = dict(opts.env if opts.env is not None else os.environ)
     if container.backend == "cgroup2":
         env[_nested.ENV_CGROUP] = container.dir
     env["CONTAIN_RUN_ID"] = run_id
     if run_dir is not None:
         env[_nested.ENV_DIR] = run_dir
+    if container.backend == "job-object":
+        from ._platform import winproc
+
+        wreq = winproc.Request(argv, env=env, cwd=opts.cwd, stdio=opts.stdio, pass_fds=opts.pass_fds)
+        container.prepare(wreq, opts)         # refuses --user and --seal
+        return wreq                            # type: ignore[return-value]
+    from ._platform import posix
+
     uid = gid = -1
     groups: list[int] = []
     if opts.user is not None:

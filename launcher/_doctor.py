@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import sys
 import time
 from typing import Any, Callable
 
@@ -212,6 +213,10 @@ def _wall() -> dict[str, Any]:
 
 def capabilities() -> dict[str, Any]:
     """What `contain doctor` reports (also `launcher.capabilities()`)."""
+    if sys.platform == "win32":
+        from ._platform import windoctor
+
+        return windoctor.capabilities()
     caps: dict[str, Any] = {"schema": "contain.capabilities/1", "kernel": os.uname().release,
                             "euid": os.geteuid()}
     cg = _cgroup2()
@@ -241,6 +246,10 @@ def capabilities() -> dict[str, Any]:
 
 def render(caps: dict[str, Any]) -> str:
     """The human-readable report."""
+    if caps.get("platform") == "win32":
+        from ._platform import windoctor
+
+        return windoctor.render(caps)
     cg = caps["cgroup2"]
     lines = [f"contain doctor (kernel {caps['kernel']}, euid {caps['euid']})", ""]
 

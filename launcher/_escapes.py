@@ -12,16 +12,19 @@ from __future__ import annotations
 import os
 import select
 import signal
+import sys
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import Any, Callable
 
-from ._ledger import VIA, Ledger
-from ._proccn import LedgerUnavailable
 from ._policy import policy_env
 from ._procfs import cgroup_of, read_stat
 from ._record import now_iso
+
+if sys.platform != "win32":    # the fork ledger (netlink): never loaded on Windows
+    from ._ledger import VIA, Ledger
+    from ._proccn import LedgerUnavailable
 
 
 def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float,
@@ -129,6 +132,9 @@ class EscapeWatch:
         if (policy_env("CONTAIN_LEDGER", env) or "on").lower() in ("0", "off", "no", "false"):
             w.reason = "fork ledger turned off (CONTAIN_LEDGER=off)"
             return w
+        if container.backend == "job-object":
+            w.reason = "not watched: no fork ledger on Windows; the job says whether it can be left"
+            return w
         t0 = time.perf_counter()
         try:
             w.ledger = Ledger.open()
@@ -184,6 +190,8 @@ class EscapeWatch:
 
     def evidence(self, container: Any, terminal: bool) -> dict[str, Any]:
         """The `escapes` layer when no escape was recorded."""
+        if container.backend == "job-object":
+            return dict(container.escape_evidence())
         if self.ledger is None:
             detail = self.reason or "no fork ledger"
             if not detail.startswith("not watched"):

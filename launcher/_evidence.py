@@ -13,6 +13,7 @@ observed says so (`null` with the reason), it never reads as true or false.
 from __future__ import annotations
 
 import os
+import sys
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import Any
@@ -188,7 +189,8 @@ class RunEvidence:
         ev.setdefault("signal_sent", {"observed": False, "at": None, "via": "none",
                                       "detail": "nothing was signalled"})
         if pid > 0:
-            ev.setdefault("root_exit", evidence(False, "pidfd", "worker running"))
+            ev.setdefault("root_exit", evidence(False, "process handle" if sys.platform == "win32" else "pidfd",
+                                                "worker running"))
         elif self.adopted:
             ev.setdefault("root_exit", not_measured("the owner died before recording the worker's identity"))
         else:
@@ -196,7 +198,9 @@ class RunEvidence:
         if container is None or container.backend == "none":
             ev.setdefault("container_empty", not_measured("no kernel container (degraded mode)"))
         else:
-            ev.setdefault("container_empty", evidence(False, "cgroup.events populated 1", None)
+            ev.setdefault("container_empty", evidence(False, "QueryInformationJobObject ActiveProcesses != 0"
+                                                      if container.backend == "job-object" else
+                                                      "cgroup.events populated 1", None)
                           if not snap.terminal else not_measured("not observed"))
         if (container is not None and container.backend == "none" and snap.stopping
                 and getattr(container, "last_alive", None)):

@@ -3,10 +3,15 @@
 A pid alone is a number the kernel hands out again (pid_max is 32768 on
 common hosts). Before signalling, the identity is re-read and compared; where
 a pidfd exists its inode (unique for the boot) is recorded too.
+
+On Windows the start time is the process's creation FILETIME (100 ns since
+1601), read from a handle (winproc.py): absolute, so pid + creation time
+does not recur across boots, and `boot_id` says so instead of naming a boot.
 """
 from __future__ import annotations
 
 import os
+import sys
 
 from ._procfs import start_time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
@@ -19,12 +24,19 @@ _boot_id: str | None = None
 def boot_id() -> str:
     global _boot_id
     if _boot_id is None:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            _boot_id = f.read().strip()
+        if sys.platform == "win32":
+            from ._platform.winproc import BOOT_ID
+
+            _boot_id = BOOT_ID
+        else:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                _boot_id = f.read().strip()
     return _boot_id
 
 
 def pidns_inode(pid: int) -> int | None:
+    if sys.platform == "win32":
+        return None
     try:
         return os.stat(f"/proc/{pid}/ns/pid").st_ino
     except OSError:
@@ -44,6 +56,10 @@ class ProcessIdentity:
 
     @classmethod
     def read(cls, pid: int, pidfd: int | None = None) -> "ProcessIdentity":
+        if sys.platform == "win32":
+            from ._platform.winproc import creation_time
+
+            return cls(pid, creation_time(pid), boot_id(), None, None)
         ino = os.fstat(pidfd).st_ino if pidfd is not None else None
         return cls(pid, start_time(pid), boot_id(), pidns_inode(pid), ino)
 
@@ -57,6 +73,10 @@ class ProcessIdentity:
     def is_alive(self) -> bool | None:
         """True if this very process exists now, False if provably not, None
         if that could not be told (e.g. another boot, an unreadable /proc)."""
+        if sys.platform == "win32":
+            from ._platform.winproc import identity_alive
+
+            return identity_alive(self.pid, self.start_time)
         try:
             if boot_id() != self.boot_id:
                 return False

@@ -32,7 +32,8 @@ from ._containers import make_container, spawn_request
 from ._errors import ContainmentUnavailable, LauncherError, SpawnFailed
 from ._layout import RunDir
 from ._escapes import EscapeWatch
-from ._ledger import note_spawn
+if sys.platform != "win32":    # the fork ledger (netlink): never loaded on Windows
+    from ._ledger import note_spawn
 from ._options import user_account
 from ._record import not_measured
 
@@ -119,7 +120,7 @@ def _start(run: Run) -> None:
         spawn_failed(run, err, ran=True)
         raise err
     run.facts.spawned(sp, run.container, req, t0)
-    if run.facts.identity is not None:
+    if run.facts.identity is not None and sys.platform != "win32":
         note_spawn(sp.pid, run.facts.identity.start_time)
     fell_back = getattr(run.container, "wall_problem", None)
     if fell_back:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import sys
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
@@ -61,8 +62,8 @@ from ._state import LIVE_STATES
 from ._statedir import FILE_MODE, RUN_DIR_MODE, StateDir, StateDirError, claim_lock, location
 
 
-__all__ = ["RunDir", "InboxRead", "PersistError", "UnsafePath", "StateDirError", "state_dir", "check_id",
-           "new_id", "new_uid", "token_hex", "op_filename", "encode"]
+__all__ = ["RunDir", "InboxRead", "PersistError", "UnsafePath", "StateDir", "StateDirError", "state_dir",
+           "check_id", "new_id", "new_uid", "token_hex", "op_filename", "encode"]
 
 
 def state_dir(env: dict[str, str] | os._Environ[str] = os.environ) -> str:
@@ -336,3 +337,7 @@ class RunDir(RunDirBase):
         _fifos.poke_waiters(self)
 
 
+if sys.platform == "win32":
+    # The same face on Windows, which has no directory fds, FIFOs or OFD
+    # locks: verified paths, LockFileEx and named events (_platform/winlayout.py).
+    from ._platform.winlayout import RunDir, StateDir, location as state_dir  # noqa: F811

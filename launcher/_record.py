@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import stat
+import sys
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
@@ -160,6 +161,16 @@ def write_json_atomic(path: str, obj: Any, *, fsync: bool = True) -> None:
 
     parent, name = os.path.split(path)
     data = (json.dumps(obj, indent=2 if fsync else None) + "\n").encode()
+    if sys.platform == "win32":       # no directory fds: winfs replaces by path, retrying a held target
+        from ._platform.winfs import write_bytes_atomic
+
+        if os.path.lexists(path) and not os.path.isfile(path) or os.path.islink(path):
+            raise F.UnsafePath(path, "is not a regular file: not replaced", errno.EEXIST)
+        try:
+            write_bytes_atomic(path, data, fsync=fsync)
+        except OSError as e:
+            raise F.persist_error(e, "rename", path) from None
+        return
     dfd = os.open(parent or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         try:

@@ -29,7 +29,6 @@ exit 125 (CONTRACT.md: "the record could not be written").
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import stat
 import sys
@@ -58,11 +57,11 @@ class RecordTarget:
         self._mode = mode
 
     def update(self, data: bytes) -> None:
-        if self.kind == "file":
+        if self.kind in ("file", "winfile"):
             self._swap(data, durable=False)
 
     def final(self, data: bytes) -> None:
-        if self.kind == "file":
+        if self.kind in ("file", "winfile"):
             self._swap(data, durable=True)
             return
         if self._fd < 0:
@@ -75,6 +74,16 @@ class RecordTarget:
             self.close()
 
     def _swap(self, data: bytes, durable: bool) -> None:
+        if self.kind == "winfile":       # Windows: by path, a held target retried (winfs.replace)
+            from ._platform import winfs
+
+            if os.path.lexists(self.path) and (os.path.islink(self.path) or not os.path.isfile(self.path)):
+                raise PersistError(errno.EEXIST, "replace", self.path, "is no longer a regular file: not replaced")
+            try:
+                winfs.write_bytes_atomic(self.path, data, fsync=durable)
+            except OSError as e:
+                raise F.persist_error(e, "rename", self.path) from None
+            return
         try:
             st = os.stat(self._name, dir_fd=self._dir_fd, follow_symlinks=False)
         except FileNotFoundError:
@@ -101,7 +110,31 @@ class RecordTarget:
 
 
 def _dup(fd: int) -> int:
+    if sys.platform == "win32":
+        return os.dup(fd)              # not inheritable (PEP 446)
+    import fcntl
+
     return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+
+
+def _prepare_windows(path: str) -> RecordTarget:
+    """Windows: a regular file (or none yet) replaced atomically by path, or
+    refused; a link or a reparse point is never followed."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise UnsafePath(path, e.strerror or str(e), e.errno or errno.EIO) from None
+    if st is not None:
+        if stat.S_ISDIR(st.st_mode):
+            raise UnsafePath(path, "is a directory", errno.EISDIR)
+        if stat.S_ISLNK(st.st_mode) or getattr(st, "st_file_attributes", 0) & 0x400 or not stat.S_ISREG(st.st_mode):
+            raise UnsafePath(path, "is not a regular file (a link or a reparse point): not followed", errno.ELOOP)
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UnsafePath(path, f"its directory {parent} does not exist", errno.ENOENT)
+    return RecordTarget(os.path.abspath(path), "winfile")
 
 
 def _stdio_match(st: os.stat_result) -> int:
@@ -126,6 +159,8 @@ def prepare(path: str) -> RecordTarget:
             raise UnsafePath("-", "stdout is closed", errno.EBADF) from None
     if not path:
         raise UnsafePath("''", "is an empty path", errno.ENOENT)
+    if sys.platform == "win32":
+        return _prepare_windows(path)
     euid = os.geteuid()
     try:
         lst = os.lstat(path)
@@ -186,6 +221,8 @@ def _in_place(path: str, expect: os.stat_result) -> RecordTarget:
     if (st.st_dev, st.st_ino, st.st_mode) != (expect.st_dev, expect.st_ino, expect.st_mode):
         os.close(fd)
         raise UnsafePath(path, "changed while it was opened", errno.EAGAIN)
+    import fcntl
+
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)
     return RecordTarget(path, "stream", fd=fd)

@@ -137,6 +137,16 @@ def read_inbox(d: RunDir, offset: int = 0, run_uid: str | None = None, *, requir
                          offset, False)
     finally:
         os.close(fd)
+    return parse_chunk(data, offset, inside_long_line, run_uid, require_uid=require_uid, rejected=rejected)
+
+
+def parse_chunk(data: bytes, offset: int, inside_long_line: bool, run_uid: str | None, *,
+                require_uid: bool = True, rejected: list[Rejected] | None = None) -> InboxRead:
+    """The requests in `data`, read from the inbox at `offset` (at most
+    INBOX_CHUNK bytes; `inside_long_line`: the byte before `offset` is not a
+    newline), as read_inbox returns them. Pure: Windows reads the file its
+    own way (_platform/winlayout.py) and parses it here."""
+    rejected = [] if rejected is None else rejected
     pos = 0
     if inside_long_line:
         nl = data.find(b"\n")

@@ -105,7 +105,7 @@ class Run:
         self.stop.check_sockets = self.opts.check_sockets
 
     def open_channels(self) -> None:
-        self.wakeups = host.Wakeups(self.layout)
+        self.wakeups = host.Wakeups(self.layout, container=self.container, run_uid=self.uid)
         if self.wakeups.problem is not None:
             self.facts.notes.append(f"{self.wakeups.problem}: inbox read every {_INBOX_FALLBACK_S} s")
 

@@ -20,17 +20,22 @@ that already catch OSError keep working.
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import stat
 import struct
+import sys
 
 from ._errors import LauncherError
 
-O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-O_DIR_PATH = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# O_NONBLOCK: a FIFO planted where a file should be must not block the open.
-O_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+if sys.platform == "win32":
+    # Windows has no directory fds: there this module is imported for its
+    # error types only, and the run directory is _platform/winlayout.py.
+    O_DIR = O_DIR_PATH = O_READ = 0
+else:
+    O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    O_DIR_PATH = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    # O_NONBLOCK: a FIFO planted where a file should be must not block the open.
+    O_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
 
@@ -361,6 +366,8 @@ def _flock(kind: int) -> bytes:
 def take_lock(fd: int) -> bool:
     """An exclusive OFD lock on the whole file of `fd` (open for writing),
     without waiting. False if another open file description holds one."""
+    import fcntl
+
     try:
         fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK))
     except OSError as e:
@@ -374,6 +381,8 @@ def lock_held(fd: int) -> bool:
     """Whether any other open file description holds a lock on the file of
     `fd`. F_OFD_GETLK takes nothing, and works on a read-only fd: a reader
     can neither block the owner nor make a concurrent taker fail."""
+    import fcntl
+
     res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK))
     return bool(struct.unpack_from("h", res)[0] != fcntl.F_UNLCK)
 

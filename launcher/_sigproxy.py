@@ -96,6 +96,8 @@ def die_by(signum: int) -> None:
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
+    if sys.platform == "win32":
+        return                # no dying by a signal on Windows: the caller exits 128 + signum
     signal.signal(signum, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
     os.kill(os.getpid(), signum)

@@ -27,7 +27,6 @@ directory and what is wrong; nothing in it is read or written.
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import stat
 import time
@@ -207,6 +206,8 @@ def claim_lock(st: StateDir) -> int:
     the returned fd: claims, and the renames of retention, are serialised by
     it. Waits at most CLAIM_WAIT_S for another holder (a stopped process
     holding it must not wedge every later run). Raises StateDirError."""
+    import fcntl     # (imported here: this module is loaded on Windows too, for its errors and bounds)
+
     path = os.path.join(st.path, "runs", ".claim.lock")
     try:
         fd = os.open(".claim.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,

@@ -9,8 +9,10 @@ Each of `stdin`, `stdout`, `stderr` is one of:
 - an `int` file descriptor, or an object with `fileno()`: used as is, and
   left open (it stays the caller's).
 
-Every descriptor made here is close-on-exec, so no concurrent spawn in this
-process can inherit it; the spawn dup2()s the child's ends onto 0-2. After
+Every descriptor made here is close-on-exec (on Windows: not inheritable,
+Python's default), so no concurrent spawn in this process can inherit it;
+the spawn dup2()s the child's ends onto 0-2 (on Windows it passes their
+handles in PROC_THREAD_ATTRIBUTE_HANDLE_LIST). After
 the spawn the caller's copies of the child's ends are closed, whether the
 spawn succeeded or not.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from typing import IO, Any, Union
 
 PIPE = subprocess.PIPE
@@ -25,6 +28,12 @@ DEVNULL = subprocess.DEVNULL
 STDOUT = subprocess.STDOUT
 
 StdioSpec = Union[None, int, IO[Any]]
+
+
+def _pipe() -> tuple[int, int]:
+    if sys.platform == "win32":
+        return os.pipe()           # not inheritable (PEP 446)
+    return os.pipe2(os.O_CLOEXEC)
 
 
 class Stdio:
@@ -83,14 +92,14 @@ def resolve(stdin: StdioSpec = None, stdout: StdioSpec = None, stderr: StdioSpec
             if spec is None:
                 continue
             if spec is PIPE or (isinstance(spec, int) and not isinstance(spec, bool) and spec == PIPE):
-                r, w = os.pipe2(os.O_CLOEXEC)
+                r, w = _pipe()
                 child_end, parent_end = (r, w) if i == 0 else (w, r)
                 st._opened_child.append(child_end)
                 st.parent[i] = parent_end
                 child[i] = child_end
             elif isinstance(spec, int) and not isinstance(spec, bool) and spec == DEVNULL:
                 if devnull < 0:
-                    devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+                    devnull = os.open(os.devnull, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
                     st._opened_child.append(devnull)
                 child[i] = devnull
             elif isinstance(spec, int) and not isinstance(spec, bool) and spec == STDOUT:

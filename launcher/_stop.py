@@ -184,7 +184,10 @@ class StopSequence:
         seen = self._seen()
         try:
             via, detail = self.container.terminate(self.signum)
-            self.facts.signal_step("term", True, via, dict(detail, signal=name, seen=seen))
+            # A container that could send nothing says so (`sent`: a Job
+            # Object with no member on our console): the step is not observed.
+            sent = detail.get("sent", True) if isinstance(detail, dict) else True
+            self.facts.signal_step("term", sent, via, dict(detail, signal=name, seen=seen))
         except OSError as e:
             self.facts.signal_step("term", None, f"{name} by pidfd", f"failed: {e}")
 

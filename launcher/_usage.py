@@ -42,6 +42,14 @@ class RunUsage:
         """Raises ContainmentUnavailable when a limit cannot be applied (the
         run then fails with 125, never runs unlimited)."""
         from ._errors import ContainmentUnavailable
+
+        if container.backend == "job-object":
+            # Windows: no cgroups; the job's own accounting (winacct.py).
+            if self.limits:
+                raise ContainmentUnavailable("limits (--memory-max, --pids-max, --cpu-max) are not built for "
+                                             "Job Objects yet")
+            self.problem = "no cgroups on Windows: the Job Object's own accounting is read"
+            return
         from ._runcgroups import RunCgroups
 
         v2_dir = getattr(container, "dir", None) if container.backend == "cgroup2" else None
@@ -127,6 +135,10 @@ class RunUsage:
             acct["cpu_usec"] = {"value": wall_cpu["usage_usec"], "source": src}
             acct["cpu_user_usec"] = {"value": wall_cpu["user_usec"], "source": src}
             acct["cpu_system_usec"] = {"value": wall_cpu["system_usec"], "source": src}
+        if container is not None and container.backend == "job-object":
+            from ._platform.winacct import fields
+
+            acct.update(fields(container))        # `null` with the reason where Wine reads 0
         hits = limit_hits(acct)
         facts.accounting = acct
         if self.cgroups is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import selectors
+import sys
 import threading
 import time
 from typing import IO, Any, Callable, Sequence
@@ -133,6 +134,8 @@ class Worker(RunHandle):
         read (None for a stream that is not a pipe). TimeoutError if `timeout`
         passes first; the run goes on and the call can be repeated."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if sys.platform == "win32":       # no selecting on pipes there: a thread per pipe, as subprocess does
+            return self._communicate_threads(input, deadline, timeout)
         chunks: dict[int, list[bytes]] = {}
         sel = selectors.DefaultSelector()
         try:
@@ -177,6 +180,29 @@ class Worker(RunHandle):
         out, err = (b"".join(chunks[fd]) if fd >= 0 else None for fd in fds)
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return out, err
+
+    def _communicate_threads(self, input: bytes | None, deadline: float | None,
+                             timeout: float | None) -> tuple[bytes | None, bytes | None]:
+        out: dict[int, bytes] = {}
+        threads = []
+        for i, f in ((1, self.stdout), (2, self.stderr)):
+            if f is not None and not f.closed:
+                t = threading.Thread(target=lambda i=i, f=f: out.__setitem__(i, f.read()), daemon=True)
+                t.start()
+                threads.append(t)
+        if self.stdin is not None and not self.stdin.closed:
+            try:
+                if input:
+                    self.stdin.write(input)
+            except BrokenPipeError:
+                pass
+            self._close_stdin()
+        for t in threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                raise TimeoutError(f"run {self.id}: communicate timed out after {timeout} s")
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return (out.get(1) if self.stdout is not None else None), (out.get(2) if self.stderr is not None else None)
 
     def _close_stdin(self) -> None:
         if self.stdin is not None:

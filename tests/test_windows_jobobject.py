@@ -1,10 +1,11 @@
 """The `job-object` primitives against the Win32 API, under Wine.
 
-Windows CPython cannot run here, so `launcher/_native/jobobject.c` is tested
-as C: `tests/windows/test_jobobject.c` is built with mingw-w64 together with
-it and run under wine64. The harness prints one `CHECK <name> ok|FAIL|skip`
-line per check; every expected name must appear, and `skip` is accepted
-only for the Wine stubs listed in WINE_GAPS (never on Windows).
+Windows CPython cannot run here, so `launcher/_native/jobobject.c` and
+`winproc.c` are tested as C: `tests/windows/test_jobobject.c` is built with
+mingw-w64 together with them and run under wine64. The harness prints one
+`CHECK <name> ok|FAIL|skip` line per check; every expected name must appear,
+and `skip` is accepted only for the Wine stubs listed in WINE_GAPS (never on
+Windows).
 
 The Wine prefix is cached under the pytest cache directory: a fresh one
 costs about 3.5 s and 700 MB. Everything Wine starts is ended afterwards by
@@ -49,6 +50,7 @@ CHECKS = [
     "breakaway_flag_cannot_leave",
     "nested_job_silent_breakaway_stays_in",
     "same_user_worker_can_steal_job_handle",
+    "restricted_job_handle_cannot_be_stolen",
     "kill_on_job_close",
     "supervisor_death_kills_tree",
     "terminate_during_spawn_storm",
@@ -158,7 +160,8 @@ def harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     exe = work / "test_jobobject.exe"
     t0 = time.monotonic()
     cc = subprocess.run([MINGW, "-O2", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter", f"-I{NATIVE}",
-                         "-o", str(exe), str(HARNESS), str(NATIVE / "jobobject.c")],
+                         "-o", str(exe), str(HARNESS), str(NATIVE / "jobobject.c"),
+                         str(NATIVE / "winproc.c"), "-ladvapi32"],
                         capture_output=True, text=True)
     assert cc.returncode == 0, f"mingw build failed:\n{cc.stderr}"
     t_build = time.monotonic() - t0
@@ -290,7 +293,7 @@ def test_windows_extension_source_is_generated_on_linux(tmp_path: Path) -> None:
     out = tmp_path / "_ct.c"
     b.make("win32").emit_c_code(str(out))
     text = out.read_text()
-    assert '#include "jobobject.h"' in text and '#include "winsync.h"' in text
+    assert all(f'#include "{m}.h"' in text for m in ("jobobject", "winproc", "winsync"))
     assert "ct_sync_wait" in text and "ct_job_spawn" in text
     assert '#include "spawn.h"' not in text and "ct_procscan_read" not in text
 
@@ -300,7 +303,7 @@ def test_windows_modules_compile_warning_free_with_mingw(tmp_path: Path) -> None
     break shows in the Linux suite too, not only in the Wine lane."""
     if shutil.which(MINGW) is None:
         pytest.skip(f"{MINGW} not installed (apt-get install gcc-mingw-w64-x86-64)")
-    for m in ("jobobject", "winsync"):
+    for m in ("jobobject", "winproc", "winsync"):
         cc = subprocess.run([MINGW, "-O2", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter", f"-I{NATIVE}",
                              "-c", str(NATIVE / f"{m}.c"), "-o", str(tmp_path / f"{m}.o")],
                             capture_output=True, text=True, timeout=120)

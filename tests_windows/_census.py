@@ -48,6 +48,7 @@ k32.GetProcessTimes.argtypes = [w.HANDLE] + [ctypes.POINTER(w.FILETIME)] * 4
 k32.TerminateProcess.argtypes = [w.HANDLE, w.UINT]
 k32.GetCurrentProcess.restype = w.HANDLE
 k32.IsProcessInJob.argtypes = [w.HANDLE, w.HANDLE, ctypes.POINTER(w.BOOL)]
+k32.GetSystemTimeAsFileTime.argtypes = [ctypes.POINTER(w.FILETIME)]
 
 
 def snapshot() -> dict[int, tuple[int, str]]:
@@ -102,6 +103,32 @@ def alive(pid: int, created: int) -> bool:
         return k32.WaitForSingleObject(h, 0) == WAIT_TIMEOUT
     finally:
         k32.CloseHandle(h)
+
+
+def named_since(exe: str, since: int) -> dict[int, int]:
+    """pid -> creation time of every live process whose image is `exe`
+    (case-insensitive) and that was created at or after `since` (FILETIME):
+    what a test started, found without any mark of its own (cmd's `start`)."""
+    out = {}
+    for pid, (_ppid, name) in snapshot().items():
+        if name.lower() != exe.lower():
+            continue
+        h = _open(pid)
+        if h is None:
+            continue
+        try:
+            created = creation_time(h)
+            if created >= since and k32.WaitForSingleObject(h, 0) == WAIT_TIMEOUT:
+                out[pid] = created
+        finally:
+            k32.CloseHandle(h)
+    return out
+
+
+def filetime_now() -> int:
+    ft = w.FILETIME()
+    k32.GetSystemTimeAsFileTime(ctypes.byref(ft))
+    return (ft.dwHighDateTime << 32) | ft.dwLowDateTime
 
 
 def in_job(pid: int, job: int) -> bool | None:

@@ -201,9 +201,9 @@ def role_console_stop(d: str, mode: str, grace: str) -> int:
     try:
         procs = _census.wait_marks(d, "cw", 1)
         out["marked"] = len(procs)
-        reached, missed = c.terminate()
+        _via, detail = c.terminate()
         out["terminate"] = c.last_terminate
-        out["reached"], out["missed"] = reached, missed
+        out["reached"], out["missed"] = detail["reached"], detail["not_reached"]
         deadline = time.monotonic() + float(grace)
         while c.root_status()[0] and time.monotonic() < deadline:
             w.wait(deadline - time.monotonic())
@@ -254,6 +254,30 @@ def role_ctrl(d: str) -> int:
     out = {"elapsed": elapsed, "ctrls": w.seen["ctrls"], "last_ctrl": w.last_ctrl, "python_handler": seen}
     w.close()
     with open(os.path.join(d, "ctrl.json"), "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+def role_ctrl_c_contain(d: str, state: str, record: str) -> int:
+    """Run in a console of its own: `contain run` a sleeping worker, then
+    Ctrl-C (CTRL_C_EVENT to every process of this console, as a terminal's
+    ^C). The worker leads its own process group, which ignores it; contain
+    must cancel the run and end as a run cancelled by SIGINT (130)."""
+    signal.signal(signal.SIGINT, lambda n, f: None)     # ^C is for contain, not for us
+    contain = [sys.executable, os.path.join(HERE, "_contain.py")]
+    env = dict(os.environ, CONTAIN_STATE_DIR=state)
+    p = subprocess.Popen([*contain, "run", "--grace", "0.5", "--record", record, "--", *me("sleep", d, "cc")],
+                         env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out: dict[str, object] = {"marked": len(_census.wait_marks(d, "cc", 1))}
+    k = ctypes.WinDLL("kernel32", use_last_error=True)
+    time.sleep(0.3)
+    out["sent"] = [k.GenerateConsoleCtrlEvent(0, 0), ctypes.get_last_error()]
+    try:
+        out["rc"] = p.wait(60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out["rc"] = None
+    with open(os.path.join(d, "ctrl_c.json"), "w") as f:
         json.dump(out, f)
     return 0
 

@@ -20,7 +20,7 @@ class Job:
     def __init__(self, d: str, name: str = "t") -> None:
         self.dir = d
         self.c = windows.Container.create(f"{name}-{os.getpid()}")
-        self.w = winsync.Waiter(self.c.port, job=self.c.job)
+        self.w = winsync.Waiter(self.c.port, job=self.c.key)
         self._logs: list[Any] = []
 
     def spawn(self, argv: list[str], *, cwd: str | None = None, env: dict[str, str] | None = None) -> windows.Spawned:

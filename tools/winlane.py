@@ -62,6 +62,8 @@ PURE_WHEELS = [
     ("colorama==0.4.6", "4f1d9991f5acc0ca119f9d443620b77f9d6b33703e51011c16baf57afb285fc6"),   # pytest, on Windows only
     ("anyio==4.16.0", "c66ae634e0b8228396b801741beb3294326d4b6102f7bba4041c0dfb58c29026"),
     ("idna==3.20", "ab7ae7122974553370f0bdb919e1a960b2cd1bc1ef0276416d896db81c14582c"),
+    # anyio's asyncio backend imports typing_extensions (anyio/_core/_typedattr.py).
+    ("typing_extensions==4.16.0", "481caa481374e813c1b176ada14e97f1f67a4539ce9cfeb3f350d78d6370c2e8"),
 ]
 PY_TAG = "cp313"
 TEST_TIMEOUT_S = 1200

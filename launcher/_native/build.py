@@ -24,7 +24,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 MODULES = {
     "linux": ("cgroup", "child", "clone", "fds", "init", "procscan", "spawn", "wall"),
-    "win32": ("jobobject", "winsync"),
+    "win32": ("jobobject", "winproc", "winsync"),
 }
 
 # MSVC on Windows (what setuptools uses there); GCC or Clang on Linux.

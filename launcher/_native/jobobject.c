@@ -1,12 +1,5 @@
 /* The `job-object` container: a Windows Job Object that holds the worker
- * from before its first instruction.
- *
- * The worker is created suspended, in the job already where Windows allows
- * it (PROC_THREAD_ATTRIBUTE_JOB_LIST, Windows 10: the process is born in the
- * job), else by AssignProcessToJobObject while its only thread has not run.
- * Either way IsProcessInJob is checked before ResumeThread, so the claim
- * "in the job before its first instruction" is observed, not assumed. A
- * child that cannot be placed is terminated while still suspended.
+ * from before its first instruction (the spawn itself is winproc.c).
  *
  * The job never allows breakaway: with JOB_OBJECT_LIMIT_BREAKAWAY_OK or
  * _SILENT_BREAKAWAY_OK a descendant leaves the job by asking (or silently),
@@ -29,14 +22,14 @@
 #define _WIN32_WINNT 0x0A00
 #endif
 #include <windows.h>
+#include <aclapi.h>
+#include <sddl.h>
 #include <string.h>
 
-#ifndef PROC_THREAD_ATTRIBUTE_JOB_LIST
-#define PROC_THREAD_ATTRIBUTE_JOB_LIST ProcThreadAttributeValue(13, FALSE, TRUE, FALSE)
-#endif
-#ifndef ERROR_PROCESS_NOT_IN_JOB
-#define ERROR_PROCESS_NOT_IN_JOB 759L
-#endif
+/* What the handle the owner keeps may do (ct_job_restrict): watch, list,
+ * kill, assign (the spawn), read the descriptor. Never SET_ATTRIBUTES. */
+#define CT_JOB_KEPT_ACCESS \
+    (JOB_OBJECT_QUERY | JOB_OBJECT_TERMINATE | JOB_OBJECT_ASSIGN_PROCESS | SYNCHRONIZE | READ_CONTROL)
 
 /* Re-query ActiveProcesses at least this often even if no message comes. */
 #define CT_JOB_REQUERY_MS 100
@@ -46,46 +39,161 @@ static int last_error(void) {
     return e ? (int)e : (int)ERROR_GEN_FAILURE;
 }
 
-/* UTF-8 (len bytes, or NUL-terminated when len < 0) to a heap UTF-16 copy. */
-static int widen(const char *s, int len, wchar_t **out) {
-    int n;
-    *out = NULL;
-    if (s == NULL) return 0;
-    n = MultiByteToWideChar(CP_UTF8, MB_ERR_INVALID_CHARS, s, len, NULL, 0);
-    if (n <= 0) return last_error();
-    *out = HeapAlloc(GetProcessHeap(), 0, (SIZE_T)(n + 1) * sizeof(wchar_t));
-    if (*out == NULL) return ERROR_NOT_ENOUGH_MEMORY;
-    if (MultiByteToWideChar(CP_UTF8, MB_ERR_INVALID_CHARS, s, len, *out, n) != n) {
-        int e = last_error();
-        HeapFree(GetProcessHeap(), 0, *out);
-        *out = NULL;
-        return e;
-    }
-    (*out)[n] = L'\0';
-    return 0;
-}
-
-static void wfree(wchar_t *p) {
-    if (p) HeapFree(GetProcessHeap(), 0, p);
-}
+/* The job's security descriptor. A process that takes a handle to the job
+ * (it duplicates one out of the supervisor, as the harness's `steal` role
+ * does) must not be able to allow breakaway: the handle the owner keeps has
+ * CT_JOB_KEPT_ACCESS only (ct_job_restrict), and asking DuplicateHandle for
+ * more is an access check against this descriptor (ObDuplicateObject),
+ * which grants nothing. The owner of an object may always change its DACL,
+ * so the owner is SYSTEM where this token may say so (an administrator's),
+ * and OWNER RIGHTS (S-1-3-4, Windows Vista+) keeps a user owner to reading
+ * it. Whether that holds for this token is observed, not assumed
+ * (ct_job_probe). */
+static const wchar_t *const job_sddl[2] = {L"O:SYD:P(A;;RC;;;OW)", L"D:P(A;;RC;;;OW)"};
 
 int ct_job_create(uintptr_t *job) {
     JOBOBJECT_EXTENDED_LIMIT_INFORMATION li;
-    HANDLE j;
+    SECURITY_ATTRIBUTES sa;
+    PSECURITY_DESCRIPTOR sd = NULL;
+    HANDLE j = NULL;
+    int i, e = 0;
     *job = 0;
     /* No name and no inheritable handle: nothing in the tree can open it
      * to change its limits. */
-    j = CreateJobObjectW(NULL, NULL);
-    if (j == NULL) return last_error();
+    for (i = 0; i < 2 && j == NULL; i++) {
+        if (!ConvertStringSecurityDescriptorToSecurityDescriptorW(job_sddl[i], SDDL_REVISION_1, &sd, NULL))
+            return last_error();
+        sa.nLength = sizeof sa;
+        sa.lpSecurityDescriptor = sd;
+        sa.bInheritHandle = FALSE;
+        j = CreateJobObjectW(&sa, NULL);
+        e = j == NULL ? last_error() : 0;
+        LocalFree(sd);
+        if (j == NULL && e != ERROR_INVALID_OWNER) return e;   /* only the owner falls back */
+    }
+    if (j == NULL) return e;
     ZeroMemory(&li, sizeof li);
     li.BasicLimitInformation.LimitFlags =
         JOB_OBJECT_LIMIT_KILL_ON_JOB_CLOSE | JOB_OBJECT_LIMIT_DIE_ON_UNHANDLED_EXCEPTION;
     if (!SetInformationJobObject(j, JobObjectExtendedLimitInformation, &li, sizeof li)) {
-        int e = last_error();
+        e = last_error();
         CloseHandle(j);
         return e;
     }
     *job = (uintptr_t)j;
+    return 0;
+}
+
+int ct_job_restrict(uintptr_t *job) {
+    HANDLE kept;
+    if (!DuplicateHandle(GetCurrentProcess(), (HANDLE)*job, GetCurrentProcess(), &kept, CT_JOB_KEPT_ACCESS,
+                         FALSE, DUPLICATE_CLOSE_SOURCE))
+        return last_error();
+    *job = (uintptr_t)kept;
+    return 0;
+}
+
+/* Every privilege of the process token enabled (mode 1), or put back as it
+ * was (mode 0, from *saved). The access check of DuplicateHandle uses the
+ * target process's primary token, so a thread token would not do. */
+static int privileges(int mode, HANDLE token, TOKEN_PRIVILEGES **saved, uint32_t *enabled) {
+    DWORD n = 0;
+    TOKEN_PRIVILEGES *all;
+    if (mode == 0) {
+        if (*saved == NULL) return 0;
+        AdjustTokenPrivileges(token, FALSE, *saved, 0, NULL, NULL);
+        HeapFree(GetProcessHeap(), 0, *saved);
+        *saved = NULL;
+        return 0;
+    }
+    GetTokenInformation(token, TokenPrivileges, NULL, 0, &n);
+    if (n == 0) return last_error();
+    all = HeapAlloc(GetProcessHeap(), 0, n);
+    *saved = HeapAlloc(GetProcessHeap(), 0, n);
+    if (all == NULL || *saved == NULL) {
+        if (all) HeapFree(GetProcessHeap(), 0, all);
+        if (*saved) HeapFree(GetProcessHeap(), 0, *saved);
+        *saved = NULL;
+        return ERROR_NOT_ENOUGH_MEMORY;
+    }
+    if (!GetTokenInformation(token, TokenPrivileges, all, n, &n)) {
+        int e = last_error();
+        HeapFree(GetProcessHeap(), 0, all);
+        HeapFree(GetProcessHeap(), 0, *saved);
+        *saved = NULL;
+        return e;
+    }
+    for (DWORD i = 0; i < all->PrivilegeCount; i++) {
+        if (!(all->Privileges[i].Attributes & SE_PRIVILEGE_ENABLED)) (*enabled)++;
+        all->Privileges[i].Attributes |= SE_PRIVILEGE_ENABLED;
+    }
+    if (!AdjustTokenPrivileges(token, FALSE, all, n, *saved, &n)) {
+        int e = last_error();
+        HeapFree(GetProcessHeap(), 0, all);
+        HeapFree(GetProcessHeap(), 0, *saved);
+        *saved = NULL;
+        return e;
+    }
+    HeapFree(GetProcessHeap(), 0, all);
+    return 0;
+}
+
+int ct_job_probe(uintptr_t job, uint32_t *obtained, uint32_t *enabled) {
+    static const DWORD rights[3] = {JOB_OBJECT_SET_ATTRIBUTES, WRITE_DAC, WRITE_OWNER};
+    HANDLE token = NULL, dup;
+    TOKEN_PRIVILEGES *saved = NULL;
+    int rc, i;
+    *obtained = *enabled = 0;
+    if (!OpenProcessToken(GetCurrentProcess(), TOKEN_ADJUST_PRIVILEGES | TOKEN_QUERY, &token))
+        return last_error();
+    if ((rc = privileges(1, token, &saved, enabled))) {
+        CloseHandle(token);
+        return rc;
+    }
+    for (i = 0; i < 3; i++) {
+        if (DuplicateHandle(GetCurrentProcess(), (HANDLE)job, GetCurrentProcess(), &dup, rights[i], FALSE, 0)) {
+            *obtained |= rights[i];
+            CloseHandle(dup);
+        } else if (GetLastError() != ERROR_ACCESS_DENIED) {
+            rc = last_error();
+        }
+    }
+    privileges(0, token, &saved, enabled);
+    CloseHandle(token);
+    return rc;
+}
+
+int ct_job_owner_is_system(uintptr_t job, int *system) {
+    PSID owner = NULL, sys = NULL;
+    PSECURITY_DESCRIPTOR sd = NULL;
+    SID_IDENTIFIER_AUTHORITY nt = SECURITY_NT_AUTHORITY;
+    DWORD e;
+    *system = 0;
+    e = GetSecurityInfo((HANDLE)job, SE_KERNEL_OBJECT, OWNER_SECURITY_INFORMATION, &owner, NULL, NULL, NULL, &sd);
+    if (e != ERROR_SUCCESS) return (int)e;
+    if (owner != NULL && AllocateAndInitializeSid(&nt, 1, SECURITY_LOCAL_SYSTEM_RID, 0, 0, 0, 0, 0, 0, 0, &sys)) {
+        *system = EqualSid(owner, sys) ? 1 : 0;
+        FreeSid(sys);
+    } else if (owner == NULL) {
+        *system = -1;
+    }
+    LocalFree(sd);
+    return 0;
+}
+
+/* The job this process itself runs in, if any: whether it is in one, and
+ * that job's limit flags (QueryInformationJobObject(NULL) names it). */
+int ct_job_self(int *in_job, uint32_t *limit_flags) {
+    BOOL in = FALSE;
+    JOBOBJECT_EXTENDED_LIMIT_INFORMATION li;
+    *in_job = 0;
+    *limit_flags = 0;
+    if (!IsProcessInJob(GetCurrentProcess(), NULL, &in)) return last_error();
+    *in_job = in ? 1 : 0;
+    if (!in) return 0;
+    if (!QueryInformationJobObject(NULL, JobObjectExtendedLimitInformation, &li, sizeof li, NULL))
+        return last_error();
+    *limit_flags = li.BasicLimitInformation.LimitFlags;
     return 0;
 }
 
@@ -117,173 +225,6 @@ int ct_job_limits(uintptr_t job, uint32_t *limit_flags) {
         return last_error();
     *limit_flags = li.BasicLimitInformation.LimitFlags;
     return 0;
-}
-
-/* An attribute list holding the job (if job != NULL) and the handles the
- * child may inherit (if n > 0). `job` and `handles` must outlive the list. */
-static int make_attrs(const HANDLE *job, HANDLE *handles, int n, LPPROC_THREAD_ATTRIBUTE_LIST *out) {
-    SIZE_T size = 0;
-    DWORD count = (job ? 1 : 0) + (n > 0 ? 1 : 0);
-    LPPROC_THREAD_ATTRIBUTE_LIST l;
-    int e;
-    *out = NULL;
-    if (count == 0) return 0;
-    InitializeProcThreadAttributeList(NULL, count, 0, &size);
-    l = HeapAlloc(GetProcessHeap(), 0, size);
-    if (l == NULL) return ERROR_NOT_ENOUGH_MEMORY;
-    if (!InitializeProcThreadAttributeList(l, count, 0, &size)) {
-        e = last_error();
-        HeapFree(GetProcessHeap(), 0, l);
-        return e;
-    }
-    if ((job && !UpdateProcThreadAttribute(l, 0, PROC_THREAD_ATTRIBUTE_JOB_LIST, (PVOID)job,
-                                           sizeof(HANDLE), NULL, NULL)) ||
-        (n > 0 && !UpdateProcThreadAttribute(l, 0, PROC_THREAD_ATTRIBUTE_HANDLE_LIST, handles,
-                                             (SIZE_T)n * sizeof(HANDLE), NULL, NULL))) {
-        e = last_error();
-        DeleteProcThreadAttributeList(l);
-        HeapFree(GetProcessHeap(), 0, l);
-        return e;
-    }
-    *out = l;
-    return 0;
-}
-
-static void free_attrs(LPPROC_THREAD_ATTRIBUTE_LIST l) {
-    if (l) {
-        DeleteProcThreadAttributeList(l);
-        HeapFree(GetProcessHeap(), 0, l);
-    }
-}
-
-/* The child has run nothing (it is suspended): end it and wait for it. */
-static void discard_suspended(PROCESS_INFORMATION *pi) {
-    TerminateProcess(pi->hProcess, 1);
-    WaitForSingleObject(pi->hProcess, 5000);
-    CloseHandle(pi->hThread);
-    CloseHandle(pi->hProcess);
-}
-
-int ct_job_spawn(const struct ct_job_spawn_args *a, struct ct_job_spawn_result *r) {
-    static const DWORD std_ids[3] = {STD_INPUT_HANDLE, STD_OUTPUT_HANDLE, STD_ERROR_HANDLE};
-    wchar_t *app = NULL, *cmd = NULL, *env = NULL, *cwd = NULL;
-    HANDLE job = (HANDLE)a->job;
-    HANDLE std[3] = {NULL, NULL, NULL};
-    HANDLE inherit[3];
-    int ninherit = 0;
-    LPPROC_THREAD_ATTRIBUTE_LIST attrs = NULL;
-    STARTUPINFOEXW si;
-    PROCESS_INFORMATION pi;
-    DWORD flags;
-    BOOL inside = FALSE;
-    int rc, i;
-
-    memset(r, 0, sizeof *r);
-    r->stage = CT_JOB_STAGE_ARGS;
-    if (a->command_line == NULL) return ERROR_INVALID_PARAMETER;
-    if ((rc = widen(a->application, -1, &app)) || (rc = widen(a->command_line, -1, &cmd)) ||
-        (rc = widen(a->cwd, -1, &cwd)))
-        goto out;
-    if (a->environment && (rc = widen(a->environment, (int)a->env_len, &env))) goto out;
-
-    /* Only our own inheritable duplicates of the three std handles are
-     * inherited (PROC_THREAD_ATTRIBUTE_HANDLE_LIST), as CPython's
-     * subprocess does: no other handle of the supervisor leaks in. */
-    for (i = 0; i < 3; i++) {
-        HANDLE src = a->stdio[i] ? (HANDLE)a->stdio[i] : GetStdHandle(std_ids[i]);
-        if (src == NULL || src == INVALID_HANDLE_VALUE) continue;
-        if (!DuplicateHandle(GetCurrentProcess(), src, GetCurrentProcess(), &std[i], 0, TRUE,
-                             DUPLICATE_SAME_ACCESS)) {
-            rc = last_error();
-            goto out;
-        }
-        inherit[ninherit++] = std[i];
-    }
-    ZeroMemory(&si, sizeof si);
-    si.StartupInfo.cb = sizeof si;
-    if (ninherit > 0) {
-        si.StartupInfo.dwFlags = STARTF_USESTDHANDLES;
-        si.StartupInfo.hStdInput = std[0];
-        si.StartupInfo.hStdOutput = std[1];
-        si.StartupInfo.hStdError = std[2];
-    }
-    /* Suspended on both paths: placement is verified before the first
-     * instruction runs. */
-    flags = EXTENDED_STARTUPINFO_PRESENT | CREATE_UNICODE_ENVIRONMENT | CREATE_SUSPENDED;
-    if (a->new_process_group) flags |= CREATE_NEW_PROCESS_GROUP;
-
-    r->job_list_error = -1;
-    if (a->try_job_list) {
-        r->stage = CT_JOB_STAGE_ATTRS;
-        r->job_list_error = make_attrs(&job, inherit, ninherit, &attrs);
-        if (r->job_list_error == 0) {
-            si.lpAttributeList = attrs;
-            r->stage = CT_JOB_STAGE_CREATE;
-            if (CreateProcessW(app, cmd, NULL, NULL, ninherit > 0, flags, env, cwd,
-                               &si.StartupInfo, &pi)) {
-                r->via = CT_JOB_VIA_JOB_LIST;
-            } else {
-                rc = last_error();
-                /* Only "this attribute is not understood" falls back; any
-                 * other failure is the command's own (not found, denied). */
-                if (rc != ERROR_INVALID_PARAMETER && rc != ERROR_NOT_SUPPORTED) goto out;
-                r->job_list_error = rc;
-                rc = 0;
-            }
-            free_attrs(attrs);
-            attrs = NULL;
-        }
-    }
-    if (r->via == CT_JOB_VIA_NONE) {
-        r->stage = CT_JOB_STAGE_ATTRS;
-        if ((rc = make_attrs(NULL, inherit, ninherit, &attrs))) goto out;
-        si.lpAttributeList = attrs;
-        r->stage = CT_JOB_STAGE_CREATE;
-        if (!CreateProcessW(app, cmd, NULL, NULL, ninherit > 0, flags, env, cwd, &si.StartupInfo,
-                            &pi)) {
-            rc = last_error();
-            goto out;
-        }
-        r->pid = pi.dwProcessId;
-        r->stage = CT_JOB_STAGE_ASSIGN;
-        if (!AssignProcessToJobObject(job, pi.hProcess)) {
-            rc = last_error();
-            discard_suspended(&pi);
-            goto out;
-        }
-        r->via = CT_JOB_VIA_SUSPENDED;
-    }
-    r->pid = pi.dwProcessId;
-    r->stage = CT_JOB_STAGE_VERIFY;
-    if (!IsProcessInJob(pi.hProcess, job, &inside)) {
-        rc = last_error();
-        discard_suspended(&pi);
-        goto out;
-    }
-    if (!inside) {
-        rc = ERROR_PROCESS_NOT_IN_JOB;
-        discard_suspended(&pi);
-        goto out;
-    }
-    r->stage = CT_JOB_STAGE_RESUME;
-    if (ResumeThread(pi.hThread) == (DWORD)-1) {
-        rc = last_error();
-        discard_suspended(&pi);
-        goto out;
-    }
-    CloseHandle(pi.hThread);
-    r->process = (uintptr_t)pi.hProcess;
-    r->stage = CT_JOB_STAGE_NONE;
-    rc = 0;
-out:
-    free_attrs(attrs);
-    for (i = 0; i < 3; i++)
-        if (std[i]) CloseHandle(std[i]);
-    wfree(app);
-    wfree(cmd);
-    wfree(env);
-    wfree(cwd);
-    return rc;
 }
 
 int ct_job_accounting(uintptr_t job, struct ct_job_accounting *out) {
@@ -403,88 +344,8 @@ int ct_job_terminate(uintptr_t job, uint32_t exit_code) {
     return TerminateJobObject((HANDLE)job, exit_code) ? 0 : last_error();
 }
 
-/* Reaches only console processes of the group that share our console;
- * the caller treats it as a polite request, never as evidence. */
-int ct_job_ctrl_break(uint32_t process_group) {
-    return GenerateConsoleCtrlEvent(CTRL_BREAK_EVENT, process_group) ? 0 : last_error();
-}
-
-int ct_job_process_wait(uintptr_t process, uint32_t timeout_ms, int *exited) {
-    DWORD w = WaitForSingleObject((HANDLE)process, timeout_ms);
-    *exited = 0;
-    if (w == WAIT_OBJECT_0) {
-        *exited = 1;
-        return 0;
-    }
-    if (w == WAIT_TIMEOUT) return 0;
-    return last_error();
-}
-
-/* The handle's signalled state, not STILL_ACTIVE (259), says whether the
- * process runs: 259 is also a valid exit code. */
-int ct_job_process_status(uintptr_t process, int *running, uint32_t *exit_code) {
-    DWORD code = 0;
-    int rc, exited;
-    *running = 0;
-    *exit_code = 0;
-    if ((rc = ct_job_process_wait(process, 0, &exited))) return rc;
-    if (!exited) {
-        *running = 1;
-        return 0;
-    }
-    if (!GetExitCodeProcess((HANDLE)process, &code)) return last_error();
-    *exit_code = code;
-    return 0;
-}
-
 int ct_job_close_take(uintptr_t handle) {
     return CloseHandle((HANDLE)handle) ? 0 : last_error();
-}
-
-/* -- the worker as a process: identity, times, console ---------------------- */
-
-/* SYNCHRONIZE to see it exit, the query right for GetProcessTimes and
- * GetExitCodeProcess. Wine wants PROCESS_QUERY_INFORMATION where Windows
- * accepts the limited right (as for IsProcessInJob). The handle pins the
- * pid: Windows does not reuse it while a handle is open. */
-int ct_job_process_open(uint32_t pid, uintptr_t *process) {
-    HANDLE h;
-    *process = 0;
-    h = OpenProcess(SYNCHRONIZE | PROCESS_QUERY_INFORMATION, FALSE, pid);
-    if (h == NULL && GetLastError() == ERROR_ACCESS_DENIED)
-        h = OpenProcess(SYNCHRONIZE | PROCESS_QUERY_LIMITED_INFORMATION, FALSE, pid);
-    if (h == NULL) return last_error();
-    *process = (uintptr_t)h;
-    return 0;
-}
-
-static uint64_t ft64(FILETIME f) {
-    return ((uint64_t)f.dwHighDateTime << 32) | f.dwLowDateTime;
-}
-
-/* Creation time is what makes a pid an identity (pid + creation time); exit
- * time is 0 while the process runs. */
-int ct_job_process_times(uintptr_t process, struct ct_job_times *t) {
-    FILETIME c, e, k, u;
-    memset(t, 0, sizeof *t);
-    if (!GetProcessTimes((HANDLE)process, &c, &e, &k, &u)) return last_error();
-    t->creation_100ns = ft64(c);
-    t->exit_100ns = ft64(e);
-    t->kernel_100ns = ft64(k);
-    t->user_100ns = ft64(u);
-    return 0;
-}
-
-/* The processes attached to our console: a CTRL_BREAK_EVENT can reach only
- * those. No console at all fails (ERROR_INVALID_HANDLE, typically). A
- * list longer than `cap` returns ERROR_MORE_DATA with the true count. */
-int ct_job_console_pids(uint32_t *pids, uint32_t cap, uint32_t *count) {
-    DWORD n;
-    *count = 0;
-    n = GetConsoleProcessList((LPDWORD)pids, cap ? cap : 1);
-    if (n == 0) return last_error();
-    *count = n;
-    return n > cap ? ERROR_MORE_DATA : 0;
 }
 
 /* Peak commit of the job and of its largest process. Wine zero-fills this

@@ -1,50 +1,11 @@
 #ifndef CT_JOBOBJECT_H
 #define CT_JOBOBJECT_H
-/* Windows Job Objects: the `job-object` container.
+/* Windows Job Objects: the `job-object` container (the worker's spawn and
+ * process handle are winproc.h).
  *
  * Windows only. Handles cross into Python as uintptr_t. Every function
- * returns 0 or the GetLastError() code (a positive DWORD). Strings are
- * UTF-8; the command line is already quoted (Python's
- * subprocess.list2cmdline, the MSVCRT rules). */
+ * returns 0 or the GetLastError() code (a positive DWORD). */
 #include <stdint.h>
-
-/* Where ct_job_spawn failed. */
-enum {
-    CT_JOB_STAGE_NONE = 0,
-    CT_JOB_STAGE_ARGS = 1,     /* UTF-8 conversion, allocation */
-    CT_JOB_STAGE_ATTRS = 2,    /* the STARTUPINFOEX attribute list */
-    CT_JOB_STAGE_CREATE = 3,   /* CreateProcessW */
-    CT_JOB_STAGE_ASSIGN = 4,   /* AssignProcessToJobObject (fallback path) */
-    CT_JOB_STAGE_VERIFY = 5,   /* IsProcessInJob said no, or could not say */
-    CT_JOB_STAGE_RESUME = 6,   /* ResumeThread */
-};
-
-/* How the worker entered the job. */
-enum {
-    CT_JOB_VIA_NONE = 0,
-    CT_JOB_VIA_JOB_LIST = 1,   /* PROC_THREAD_ATTRIBUTE_JOB_LIST: atomic, Windows 10+ */
-    CT_JOB_VIA_SUSPENDED = 2,  /* CREATE_SUSPENDED + AssignProcessToJobObject + ResumeThread */
-};
-
-struct ct_job_spawn_args {
-    uintptr_t job;             /* borrowed */
-    const char *application;   /* NULL: the first token of command_line */
-    const char *command_line;  /* quoted (list2cmdline) */
-    const char *environment;   /* "K=V\0K=V\0\0", env_len bytes; NULL: inherit */
-    uint32_t env_len;
-    const char *cwd;           /* NULL: inherit */
-    uintptr_t stdio[3];        /* borrowed; 0: the caller's own std handle */
-    int new_process_group;     /* CREATE_NEW_PROCESS_GROUP (for CTRL_BREAK) */
-    int try_job_list;          /* 1: PROC_THREAD_ATTRIBUTE_JOB_LIST first */
-};
-
-struct ct_job_spawn_result {
-    uintptr_t process;         /* owned by the caller: ct_job_close_take */
-    uint32_t pid;              /* also set on failure once a child existed */
-    int via;                   /* CT_JOB_VIA_* */
-    int stage;                 /* CT_JOB_STAGE_* of a failure */
-    int job_list_error;        /* why the job-list path was not used; 0: it was, -1: not tried */
-};
 
 struct ct_job_accounting {
     uint64_t user_100ns;       /* total user time of every process ever in the job */
@@ -65,29 +26,29 @@ struct ct_job_wait_result {
     uint32_t queries;          /* QueryInformationJobObject calls made */
 };
 
-/* 100 ns units; creation and exit are FILETIMEs (since 1601, UTC). */
-struct ct_job_times {
-    uint64_t creation_100ns;
-    uint64_t exit_100ns;       /* 0 while running */
-    uint64_t kernel_100ns;
-    uint64_t user_100ns;
-};
-
+/* A job that kills its tree when its last handle closes and allows no
+ * breakaway, with a descriptor that grants nobody the right to change that
+ * (see jobobject.c). */
 int ct_job_create(uintptr_t *job);
+/* Replace *job by a handle that can watch, kill and assign, but not change
+ * the job's limits: call after ct_job_port_create, before the spawn. */
+int ct_job_restrict(uintptr_t *job);
+/* With every privilege of this process's token enabled (then put back),
+ * ask DuplicateHandle for JOB_OBJECT_SET_ATTRIBUTES, WRITE_DAC and
+ * WRITE_OWNER on `job`: *obtained is the mask of those granted (what any
+ * process of this token could get), *enabled how many privileges were off. */
+int ct_job_probe(uintptr_t job, uint32_t *obtained, uint32_t *enabled);
+/* 1 if the job's owner is LocalSystem, 0 another SID, -1 none recorded. */
+int ct_job_owner_is_system(uintptr_t job, int *system);
+/* Whether this process runs in a job, and that job's limit flags. */
+int ct_job_self(int *in_job, uint32_t *limit_flags);
 int ct_job_port_create(uintptr_t job, uintptr_t *port);
 int ct_job_limits(uintptr_t job, uint32_t *limit_flags);
-int ct_job_spawn(const struct ct_job_spawn_args *a, struct ct_job_spawn_result *r);
 int ct_job_accounting(uintptr_t job, struct ct_job_accounting *out);
 int ct_job_pids(uintptr_t job, uint64_t *pids, uint32_t cap, uint32_t *assigned, uint32_t *listed);
 int ct_job_contains(uintptr_t job, uint32_t pid, int *inside);
 int ct_job_wait_empty(uintptr_t job, uintptr_t port, uint32_t timeout_ms, struct ct_job_wait_result *r);
 int ct_job_terminate(uintptr_t job, uint32_t exit_code);
-int ct_job_ctrl_break(uint32_t process_group);
-int ct_job_process_wait(uintptr_t process, uint32_t timeout_ms, int *exited);
-int ct_job_process_status(uintptr_t process, int *running, uint32_t *exit_code);
 int ct_job_close_take(uintptr_t handle);
-int ct_job_process_open(uint32_t pid, uintptr_t *process);
-int ct_job_process_times(uintptr_t process, struct ct_job_times *t);
-int ct_job_console_pids(uint32_t *pids, uint32_t cap, uint32_t *count);
 int ct_job_memory(uintptr_t job, uint64_t *peak_job, uint64_t *peak_process);
 #endif

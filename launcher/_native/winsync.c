@@ -248,3 +248,23 @@ int ct_sync_unlock(uintptr_t file) {
     ZeroMemory(&ov, sizeof ov);
     return UnlockFileEx((HANDLE)file, 0, 1, 0, &ov) ? 0 : last_error();
 }
+
+/* One byte at `offset` (far past any data: appenders serialise on it, and
+ * readers of the data never touch it, since Windows byte-range locks are
+ * mandatory). Waits unless fail_immediately. */
+int ct_sync_lock_at(uintptr_t file, uint64_t offset, int fail_immediately) {
+    OVERLAPPED ov;
+    DWORD flags = LOCKFILE_EXCLUSIVE_LOCK | (fail_immediately ? LOCKFILE_FAIL_IMMEDIATELY : 0);
+    ZeroMemory(&ov, sizeof ov);
+    ov.Offset = (DWORD)offset;
+    ov.OffsetHigh = (DWORD)(offset >> 32);
+    return LockFileEx((HANDLE)file, flags, 0, 1, 0, &ov) ? 0 : last_error();
+}
+
+int ct_sync_unlock_at(uintptr_t file, uint64_t offset) {
+    OVERLAPPED ov;
+    ZeroMemory(&ov, sizeof ov);
+    ov.Offset = (DWORD)offset;
+    ov.OffsetHigh = (DWORD)(offset >> 32);
+    return UnlockFileEx((HANDLE)file, 0, 1, 0, &ov) ? 0 : last_error();
+}

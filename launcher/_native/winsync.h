@@ -73,4 +73,8 @@ int ct_sync_ctrl_forward(uintptr_t port, int on);
  * ERROR_LOCK_VIOLATION instead of waiting. */
 int ct_sync_lock(uintptr_t file, int exclusive, int fail_immediately);
 int ct_sync_unlock(uintptr_t file);
+/* An exclusive lock of the byte at `offset` (appenders serialise on one far
+ * past the data), and its release. */
+int ct_sync_lock_at(uintptr_t file, uint64_t offset, int fail_immediately);
+int ct_sync_unlock_at(uintptr_t file, uint64_t offset);
 #endif

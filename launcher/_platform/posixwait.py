@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 from .._procfs import read_stat
 from .._record import evidence
+from .exits import RootExit as RootExit
 from .wall import InitClosed, InitEmpty, InitEvent, InitForwarded, InitNote, InitWorkerExit, read_init_events
 
 
@@ -48,19 +49,6 @@ def exit_of(status: int, via: str) -> "RootExit":
         return RootExit("exited", os.WEXITSTATUS(status), None,
                         evidence(True, via, {"exit_code": os.WEXITSTATUS(status)}))
     return RootExit("signaled", None, os.WTERMSIG(status), evidence(True, via, {"signal": os.WTERMSIG(status)}))
-
-
-class RootExit:
-    """How the worker ended, as observed: its status (None where it could
-    not be known) and the `root_exit` evidence layer saying how."""
-
-    __slots__ = ("how", "exit_code", "signal", "layer")
-
-    def __init__(self, how: str | None, exit_code: int | None, signal: int | None, layer: dict[str, Any]) -> None:
-        self.how = how          # "exited", "signaled", or None (status unknown)
-        self.exit_code = exit_code
-        self.signal = signal
-        self.layer = layer
 
 
 class Root:
@@ -326,7 +314,8 @@ class Wakeups:
     that holds a watch waits for an SRCU grace period (0.1 to 24 ms here),
     and every run closes it (docs/performance.md)."""
 
-    def __init__(self, layout: Any) -> None:
+    def __init__(self, layout: Any, *, container: Any = None, run_uid: str | None = None) -> None:
+        # (`container` and `run_uid`: what the Windows host needs, winhost.py.)
         self.r, self.w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self.inbox_fd = -1
         self.problem: str | None = None    # why the inbox has no wake-up (it is then read on a timer)

@@ -56,6 +56,7 @@ _ERROR_LOCK_VIOLATION = 33
 # is open (Wine reports 5; so does Windows for a file pending deletion).
 _RETRY_WINERRORS = (5, 32)
 REPLACE_TIMEOUT = 2.0
+APPEND_LOCK_OFFSET = 1 << 62      # the appenders' lock: far past any data a reader reads
 
 
 def _open_handle(path: str, access: int, share: int, disposition: int, flags: int = 0) -> int:
@@ -170,40 +171,75 @@ def lock_held(path: str) -> bool | None:
 
 # -- reads and atomic writes -----------------------------------------------------
 
-def read_bytes(path: str) -> bytes:
+def read_bytes(path: str, limit: int | None = None) -> bytes:
     """The whole file, opened with every share mode for as long as the read
-    takes, and without following a reparse point."""
+    takes, and without following a reparse point. With `limit`, a file
+    larger than that raises OSError(EFBIG) (at most limit + 1 bytes read)."""
+    data, _size, _prev = read_at(path, 0, None if limit is None else limit + 1)
+    if limit is not None and len(data) > limit:
+        raise OSError(errno.EFBIG, f"{path}: more than the {limit} bytes allowed")
+    return data
+
+
+def read_at(path: str, offset: int, size: int | None) -> tuple[bytes, int, bytes]:
+    """At most `size` bytes (None: all) from `offset`, opened as read_bytes
+    opens; also the file's size and the byte before `offset` (b"" at 0 or
+    past the end). Raises FileNotFoundError, OSError(ELOOP) for a reparse
+    point, OSError(EINVAL) for what is not a regular file."""
     if sys.platform != "win32":
-        require_windows("read_bytes")
+        require_windows("read_at")
         raise AssertionError
     import msvcrt
+    import stat
 
     h = _open_handle(path, _GENERIC_READ, _FILE_SHARE_READ | _FILE_SHARE_WRITE | _FILE_SHARE_DELETE,
                      _OPEN_EXISTING, _FILE_FLAG_OPEN_REPARSE_POINT)
     fd = msvcrt.open_osfhandle(h, os.O_RDONLY)
     with os.fdopen(fd, "rb") as f:
         _refuse_reparse(f.fileno(), path)
-        return f.read()
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"{path}: not a regular file")
+        prev = b""
+        if 0 < offset <= st.st_size:
+            f.seek(offset - 1)
+            prev = f.read(1)
+        f.seek(offset)
+        return (f.read() if size is None else f.read(size)), st.st_size, prev
 
 
 def append_line(path: str, data: bytes, *, fsync: bool = False) -> None:
     """Append `data` (one record, newline included) in one WriteFile on a
     handle opened for FILE_APPEND_DATA only: the system puts each write at
-    the end of the file, so lines from concurrent appenders (the cancel
-    inbox) never overwrite each other. os.open(O_APPEND) does not give that
-    on Windows: the C runtime seeks to the end and then writes, two steps."""
+    the end of the file. os.open(O_APPEND) does not give that on Windows:
+    the C runtime seeks to the end and then writes, two steps. Appenders
+    also serialise on a lock of one byte far past the data
+    (APPEND_LOCK_OFFSET): under Wine 8, concurrent FILE_APPEND_DATA writes
+    lost a line now and then (399 of 400 in test_concurrent_appenders...),
+    and a lost line of the cancel inbox is a lost intent."""
     if sys.platform != "win32":
         require_windows("append_line")
         raise AssertionError
     import _winapi
 
+    from .._native import lib
+
     h = _open_handle(path, _FILE_APPEND_DATA | _SYNCHRONIZE, _FILE_SHARE_READ | _FILE_SHARE_WRITE | _FILE_SHARE_DELETE,
                      _OPEN_ALWAYS, _FILE_FLAG_OPEN_REPARSE_POINT | (_FILE_FLAG_WRITE_THROUGH if fsync else 0))
+    # LockFileEx needs read or write access, which an append-only handle
+    # lacks: a second handle takes the appenders' lock.
+    lk = _open_handle(path, _GENERIC_READ, _FILE_SHARE_READ | _FILE_SHARE_WRITE | _FILE_SHARE_DELETE, _OPEN_EXISTING,
+                      _FILE_FLAG_OPEN_REPARSE_POINT)
     try:
-        written, err = _winapi.WriteFile(h, data)
+        check(lib.ct_sync_lock_at(lk, APPEND_LOCK_OFFSET, 0), f"LockFileEx({path})")
+        try:
+            written, err = _winapi.WriteFile(h, data)
+        finally:
+            lib.ct_sync_unlock_at(lk, APPEND_LOCK_OFFSET)
         if err or written != len(data):
             raise OSError(errno.EIO, f"{path}: appended {written} of {len(data)} bytes (winerror {err})")
     finally:
+        _close_handle(lk)
         _close_handle(h)
 
 
@@ -267,21 +303,23 @@ def state_dir(env: "Mapping[str, str]" = os.environ) -> str:
     return os.path.join(local, "contain")
 
 
-def ensure_private_dir(path: str) -> None:
-    """Create `path` if missing and verify it: a directory, not a reparse
-    point, owned by this user (or, for an elevated administrator, by the
-    token's default owner). Raises OSError with the reason. On Windows a
-    new directory inherits its parent's ACL; under %LOCALAPPDATA% that is
-    the user, SYSTEM and Administrators."""
+def ensure_private_dir(path: str, *, create: bool = True) -> None:
+    """Create `path` if missing (with `create`; else FileNotFoundError) and
+    verify it: a directory, not a reparse point, owned by this user (or,
+    for an elevated administrator, by the token's default owner). Raises
+    OSError with the reason. On Windows a new directory inherits its
+    parent's ACL; under %LOCALAPPDATA% that is the user, SYSTEM and
+    Administrators."""
     if sys.platform != "win32":
         require_windows("ensure_private_dir")
         raise AssertionError
     from .._native import ffi, lib
 
-    try:
-        os.mkdir(path)
-    except FileExistsError:
-        pass
+    if create:
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            pass
     h = _open_handle(path, _READ_CONTROL, _FILE_SHARE_READ | _FILE_SHARE_WRITE | _FILE_SHARE_DELETE,
                      _OPEN_EXISTING, _FILE_FLAG_BACKUP_SEMANTICS | _FILE_FLAG_OPEN_REPARSE_POINT)
     try:

@@ -83,10 +83,11 @@ def owner_event_name(run_uid: str) -> str:
     return f"Local\\contain-{_part(run_uid, 'run uid')}-owner"
 
 
-def waiter_event_name(run_uid: str, token: str) -> str:
+def waiter_event_name(token: str) -> str:
     """The event one waiting process (`contain wait`, `cancel --wait`)
-    listens on; the owner sets it after writing a record or an ack."""
-    return f"Local\\contain-{_part(run_uid, 'run uid')}-waiter-{_part(token, 'waiter token')}"
+    listens on, named by the token file it puts in the run's `waiters\\`
+    (winlayout.py); the owner sets it after writing a record or an ack."""
+    return f"Local\\contain-waiter-{_part(token, 'waiter token')}"
 
 
 def poke(name: str) -> bool:
@@ -131,6 +132,7 @@ class Waiter:
         self.port = port
         self.job = job
         self._watches: list[int] = []
+        self._processes: dict[int, int] = {}    # process handle -> its watch
         self._events: list[int] = []
         self._ctrl = False
         self._closed = False
@@ -145,22 +147,39 @@ class Waiter:
 
     # -- what wakes it -----------------------------------------------------
 
-    def _watch(self, handle: int, key: int, once: bool) -> None:
+    def _watch(self, handle: int, key: int, once: bool) -> int:
         from .._native import ffi, lib
 
         w = ffi.new("uintptr_t*")
         check(lib.ct_sync_watch(self.port, handle, key, int(once), w), "RegisterWaitForSingleObject")
         self._watches.append(int(w[0]))
+        return int(w[0])
 
     def watch_process(self, handle: int) -> None:
         """One packet when the process exits (the handle stays signalled,
-        so the wait is registered once only). The handle must stay open
-        until close()."""
+        so the wait is registered once only; watching a handle again does
+        nothing). The handle must stay open until close() or unwatch_process()."""
         from .._native import lib
 
         with self._lock:
             self._check_open()
-            self._watch(handle, lib.CT_SYNC_KEY_PROCESS, True)
+            if handle not in self._processes:
+                self._processes[handle] = self._watch(handle, lib.CT_SYNC_KEY_PROCESS, True)
+
+    def watching(self, handle: int) -> bool:
+        return handle in self._processes
+
+    def unwatch_process(self, handle: int) -> None:
+        """Stop watching `handle` (waits for a running callback), so that it
+        may be closed. A no-op for a handle not watched, or once closed."""
+        from .._native import lib
+
+        with self._lock:
+            w = self._processes.pop(handle, None)
+            if w is None or self._closed:
+                return
+            self._watches.remove(w)
+            check(lib.ct_sync_unwatch_take(w), "UnregisterWaitEx")
 
     def listen(self, name: str) -> None:
         """Create the named event `name` and wake on every poke of it.
@@ -259,7 +278,7 @@ class Waiter:
                 lib.ct_job_close_take(ev)
             if self._own_port:
                 lib.ct_job_close_take(self.port)
-            self._watches, self._events = [], []
+            self._watches, self._events, self._processes = [], [], {}
         if problems:
             raise OSError(f"closing the waiter: {'; '.join(problems)}")
 
@@ -276,7 +295,7 @@ def owner_waiter(container: Any, run_uid: str, *, console_ctrl: bool = False) ->
     (`watch_process` again after a spawn that follows), the run's owner
     event, and the console if asked. Call before the spawn: a cancel poked
     in between is a packet waiting for the first wait()."""
-    w = Waiter(container.port, job=container.job)
+    w = Waiter(container.port, job=getattr(container, "key", container.job))
     try:
         w.listen(owner_event_name(run_uid))
         if getattr(container, "process", 0):

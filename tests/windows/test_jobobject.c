@@ -1,10 +1,10 @@
 /* Adversarial checks of launcher/_native/jobobject.c against the real
  * Win32 API (run under wine64 by tests/test_windows_jobobject.py).
  *
- * Built with x86_64-w64-mingw32-gcc together with jobobject.c, as cffi
- * would build it (jobobject.h is all the extension includes). The program
- * is its own helper: run with a role argument it becomes a worker,
- * grandchild or escaper. Run with no argument it is the harness and prints
+ * Built with x86_64-w64-mingw32-gcc together with jobobject.c and winproc.c,
+ * as cffi would build them (their headers are what the extension
+ * includes). The program is its own helper: run with a role argument it
+ * becomes a worker, grandchild or escaper. Run with no argument it is the harness and prints
  * one line per check:
  *
  *     CHECK <name> ok|FAIL key=value ...
@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "jobobject.h"
+#include "winproc.h"
 
 #define MAXP 256
 #define LONG_SLEEP_MS 60000
@@ -617,6 +618,34 @@ static void t_same_user_steal(void) {
     drop_job(job, port);
 }
 
+/* The same thief against the handle the owner really keeps (ct_job_restrict):
+ * no handle value of the supervisor duplicates to SET_ATTRIBUTES, so the
+ * job cannot be told to allow breakaway, and nothing leaves it. The probe
+ * (every privilege of this token enabled) says the same from inside. */
+static void t_restricted_steal(void) {
+    uintptr_t job, port;
+    struct ct_job_spawn_result r;
+    char args[64], buf[256], how[32] = "";
+    unsigned long num = 0;
+    uint32_t obtained = 0, enabled = 0;
+    int rc, prc, marked;
+    DWORD pids[MAXP];
+    make_job(&job, &port);
+    rc = ct_job_restrict(&job);
+    prc = ct_job_probe(job, &obtained, &enabled);
+    snprintf(args, sizeof args, "steal %lu t_rsteal", (unsigned long)GetCurrentProcessId());
+    if (rc == 0) rc = job_spawn(job, args, 1, &r);
+    wait_result("t_rsteal", buf, sizeof buf, 20000);
+    sscanf(buf, "%31s %lu", how, &num);
+    marked = wait_marks("t_rsteal", pids, 1, 5000);
+    check("restricted_job_handle_cannot_be_stolen",
+          rc == 0 && prc == 0 && obtained == 0 && marked == 1 && strcmp(how, "escaped") != 0,
+          "result=%s detail=%lu probe_rc=%d obtained=0x%lx privileges_enabled=%lu marked=%d", how[0] ? how : "none",
+          num, prc, (unsigned long)obtained, (unsigned long)enabled, marked);
+    if (rc == 0 && r.process) ct_job_close_take(r.process);
+    drop_job(job, port);
+}
+
 static void t_kill_on_close(void) {
     uintptr_t job, port;
     struct ct_job_spawn_result r;
@@ -809,6 +838,7 @@ static int harness(void) {
     t_breakaway();
     t_nested_silent_breakaway();
     t_same_user_steal();
+    t_restricted_steal();
     t_kill_on_close();
     t_supervisor_death();
     t_storm();
