@@ -143,10 +143,12 @@ class StopSequence:
         self._kill(now)
 
     def _polite(self, now: float) -> None:
-        if self.grace > 0:
-            self._terminate()
+        if self.grace > 0 and self._terminate():
             self.stage, self.deadline = "term", now + self.grace
         else:
+            # No grace, or nothing was asked to stop (a Job Object with no
+            # member on our console, a signal that could not be sent):
+            # waiting out the grace would buy nothing.
             self._kill(now)
 
     def _end_linger(self, now: float, why: str) -> None:
@@ -177,7 +179,8 @@ class StopSequence:
             return None
         return {"count": len(pids), "processes": [{"pid": p, "comm": read_comm(p)} for p in pids[:_NAMES_KEPT]]}
 
-    def _terminate(self) -> None:
+    def _terminate(self) -> bool:
+        """The polite step; whether it reached the tree."""
         name = signal_name(self.signum)
         if self.facts.linger is not None:
             self._note_sockets()
@@ -188,8 +191,10 @@ class StopSequence:
             # Object with no member on our console): the step is not observed.
             sent = detail.get("sent", True) if isinstance(detail, dict) else True
             self.facts.signal_step("term", sent, via, dict(detail, signal=name, seen=seen))
+            return bool(sent)
         except OSError as e:
             self.facts.signal_step("term", None, f"{name} by pidfd", f"failed: {e}")
+            return False
 
     def _kill(self, now: float) -> None:
         self.kill_rounds += 1
