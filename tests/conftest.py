@@ -50,10 +50,31 @@ def pytest_configure(config: pytest.Config) -> None:
     if not config.pluginmanager.hasplugin("timeout"):
         config.addinivalue_line("markers", "timeout: per-test timeout (pytest-timeout is not installed)")
     _forked_reports_keep_their_nodeid()
+    _default_interactive_signals()
+
+
+_INHERITED_IGNORED: list[str] = []
+
+
+def _default_interactive_signals() -> None:
+    """A suite started in the background of a non-interactive shell (`cmd &`
+    in a script, some CI runners) inherits SIGINT and SIGQUIT ignored, and
+    contain rightly keeps what its caller ignored (nohup semantics), so
+    every test that Ctrl-Cs a contain would test that instead. The suite
+    tests contain as a terminal user drives it: those two get their
+    defaults back (the report header says so)."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGQUIT):
+        if signal.getsignal(sig) == signal.SIG_IGN:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+            _INHERITED_IGNORED.append(sig.name)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     lines = [f"launcher: {ROOT}/launcher (extension {_native_build.report})"]
+    if _INHERITED_IGNORED:
+        lines.append(f"signals: {', '.join(_INHERITED_IGNORED)} were ignored by the caller; restored for the tests")
     if not config.pluginmanager.hasplugin("timeout"):
         lines.append("timeout: NONE, pytest-timeout is not installed (pip install '.[test]')")
     return lines
