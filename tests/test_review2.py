@@ -271,3 +271,76 @@ def test_ctrl_c_during_the_wall_clone_leaks_no_descriptor_and_no_init(contained)
                 os.waitpid(k, 0)
             except (ProcessLookupError, ChildProcessError):
                 pass
+
+
+_FLOODER = r"""
+import os, sys, time
+path = os.path.join(os.environ["CONTAIN_STATE_DIR"], "runs", sys.argv[1], "cancellations", "requests.ndjson")
+with open(path, "ab") as f:
+    line = b"x" * (1 << 20) + b"\n"          # junk: each line one rejection, counted not answered
+    for _ in range(32):
+        f.write(line)
+print("flooded", flush=True)
+time.sleep(60)
+"""
+
+
+@needs_cgroup
+@pytest.mark.timeout(90)
+def test_inbox_flooded_with_junk_keeps_cancels_from_ever_being_read(box):
+    """A same-uid worker appends 32 MiB of junk to its own inbox once, then
+    sleeps. The owner reads at most 16 chunks of 64 KiB per turn
+    (_inbox.Inbox.pending) and nothing schedules another turn while the
+    backlog remains: it waits for the next wake-up. Each later cancel
+    pokes the owner once, which reads 1 MiB more, never reaching the
+    request at the end: `contain cancel` gets no answer, and SIGTERM to
+    `contain` (its request goes to the same file) is not acted on either."""
+    p = subprocess.Popen(contain_cmd("run", "--id", "fl", "--grace", "1", "--",
+                                     sys.executable, "-c", _FLOODER, "fl"),
+                         env=box.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert readline_within(p.stdout, 30).strip() == b"flooded"
+        c = subprocess.run(contain_cmd("cancel", "fl", "--grace", "0", "--json"), env=box.env,
+                           capture_output=True, text=True, timeout=40)
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"a cancel behind 32 MiB of junk was never applied: {c.stdout} {c.stderr}")
+        assert holders(box.token) == []
+        assert box.record("fl")["outcome"] == "cancelled"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        kill_holders(box.token)
+
+
+# -- 7. --user --------------------------------------------------------------------------
+
+@needs_cgroup
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a worker as another uid")
+def test_numeric_user_without_an_account_does_not_inherit_roots_names(box):
+    """`--user 4242` (a uid with no passwd entry): the worker runs as 4242
+    but keeps the caller's HOME, USER and LOGNAME (user_account returns no
+    names for it, and spawn_request only overrides the names it got), so
+    it is told it is root, with root's home."""
+    import pwd
+
+    uid = next(u for u in range(4242, 4300) if not _has_account(pwd, u))
+    env = dict(box.env, HOME="/root", USER="root", LOGNAME="root")
+    p = subprocess.run(contain_cmd("run", "-q", "--user", str(uid), "--", "sh", "-c",
+                                   'echo "$(id -u) HOME=$HOME USER=$USER LOGNAME=$LOGNAME"'),
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    got = p.stdout.split()
+    assert got[0] == str(uid)
+    assert "USER=root" not in got and "LOGNAME=root" not in got and "HOME=/root" not in got, \
+        f"uid {uid} was handed root's names: {p.stdout.strip()}"
+
+
+def _has_account(pwd, uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+        return True
+    except KeyError:
+        return False
