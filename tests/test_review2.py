@@ -78,6 +78,22 @@ def _run_info(state_dir: str, run_id: str, timeout: float = 10.0) -> dict:
         time.sleep(0.02)
 
 
+def _end_cli_run(p: subprocess.Popen, box, run_id: str) -> None:
+    """Clean-up of a `contain run` a test gave up on: the supervisor killed,
+    the orphaned run adopted by `contain cancel` (which stops it and removes
+    its cgroups, v1 included), then whatever still carries the token."""
+    if p.poll() is None:
+        p.kill()
+        p.wait(10)
+        try:
+            subprocess.run(contain_cmd("cancel", run_id, "--grace", "0", "--wait"), env=box.env,
+                           capture_output=True, timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    kill_holders(box.token)
+    _remove_v1_of(run_id)
+
+
 # -- 4. the inbox ---------------------------------------------------------------------
 
 _SQUATTER = r"""
@@ -132,10 +148,7 @@ def test_worker_squatting_the_signal_op_ids_makes_contain_deaf_to_sigterm(box):
         assert holders(box.token) == []
         assert box.record("sq")["outcome"] == "cancelled"
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
-        kill_holders(box.token)
+        _end_cli_run(p, box, "sq")
 
 
 @needs_cgroup
@@ -309,10 +322,7 @@ def test_inbox_flooded_with_junk_keeps_cancels_from_ever_being_read(box):
         assert holders(box.token) == []
         assert box.record("fl")["outcome"] == "cancelled"
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
-        kill_holders(box.token)
+        _end_cli_run(p, box, "fl")
 
 
 # -- 7. --user --------------------------------------------------------------------------
