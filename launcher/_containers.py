@@ -262,7 +262,10 @@ def spawn_request(argv: list[str], opts: Options, container: Any, run_id: str,
             # The account's own, as su(1) gives them; an explicit env= of a
             # library caller that names one keeps it.
             if opts.env is None or k not in opts.env:
-                env[k] = v
+                if v is None:
+                    env.pop(k, None)
+                else:
+                    env[k] = v
     req = posix.SpawnRequest(argv, env=env, cwd=opts.cwd, stdio=opts.stdio, new_pgroup=opts.new_pgroup,
                              uid=uid, gid=gid, groups=groups, pass_fds=opts.pass_fds)
     container.prepare(req, opts)

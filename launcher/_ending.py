@@ -3,6 +3,8 @@
     settle_tree(run, terminal)   what the tree left: the postconditions the run
                                  asked for, the accounting (before the cgroups
                                  go), the container removed, the end hooks
+    publish(run)                 the current record to the run directory and --record;
+                                 a write that fails never aborts a stop
     abandon(run, err)            the owner loop failed: the run is stopped all
                                  the same, or at least handed on (lock released)
 """
@@ -14,6 +16,7 @@ if TYPE_CHECKING:
     from ._run import Run
 
 from . import _state as S
+from ._record import StopRecord, write_json_atomic
 
 
 def settle_tree(run: Run, terminal: bool) -> None:
@@ -40,6 +43,25 @@ def settle_tree(run: Run, terminal: bool) -> None:
         run.root.close()
 
 
+def publish(run: Run) -> StopRecord:
+    rec = run.record_dict()
+    durable = run.snap.terminal     # only the result outlives the processes (see _layout.py)
+    if run.layout is not None:
+        try:
+            run.layout.write_record(rec, durable=durable)
+        except OSError as e:
+            # Stop first: the record stays in memory (the library returns
+            # it, the CLI says what could not be written and exits 125).
+            run.facts.not_saved("record.json", e)
+            rec = run.record_dict()
+    if run.opts.record_file:
+        try:
+            write_json_atomic(run.opts.record_file, rec, fsync=durable)
+        except OSError as e:
+            run.facts.notes.append(f"--record {run.opts.record_file}: {e}")
+    return StopRecord(rec)
+
+
 def abandon(run: Run, err: BaseException) -> None:
     """The owner loop raised (a bug, an interrupt of a library caller's
     thread). A worker must not run on unowned with the lock held: the run is
@@ -48,7 +70,7 @@ def abandon(run: Run, err: BaseException) -> None:
     `contain cancel` can adopt the run."""
     why = "interrupted" if isinstance(err, KeyboardInterrupt) else f"{type(err).__name__}: {err}"
     try:
-        run.facts.notes.append(f"the owner loop failed ({why}): the run was stopped")
+        run.facts.notes.append(f"the owner loop failed ({why}): contain stopped the run itself")
         if not run.snap.terminal and run.snap.phase is not S.Phase.UNCONFIRMED:
             if not run.snap.stopping:
                 run.facts.set("cancel_requested", True, "the owner loop failed", {"by": "contain", "error": why})
@@ -61,5 +83,7 @@ def abandon(run: Run, err: BaseException) -> None:
             run.feed(ev)
         run.finish()
     except BaseException:
+        run.facts.notes.append("the stop after the owner loop failed did not finish: the owner lock was "
+                               "released for `contain cancel` to adopt the run")
         run.close()
         raise

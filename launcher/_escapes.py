@@ -180,7 +180,10 @@ class EscapeWatch:
         if self.v1 is not None:
             # Still in the run's own v1 cgroups while the v2 container is
             # empty: members that left it, whatever the ledger attributed.
-            for pid in self.v1.members():
+            found = self.v1.v1_members()
+            if found is None:
+                self.ledger.failed = self.ledger.failed or "the run's own v1 cgroups could not be listed at the end"
+            for pid in sorted({p for pids in (found or {}).values() for p in pids}):
                 self.ledger.track_member(pid, "in the run's own v1 cgroups after the container emptied")
 
         def inside(where: str) -> bool:

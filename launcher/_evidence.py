@@ -110,7 +110,8 @@ class RunEvidence:
                 # Behind the wall the worker is not our child and may be
                 # reaped already: the init read its start time for us while
                 # it was the init's unreaped child.
-                self.identity = ProcessIdentity.of_spawn(sp.pid, start, sp.pidfd, getattr(sp, "init_pid", -1))
+                self.identity = ProcessIdentity.of_spawn(sp.pid, start, sp.pidfd, getattr(sp, "init_pid", -1),
+                                                         getattr(sp, "init_ns", None))
             else:
                 # Our unreaped child's /proc entry exists even if it already
                 # exited: failing here is an observation failure.

@@ -64,10 +64,12 @@ class ProcessIdentity:
         return cls(pid, start_time(pid), boot_id(), pidns_inode(pid), ino)
 
     @classmethod
-    def of_spawn(cls, pid: int, start: int, pidfd: int, init_pid: int) -> "ProcessIdentity":
+    def of_spawn(cls, pid: int, start: int, pidfd: int, init_pid: int,
+                 init_ns: int | None = None) -> "ProcessIdentity":
         """A worker behind the wall that is gone already: its start time as
-        the init read it, its namespace as its init's."""
-        ns = pidns_inode(init_pid) if init_pid > 0 else None
+        the init read it, its namespace as its init's (read by the spawn
+        while the init lived, else now)."""
+        ns = init_ns or (pidns_inode(init_pid) if init_pid > 0 else None)
         return cls(pid, start, boot_id(), ns, os.fstat(pidfd).st_ino if pidfd >= 0 else None)
 
     def is_alive(self) -> bool | None:

@@ -44,6 +44,11 @@ _CHUNKS_PER_TURN = 16             # of _requests.INBOX_CHUNK each: then the loop
 _MAX_ANSWERED_REJECTIONS = 100    # journal lines and `unknown` answers for lines that are not requests
 
 
+def _rejected_only(ack: dict[str, Any]) -> bool:
+    """An answer written for an inbox line that was not a request."""
+    return ack.get("effect") == S.Effect.UNKNOWN.value and str(ack.get("detail") or "").startswith("rejected: ")
+
+
 class Arrival:
     """A cancel request the owner applies, with its effect on arrival."""
 
@@ -71,6 +76,11 @@ class Inbox:
         self._undurable: list[dict[str, Any]] = []    # signal requests the inbox file refused
         self.rejected = 0                             # inbox lines that were not requests
         self.on_reject: Any = None                    # (offset, reason) -> None: the run's journal
+        self.backlog = False                          # more was in the inbox than one turn reads
+        self._rejections: list[Any] = []              # of the last read, answered after its requests
+        # The signal operations' ids carry a nonce: a worker that can read
+        # run.json (the supervisor's pid) cannot squat them.
+        self._nonce = os.urandom(4).hex()
 
     def load(self) -> None:
         """The acknowledgements already written for this run (adoption)."""
@@ -89,33 +99,43 @@ class Inbox:
         if self.layout is None:
             return []
         out, self._undurable = self._undurable, []
+        self.backlog = False
         for _ in range(_CHUNKS_PER_TURN):
             got = self.layout.read_inbox(self.offset, None, require_uid=True)
             out.extend(r.to_dict() for r in got.accepted)
-            for rej in got.rejected:
-                self._reject(rej)
+            self._rejections.extend(got.rejected)
             self.offset = got.offset
+            self.backlog = got.more        # then the owner turns again at once (Run.next_deadline)
             if not got.more:
                 break
         return out
 
-    def _reject(self, rej: Any) -> None:
-        self.rejected += 1
-        if self.rejected > _MAX_ANSWERED_REJECTIONS:
-            return                  # a flood is counted, not answered line by line
-        if self.on_reject is not None:
-            self.on_reject(rej.offset, rej.reason)
-        op = rej.op_id
-        if not op or op in self.ops:
-            return
-        try:
-            if self.layout is None or self.layout.read_ack(op) is not None:
-                return
-        except LauncherError:
-            return
-        self.write(op, {"op_id": op, "run_id": self.run_id, "run_uid": self.run_uid, "requested_at": None,
-                        "acknowledged_at": now_iso(), "effect": S.Effect.UNKNOWN.value, "state": None,
-                        "detail": f"rejected: {rej.reason}"}, durable=False)
+    def answer_rejections(self) -> None:
+        """After the requests of the same read were applied: journal each
+        rejected line and answer its op id `unknown`, unless that op has a
+        real answer (a rejection never reserves an op id, and never speaks
+        over an accepted request)."""
+        todo, self._rejections = self._rejections, []
+        for rej in todo:
+            self.rejected += 1
+            if self.rejected > _MAX_ANSWERED_REJECTIONS:
+                continue            # a flood is counted, not answered line by line
+            if self.on_reject is not None:
+                self.on_reject(rej.offset, rej.reason)
+            op = rej.op_id
+            if not op or op in self.ops or op in self.signal_ops or self.layout is None:
+                continue
+            try:
+                if self.layout.read_ack(op) is not None:
+                    continue
+                # Written, but not remembered in `ops`: a valid request with
+                # this op id later still applies (arrive, _rejected_only).
+                self.layout.write_ack(op, {"op_id": op, "run_id": self.run_id, "run_uid": self.run_uid,
+                                           "requested_at": None, "acknowledged_at": now_iso(),
+                                           "effect": S.Effect.UNKNOWN.value, "state": None,
+                                           "detail": f"rejected: {rej.reason}"})
+            except (LauncherError, OSError):
+                continue
 
     def arrive(self, req: dict[str, Any], snap: S.Snapshot) -> Arrival | None:
         assert self.layout is not None
@@ -127,6 +147,8 @@ class Inbox:
         except LauncherError as e:
             self.facts.notes.append(str(e))
             return None
+        if existing is not None and op not in self.ops and _rejected_only(existing):
+            existing = None     # only a line that was no request answered it: this one is
         if op in self.ops or existing is not None:
             return None    # a repeated operation never applies twice
         ack = {"op_id": op, "run_id": self.run_id, "run_uid": self.run_uid,
@@ -180,7 +202,7 @@ class Inbox:
             name = signal.Signals(signum).name
         except ValueError:
             name = str(signum)
-        op = f"signal-{name}-{os.getpid()}"
+        op = f"signal-{name}-{os.getpid()}-{self._nonce}"
         if op in self.ops or op in self.signal_ops:
             return False
         self.signal_ops[op] = signum

@@ -82,22 +82,23 @@ class Options:
         self.pidns = pidns
 
 
-def user_account(user: str) -> tuple[int, int, list[int], dict[str, str]]:
+def user_account(user: str) -> tuple[int, int, list[int], dict[str, str | None]]:
     """--user NAME|UID: (uid, gid, supplementary groups, and the HOME, USER
-    and LOGNAME the worker gets, as su(1) sets them). A number with no
-    passwd entry is that uid with gid the same, no groups, no names.
-    Raises ValueError for a name nobody has."""
+    and LOGNAME the worker gets, as su(1) sets them; None: unset). A number
+    with no passwd entry is that uid with gid the same, no groups, HOME=/
+    and no USER or LOGNAME (never the caller's names). Raises ValueError
+    for a name nobody has."""
     import pwd
 
     try:
         pw = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
     except (KeyError, ValueError, OverflowError):
         if user.isdigit() and int(user) < 2**32 - 1:
-            return int(user), int(user), [], {}
+            return int(user), int(user), [], {"HOME": "/", "USER": None, "LOGNAME": None}
         raise ValueError(f"no such user {user!r}") from None
     try:
         groups = os.getgrouplist(pw.pw_name, pw.pw_gid)     # NSS, as initgroups(3) sees them
     except OSError:
         groups = [pw.pw_gid]
-    env = {"HOME": pw.pw_dir or "/", "USER": pw.pw_name, "LOGNAME": pw.pw_name}
+    env: dict[str, str | None] = {"HOME": pw.pw_dir or "/", "USER": pw.pw_name, "LOGNAME": pw.pw_name}
     return pw.pw_uid, pw.pw_gid, sorted({pw.pw_gid, *groups}), env

@@ -45,7 +45,7 @@ from ._layout import RunDir, new_id, new_uid
 from ._escapes import EscapeWatch
 from ._options import Options
 from ._platform import host
-from ._record import StopRecord, now_iso, write_json_atomic
+from ._record import StopRecord, now_iso
 from ._stop import StopSequence
 from ._usage import RunUsage
 
@@ -162,8 +162,8 @@ class Run:
             self.wakeups.drain(ready)
 
     def next_deadline(self) -> float:
-        if self._signals:
-            return time.monotonic()       # a signal delivered before the wake-up pipe existed
+        if self._signals or self.inbox.backlog:
+            return time.monotonic()       # a signal delivered before the wake-up pipe existed; more to read
         t = self.stop.next_deadline()
         if self._deadline_timeout and self.snap.phase is S.Phase.RUNNING:
             t = min(t, self._deadline_timeout)
@@ -240,6 +240,7 @@ class Run:
                 self.stop.shorten(time.monotonic(), grace, signum)   # ends a linger; a shorter grace
             if not before.terminal:
                 self.publish()   # one result: a terminal record is never rewritten
+        self.inbox.answer_rejections()
 
     # -- acting --------------------------------------------------------------
 
@@ -293,6 +294,8 @@ class Run:
             self.wakeups.close()
         if self.root is not None:
             self.root.close()
+        if self.watch is not None:
+            self.watch.close()        # the ledger's thread and socket
         if self.layout is not None:
             self.layout.release()
         self._done.set()
@@ -327,22 +330,7 @@ class Run:
 
     def publish(self) -> StopRecord:
         """Write the current record to the run directory (and --record)."""
-        rec = self.record_dict()
-        durable = self.snap.terminal     # only the result outlives the processes (see _layout.py)
-        if self.layout is not None:
-            try:
-                self.layout.write_record(rec, durable=durable)
-            except OSError as e:
-                # Stop first: the record stays in memory (the library returns
-                # it, the CLI says what could not be written and exits 125).
-                self.facts.not_saved("record.json", e)
-                rec = self.record_dict()
-        if self.opts.record_file:
-            try:
-                write_json_atomic(self.opts.record_file, rec, fsync=durable)
-            except OSError as e:
-                self.facts.notes.append(f"--record {self.opts.record_file}: {e}")
-        return StopRecord(rec)
+        return _ending.publish(self)
 
     def record(self) -> StopRecord:
         with self._lock:

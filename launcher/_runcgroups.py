@@ -284,18 +284,6 @@ class RunCgroups:
                 return True
         return False
 
-    def members(self) -> list[int]:
-        """Every process in the run's own v1 cgroups now (their subtrees too)."""
-        pids: set[int] = set()
-        for d in self.v1.values():
-            for sub, _dirs, _files in os.walk(d):
-                try:
-                    with open(os.path.join(sub, "cgroup.procs")) as f:
-                        pids.update(int(x) for x in f.read().split())
-                except (OSError, ValueError):
-                    continue
-        return sorted(pids)
-
     def verify(self, pid: int) -> dict[str, Any]:
         """Right after the spawn: /proc/<pid>/cgroup names our cgroup on every
         v1 hierarchy the run joined. Evidence-shaped: observed True (all
@@ -331,13 +319,16 @@ class RunCgroups:
         out: dict[str, list[int]] = {}
         for name, top in self.v1.items():
             pids: list[int] = []
-            for d, _subdirs, _files in os.walk(top):
+            failed: list[OSError] = []
+            for d, _subdirs, _files in os.walk(top, onerror=failed.append):
                 txt = read_file(os.path.join(d, "cgroup.procs"))
                 if txt is None:
                     if os.path.isdir(d):
                         return None
                     continue
                 pids.extend(int(x) for x in txt.split())
+            if any(getattr(e, "errno", None) != errno.ENOENT for e in failed):
+                return None            # a subtree that could not be listed hides who is in it
             out[name] = sorted(set(pids))
         return out
 
@@ -350,7 +341,9 @@ class RunCgroups:
         self.close_join_fds()
         problems = []
         for top in self.made:
-            for d, _subdirs, _files in sorted(os.walk(top, topdown=False), key=lambda t: -len(t[0])):
+            failed: list[OSError] = []
+            dirs = [d for d, _s, _f in os.walk(top, topdown=False, onerror=failed.append)] or [top]
+            for d in sorted(dirs, key=len, reverse=True):
                 for attempt in range(50):
                     try:
                         os.rmdir(d)
@@ -367,6 +360,11 @@ class RunCgroups:
                         problems.append(f"rmdir {d}: {os.strerror(e.errno or 0)}"
                                         + (f" (still holds pid {' '.join(left.split()[:8])})" if left and left.strip() else ""))
                         break
+            if os.path.isdir(top) and not problems:
+                # os.walk swallowed why it could not list the subtree (EMFILE):
+                # never "removed" for a cgroup that is still there.
+                why = "; ".join(f"{e.filename}: {os.strerror(e.errno or 0)}" for e in failed[:3]) or "still there"
+                problems.append(f"rmdir {top}: not removed ({why})")
         self.made = [d for d in self.made if os.path.isdir(d)]
         return "; ".join(problems) or None
 

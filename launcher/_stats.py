@@ -80,8 +80,16 @@ def append_stats(path: str, line: str) -> None:
     symlink in its last component, never opens a FIFO or device (O_NONBLOCK
     at open, then a regular-file check), creates the file 0644. Raises
     OSError, which the caller reports (stderr and the exit status)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
-                 0o644)
+    try:
+        st0 = os.lstat(path)
+        if not stat.S_ISREG(st0.st_mode):
+            # Not even opened: opening a device can act (a tty would become
+            # our controlling terminal, a watchdog would arm).
+            raise OSError(21 if stat.S_ISDIR(st0.st_mode) else 22, "not a regular file")
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+                 | os.O_NOCTTY, 0o644)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -32,6 +32,7 @@ ends REAPED with nothing signalled, and the record says what lingered.
 """
 from __future__ import annotations
 
+import os
 import signal
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
@@ -165,7 +166,10 @@ class StopSequence:
             return
         from ._postconditions import socket_inodes     # lazy: only runs that asked for it
 
-        held, problems = socket_inodes(self.container.members())
+        try:
+            held, problems = socket_inodes(self.container.members())
+        except OSError as e:
+            held, problems = set(), [f"the members could not be listed: {os.strerror(e.errno or 0)}"]
         if self.sockets is not None:
             held, problems = held | self.sockets[0], self.sockets[1] + problems
         self.sockets = (held, problems)

@@ -299,10 +299,17 @@ class Container:
         p.poll(max(0, int(timeout * 1000)))
 
     def members(self) -> list[int]:
-        """The tree's processes in the subtree (the wall's init is ours, not the tree's)."""
+        """The tree's processes in the subtree (the wall's init is ours, not
+        the tree's). Raises OSError when the subtree cannot be listed (a
+        partial list would read as "these are all")."""
         init = self.wall.init.pid if self.wall is not None else -1
         pids: list[int] = []
-        for d, _subdirs, _files in os.walk(self.dir):
+
+        def fail(e: OSError) -> None:
+            if e.errno != errno.ENOENT:
+                raise e
+
+        for d, _subdirs, _files in os.walk(self.dir, onerror=fail):
             try:
                 with open(os.path.join(d, "cgroup.procs")) as f:
                     pids.extend(p for p in map(int, f.read().split()) if p != init)
@@ -389,7 +396,9 @@ class Container:
                 os.close(fd)
         self._events_fd = self._dir_fd = -1
         problem = None
-        for d, _subdirs, _files in sorted(os.walk(self.dir, topdown=False), key=lambda t: -len(t[0])):
+        failed: list[OSError] = []
+        dirs = [d for d, _s, _f in os.walk(self.dir, topdown=False, onerror=failed.append)] or [self.dir]
+        for d in sorted(dirs, key=len, reverse=True):
             for attempt in range(50):
                 try:
                     os.rmdir(d)
@@ -404,6 +413,10 @@ class Container:
                         continue
                     problem = f"rmdir {d}: {os.strerror(e.errno or 0)}"
                     break
+        if problem is None and os.path.isdir(self.dir):
+            # os.walk swallowed why the subtree could not be listed (EMFILE).
+            problem = f"rmdir {self.dir}: not removed (" + ("; ".join(
+                f"{e.filename}: {os.strerror(e.errno or 0)}" for e in failed[:3]) or "still there") + ")"
         if problem is None:
             remove_made(self._made)
         return problem

@@ -90,6 +90,7 @@ class PidWall:
     @classmethod
     def of(cls, sp: Spawned, userns: str | None = None) -> "PidWall":
         w = cls(Init(sp.init_pid, sp.init_pidfd, sp.report_fd, sp.events), userns)
+        w.inode = w.inode or sp.init_ns       # an init already gone has no ns links left
         w.init_identity = w.init.identity()
         return w
 

@@ -53,6 +53,9 @@ init's (our child), `report_fd` its message socket. The driver's side:
 """
 from __future__ import annotations
 
+import os
+import signal
+
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import Any, Sequence
@@ -91,7 +94,21 @@ def spawn(req: SpawnRequest, cgroup_fd: int = -1, join_fds: Sequence[int] = (),
     keep: list[Any] = []
     a = spawn_args(req, cgroup_fd, join_fds, expect_cgroup, keep)
     r = ffi.new("struct ct_spawn_result*")
-    rc = lib.ct_spawn(a, r)
-    if rc < 0:
-        raise_failure(rc, r, req, candidates(req.argv[0], req.env), cgroup_fd >= 0)
-    return Spawned(r.pid, r.pidfd)
+    r.pidfd = -1                 # ct_spawn leaves -1 on every failure (it reaps the child itself)
+    try:
+        rc = lib.ct_spawn(a, r)
+        if rc < 0:
+            raise_failure(rc, r, req, candidates(req.argv[0], req.env), cgroup_fd >= 0)
+        return Spawned(r.pid, r.pidfd)
+    except BaseException:
+        if r.pidfd >= 0:
+            # An interrupt raised the moment the call returned: the worker
+            # runs, and the caller would never learn its pidfd. Killed and
+            # reaped here, the pidfd closed.
+            try:
+                signal.pidfd_send_signal(r.pidfd, signal.SIGKILL)
+                os.waitid(os.P_PIDFD, r.pidfd, os.WEXITED)
+            except OSError:
+                pass
+            os.close(r.pidfd)
+        raise

@@ -201,7 +201,8 @@ class Spawned:
     `read_init_events` when it polls readable), and `events` what the init
     said before `spawn` returned (notes, or even the worker's exit)."""
 
-    __slots__ = ("pid", "pidfd", "via", "wall", "init_pid", "init_pidfd", "report_fd", "events", "start_time")
+    __slots__ = ("pid", "pidfd", "via", "wall", "init_pid", "init_pidfd", "report_fd", "events", "start_time",
+                 "init_ns")
 
     def __init__(self, pid: int, pidfd: int, via: str = "", *, wall: str | None = None,
                  init_pid: int = -1, init_pidfd: int = -1, report_fd: int = -1,
@@ -215,6 +216,7 @@ class Spawned:
         self.init_pidfd = init_pidfd
         self.report_fd = report_fd
         self.events: list[InitEvent] = events if events is not None else []
+        self.init_ns: int | None = None   # the wall's PID namespace (inode), read while the init waited
 
 
 def candidates(argv0: str, env: dict[str, str]) -> list[str]:

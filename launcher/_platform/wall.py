@@ -245,27 +245,44 @@ def spawn_wall(req: SpawnRequest, cgroup_fd: int = -1, join_fds: Sequence[int] =
     w.die_with_parent = int(req.die_with_parent)
     w.hold = int(req.on_init is not None)
     r = ffi.new("struct ct_wall_result*")
+    r.init_pidfd = r.report_fd = r.go_fd = -1
     paths = candidates(req.argv[0], req.env)
-    rc = lib.ct_wall_spawn(a, w, r)
+    try:
+        return _after_clone(req, r, lib.ct_wall_spawn(a, w, r), paths, cgroup_fd)
+    except BaseException:
+        # Whatever came after the clone (an interrupt raised the moment the
+        # call returned, EMFILE, a failed on_init): nothing of it is left,
+        # no init, no descriptor (all three are -1 once closed or passed on).
+        if r.init_pidfd >= 0:
+            kill_init(r.init_pidfd)
+            if select.select([r.init_pidfd], [], [], 5.0)[0]:
+                reap_init(r.init_pidfd)
+        close_fds(r.init_pidfd, r.report_fd, r.go_fd)
+        raise
+
+
+def _after_clone(req: SpawnRequest, r: Any, rc: int, paths: Any, cgroup_fd: int) -> Spawned:
     if rc < 0:
         fail = ffi.new("struct ct_spawn_result*")
         fail.stage = r.stage
         fail.child_errno = r.child_errno
         fail.candidate = -1
         raise_failure(rc, fail, req, paths, cgroup_fd >= 0)
+    init_ns = None
+    try:
+        # Read while the init waits for the go (or at least lives): once it
+        # has exited, even unreaped, its ns links are gone.
+        init_ns = os.stat(f"/proc/{r.init_pid}/ns/pid").st_ino
+    except OSError:
+        pass
     if r.go_fd >= 0:
         try:
             assert req.on_init is not None
-            req.on_init(r.init_pid)
+            req.on_init(r.init_pid)      # raises: spawn_wall kills the init (it never went on)
             os.write(r.go_fd, b"G")
-        except BaseException:
-            kill_init(r.init_pidfd)
-            if select.select([r.init_pidfd], [], [], 5.0)[0]:
-                reap_init(r.init_pidfd)
-            close_fds(r.init_pidfd, r.report_fd)
-            raise
         finally:
             os.close(r.go_fd)
+            r.go_fd = -1
     via = wall_via(req, cgroup_fd >= 0)
     events: list[InitEvent] = []
     worker: InitExec | None = None
@@ -292,13 +309,13 @@ def spawn_wall(req: SpawnRequest, cgroup_fd: int = -1, join_fds: Sequence[int] =
                 if fd == r.init_pidfd:
                     init_gone = True      # read what it said once more, then decide
     except BaseException:
-        kill_init(r.init_pidfd)
-        close_fds(r.init_pidfd, r.report_fd, worker.pidfd if worker else -1)
+        close_fds(worker.pidfd if worker else -1)      # the init's: spawn_wall
         raise
     if worker is None:
         ran = _comm_of_pidfd(r.init_pidfd) == INIT_NAME     # read before the reaping
         info = reap_init(r.init_pidfd) if failed is not None or init_gone else None
         close_fds(r.init_pidfd, r.report_fd)
+        r.init_pidfd = r.report_fd = -1
         if failed is not None:
             res = ffi.new("struct ct_spawn_result*")
             res.stage, res.child_errno, res.candidate, res.signal = (failed.stage, failed.errno,
@@ -318,18 +335,18 @@ def spawn_wall(req: SpawnRequest, cgroup_fd: int = -1, join_fds: Sequence[int] =
     # worker was its unreaped child) stands in.
     try:
         pid = pid_of_pidfd(worker.pidfd)
-    except OSError:
-        # EMFILE, say: nothing is left running or open on a failed spawn.
-        kill_init(r.init_pidfd)
-        if select.select([r.init_pidfd], [], [], 5.0)[0]:      # bounded: the container's stop covers the rest
-            reap_init(r.init_pidfd)
-        close_fds(r.init_pidfd, r.report_fd, worker.pidfd)
+    except BaseException:
+        # EMFILE, say: nothing is left running or open on a failed spawn
+        # (the init and its socket: spawn_wall).
+        close_fds(worker.pidfd)
         raise
     if pid <= 0:
         pid = worker.host_pid
-    return Spawned(pid, worker.pidfd, via, wall="pidns", init_pid=r.init_pid, init_pidfd=r.init_pidfd,
-                   report_fd=r.report_fd, events=events,
-                   start_time=worker.start_time if worker.start_time > 0 else None)
+    sp = Spawned(pid, worker.pidfd, via, wall="pidns", init_pid=r.init_pid, init_pidfd=r.init_pidfd,
+                 report_fd=r.report_fd, events=events,
+                 start_time=worker.start_time if worker.start_time > 0 else None)
+    sp.init_ns = init_ns
+    return sp
 
 
 def wall_available(userns: str | None = None, mount_proc: bool = True) -> str | None:
