@@ -64,8 +64,11 @@ def roll_back(run: Run, e: BaseException) -> None:
     except BaseException:
         # Even the roll-back failed: at least nobody is locked out, and a
         # container with nothing in it is not left behind.
-        if run.container is not None and run.pid <= 0:
-            run.container.remove()
+        if run.pid <= 0:
+            if run.container is not None:
+                run.container.remove()
+            if run.usage.cgroups is not None:
+                run.usage.cgroups.remove()
         run.close()
         raise
 
