@@ -58,7 +58,8 @@ def populate(state: str, n: int, files: dict[str, bytes]) -> None:
         os.mkdir(os.path.join(d, "cancellations"), 0o700)
         rec.update(run_id=rid, run_uid=uid)
         info.update(run_id=rid, run_uid=uid)
-        body = {"record.json": (json.dumps(rec, indent=2) + "\n").encode(),
+        # As the layout writes it (launcher._runfiles.encode: compact).
+        body = {"record.json": (json.dumps(rec) + "\n").encode(),
                 "run.json": (json.dumps(info) + "\n").encode(),
                 "journal.ndjson": files["journal.ndjson"], "owner.lock": b""}
         for name, data in body.items():

@@ -8,6 +8,7 @@ UNREADABLE too ("permission denied"), never a traceback.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -74,6 +75,33 @@ def _since(text: str) -> float:
     return time.time() - parse_duration(text)
 
 
+def _gather(show_all: bool, states: set[str] | None, since: float | None,
+            owner_of_ended: bool) -> tuple[list[dict[str, Any]], int]:
+    """The views `ls` shows, and how many ended runs it hides.
+    `owner_of_ended`: look at an ended run's owner lock (only --json shows it)."""
+    views, hidden = [], 0
+    # Parsed records are acyclic and die at once; without this the cycle
+    # collector would rescan every view kept so far each time they pile
+    # up (a fifth of `ls`'s time with 10,000 ended runs).
+    gc.disable()
+    try:
+        for d in RunDir.all():
+            v = live_view(d, summary=True, owner_of_ended=owner_of_ended)
+            if states is not None and v["state"] not in states and not ("ORPHANED" in states and v["orphaned"]):
+                continue
+            if since is not None:
+                t = parse_iso(v["started_at"])
+                if t is None or t < since:
+                    continue
+            if not show_all and _ended(v):
+                hidden += 1
+                continue
+            views.append(v)
+    finally:
+        gc.enable()
+    return views, hidden
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     states = None
     if getattr(args, "state", None):
@@ -91,19 +119,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             _err(f"ls: --since: {e}")
             return EXIT_USAGE
     show_all = bool(getattr(args, "all", False)) or states is not None or since is not None
-    views, hidden = [], 0
-    for d in RunDir.all():
-        v = live_view(d, summary=True)
-        if states is not None and v["state"] not in states and not ("ORPHANED" in states and v["orphaned"]):
-            continue
-        if since is not None:
-            t = parse_iso(v["started_at"])
-            if t is None or t < since:
-                continue
-        if not show_all and _ended(v):
-            hidden += 1
-            continue
-        views.append(v)
+    views, hidden = _gather(show_all, states, since, owner_of_ended=show_all and bool(args.json))
     if args.json:
         # One view per line: the C encoder (indent= is pure Python), and
         # still valid JSON for any parser.

@@ -110,15 +110,18 @@ def usage_now(info: RunInfo) -> dict[str, Any] | None:
     return live(cg, v2_dir=v2_dir)
 
 
-def live_view(d: RunDir, *, live: bool = True, summary: bool = False) -> dict[str, Any]:
+def live_view(d: RunDir, *, live: bool = True, summary: bool = False,
+              owner_of_ended: bool = True) -> dict[str, Any]:
     """What a reader can tell from the layout alone, plus (with `live`) the
     run's cgroup as it is now. `state` is the record's, or UNREADABLE with
     `unreadable` saying why; `owner_alive` is True, False or None (cannot
-    tell)."""
+    tell). Without `owner_of_ended`, an ended run's owner lock is not
+    looked at (`owner_alive` stays None): for a listing that will not show
+    it, a third of `ls`'s time over 10,000 ended runs."""
     view = empty_view(d)
     try:
         with d.opened():
-            return fill_view(d, view, live, summary)
+            return fill_view(d, view, live, summary, owner_of_ended)
     except (OSError, UnsafePath) as e:
         view["unreadable"] = why(e)
         return view
@@ -132,7 +135,8 @@ def why(e: BaseException) -> str:
     return str(e)
 
 
-def fill_view(d: RunDir, view: dict[str, Any], live: bool, summary: bool = False) -> dict[str, Any]:
+def fill_view(d: RunDir, view: dict[str, Any], live: bool, summary: bool = False,
+              owner_of_ended: bool = True) -> dict[str, Any]:
     rec = d.load_record(summary=summary)
     if isinstance(rec, dict):
         view.update(run_uid=rec.get("run_uid"), state=rec["state"], outcome=rec.get("outcome"),
@@ -143,7 +147,8 @@ def fill_view(d: RunDir, view: dict[str, Any], live: bool, summary: bool = False
         view["ended_at"] = timings.get("ended_at")
         view["cpu_usec"] = (rec.get("cpu") or {}).get("usage_usec") if isinstance(rec.get("cpu"), dict) else None
         if rec["state"] in TERMINAL:
-            view["owner_alive"] = d.owner()
+            if owner_of_ended:
+                view["owner_alive"] = d.owner()
             return view
     owner = d.owner()
     view["owner_alive"] = owner
