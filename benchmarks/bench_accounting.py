@@ -17,14 +17,18 @@ leaves behind. A and B write their own CPU time and high-water RSS to a file
 every 50 ms: the "tree's own report" column (a lower bound when they are
 killed between two writes).
 
-Until the run driver is wired to the accounting (issue 14), this benchmark
-drives the pieces directly, exactly as the driver will: a cgroup v2 run
-directory made by `launcher._platform.linux.Container`, the run's v1 cgroups
-by `launcher._runcgroups.RunCgroups`, the child placed by writing "0" to the
-v2 leaf's and each v1 `cgroup.procs` before exec (what the C spawn's join fds
+The columns for /usr/bin/time and getrusage need this process to be the
+tree's parent and subreaper, so that tree is driven with the pieces the run
+driver uses, exactly as it uses them: a cgroup v2 run directory made by
+`launcher._platform.linux.Container`, the run's v1 cgroups by
+`launcher._runcgroups.RunCgroups`, the child placed by writing "0" to the v2
+leaf's and each v1 `cgroup.procs` before exec (what the C spawn's join fds
 do; here a preexec function), and `launcher._accounting.final_snapshot` after
-`populated 0`. It needs root (scratch cgroups); everything it makes is
-removed at the end, and this process is the child subreaper of the tree.
+`populated 0`. The column `contain run --stats-json` is the product itself:
+the same tree under `contain run --linger S --stats-json FILE` (linger: the
+grandchildren get the same time to finish, or to be stopped, as above), its
+numbers from the stats line. It needs root (scratch cgroups); everything it
+makes is removed at the end.
 """
 from __future__ import annotations
 
@@ -219,6 +223,48 @@ def one(mode: str, hold: float, grace: float, big: int, small: int) -> dict[str,
     return res
 
 
+def via_cli(mode: str, hold: float, grace: float, big: int, small: int) -> dict[str, Any]:
+    """The same tree under `contain run` itself; its --stats-json line."""
+    token = os.urandom(6).hex()
+    tag = os.urandom(4).hex()
+    mnt = B.cgroup2_mount()
+    assert mnt is not None
+    v2_base = os.path.join(mnt, f"contain-bench-acct-{tag}")
+    v1_base = f"/contain-bench-acct-{tag}"
+    os.mkdir(v2_base)
+    out_dir = tempfile.mkdtemp(prefix="contain-bench-acct-")
+    stats = os.path.join(out_dir, "stats.ndjson")
+    env = B.child_env(**{B.TOKEN_VAR: token, "CONTAIN_CGROUP_BASE": v2_base, "CONTAIN_CGROUP_V1_BASE": v1_base,
+                         "CONTAIN_STATE_DIR": os.path.join(out_dir, "state")})
+    linger = hold + 1.0 if mode == "self" else grace
+    res: dict[str, Any] = {}
+    try:
+        p = subprocess.run([sys.executable, "-m", "launcher", "run", "--linger", str(linger), "--stats-json", stats,
+                            "--", sys.executable, "-c", WORKER, out_dir, str(hold if mode == "self" else 60.0),
+                            str(big), str(small)], env=env, cwd=B.ROOT, capture_output=True, text=True, timeout=120)
+        res["exit"] = p.returncode
+        with open(stats) as f:
+            res["stats"] = json.loads(f.readline())
+        own = _own_reports(out_dir)
+        res["own"] = {k: {"cpu_s": v[0], "hwm_bytes": v[1]} for k, v in own.items()}
+        res["survivors"] = [s.pid for s in B.settle_survivors(token, 2.0)]
+    finally:
+        sc = B.Scratch.__new__(B.Scratch)
+        sc.path = v2_base
+        res["cleanup_problems"] = sc.close()
+        for h in C.v1_hierarchies():
+            d = h.fs_path(v1_base)
+            if os.path.isdir(d):
+                try:
+                    os.rmdir(d)
+                except OSError as e:
+                    res["cleanup_problems"].append(f"rmdir {d}: {e}")
+        import shutil
+
+        shutil.rmtree(out_dir, ignore_errors=True)
+    return res
+
+
 def cost(n: int) -> dict[str, Any]:
     """What the accounting adds to one run, medians over `n` runs of /bin/true:
     the v1 cgroups made (and limits written) before the spawn, the child's
@@ -305,15 +351,18 @@ def table(res: dict[str, Any]) -> str:
     cg_peak = snap["memory_peak_bytes"]["value"]
     own_cpu = sum(v["cpu_s"] for v in own.values()) if own else None
     own_concurrent = sum(own[k]["hwm_bytes"] for k in ("A", "B") if k in own) or None
+    st = (res.get("cli") or {}).get("stats") or {}
     rows = [
-        ("", "tree's own report", "contain (cgroups)", "/usr/bin/time -v", "getrusage after wait",
-         "getrusage, subreaper reaped"),
-        ("CPU user+sys", _s(own_cpu), _s(cg_cpu), _s(tv.get("user_s", 0) + tv.get("sys_s", 0)),
+        ("", "tree's own report", "contain (cgroups)", "contain run --stats-json", "/usr/bin/time -v",
+         "getrusage after wait", "getrusage, subreaper reaped"),
+        ("CPU user+sys", _s(own_cpu), _s(cg_cpu), _s(st.get("cpu_s")), _s(tv.get("user_s", 0) + tv.get("sys_s", 0)),
          _s(ra["user_s"] + ra["sys_s"]), _s(rr["user_s"] + rr["sys_s"])),
-        ("peak memory", _mb(own_concurrent) + " (A+B HWM)", _mb(cg_peak), _mb(tv.get("maxrss_bytes")) + " (RSS)",
-         _mb(ra["maxrss_bytes"]) + " (RSS)", _mb(rr["maxrss_bytes"]) + " (RSS)"),
-        ("wall", "-", _s(snap["wall_s"]["value"]), _s(tv.get("wall_s")), _s(ra["wall_s"]), "-"),
-        ("tasks peak", "6 (time, worker, 2 middles, A, B)", str(snap["tasks_peak"]["value"]), "-", "-", "-"),
+        ("peak memory", _mb(own_concurrent) + " (A+B HWM)", _mb(cg_peak), _mb(st.get("mem_peak_bytes")),
+         _mb(tv.get("maxrss_bytes")) + " (RSS)", _mb(ra["maxrss_bytes"]) + " (RSS)",
+         _mb(rr["maxrss_bytes"]) + " (RSS)"),
+        ("wall", "-", _s(snap["wall_s"]["value"]), _s(st.get("wall_s")), _s(tv.get("wall_s")), _s(ra["wall_s"]), "-"),
+        ("tasks peak", "6 (time, worker, 2 middles, A, B)", str(snap["tasks_peak"]["value"]),
+         str(st.get("tasks_peak")) + " (init, no time(1))", "-", "-", "-"),
     ]
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"mode {res['mode']}: A and B live {res['hold_s']} s after the worker"
@@ -332,6 +381,10 @@ def table(res: dict[str, Any]) -> str:
     lines.append(f"--stats-json line: {res['stats_line']}")
     lines.append(f"survivors after the run: {len(res['survivors'])}; placement verified: {res['placement']};"
                  f" cleanup problems: {res['cleanup_problems'] or 'none'}")
+    cli = res.get("cli") or {}
+    lines.append(f"contain run: exit {cli.get('exit')}, state {st.get('state')}, survivors"
+                 f" {len(cli.get('survivors') or [])}, nulls {st.get('null') or 'none'},"
+                 f" cleanup problems: {cli.get('cleanup_problems') or 'none'}")
     return "\n".join(lines)
 
 
@@ -384,6 +437,7 @@ def main() -> int:
     results: dict[str, Any] = {"machine": B.machine(), "runs": []}
     for mode in (("self", "stop") if a.mode == "both" else (a.mode,)):
         r = _in_fresh_process(mode, a.hold, a.grace, a.big_mb, a.small_mb)
+        r["cli"] = via_cli(mode, a.hold, a.grace, a.big_mb, a.small_mb)
         results["runs"].append(r)
         print(table(r), flush=True)
         print()
@@ -395,7 +449,7 @@ def main() -> int:
     with open(path, "w") as f:
         json.dump(results, f, indent=2)
     print(f"wrote {path}")
-    return 0 if all(not r["survivors"] for r in results["runs"]) else 1
+    return 0 if all(not r["survivors"] and not r["cli"]["survivors"] for r in results["runs"]) else 1
 
 
 if __name__ == "__main__":

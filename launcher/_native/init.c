@@ -226,6 +226,14 @@ void ct_init_main(const struct ct_spawn_args *a, const struct ct_wall_args *w, i
         if (syscall(SYS_setgroups, 0, NULL) < 0) init_fail(sock, CT_STAGE_USERNS, errno);
         if (syscall(SYS_setresuid, 0, 0, 0) < 0) init_fail(sock, CT_STAGE_USERNS, errno);
     }
+    /* The v1 joins before the hold: the first move into a v1 cgroup waits
+     * for an RCU grace period (percpu_down_write of
+     * cgroup_threadgroup_rwsem; 8-20 ms here), which then runs while the
+     * supervisor describes this init. Nothing of the worker's runs before
+     * both are done. */
+    if (a->njoin > 0 || a->ncg_expect > 0) {
+        if ((rc = ct_child_join(a)) < 0) init_fail(sock, CT_STAGE_JOIN, -rc);
+    }
     if (w->hold && w->userns != CT_USERNS_MAP) {
         /* The caller describes this init durably before anything runs; an
          * EOF (the caller died first) ends the namespace before it began. */
@@ -252,9 +260,6 @@ void ct_init_main(const struct ct_spawn_args *a, const struct ct_wall_args *w, i
         } else if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0) {
             init_send(sock, CT_EV_NOTE, CT_NOTE_MOUNT_PROC, errno, 0, 0, 0, 0, -1);
         }
-    }
-    if (a->njoin > 0 || a->ncg_expect > 0) {
-        if ((rc = ct_child_join(a)) < 0) init_fail(sock, CT_STAGE_JOIN, -rc);
     }
 
     sigset_t all;
