@@ -107,3 +107,48 @@ def test_a_worker_that_can_write_the_state_directory_is_not_called_sealed(user):
     c = rec["containment"]
     assert c["sealed"] is False, c
     assert c["sealed_reason"], c
+
+
+def test_orphaned_run_is_stopped_by_cancel_not_left_running(user):
+    """`contain run` SIGKILLed (by the pid this test started): the run is
+    orphaned, and `contain cancel` must adopt it and stop it (CONTRACT:
+    "a run whose supervisor died is never lost"). Its wall's init, as the
+    run's tag records it, is what the adopter kills and watches: REAPED,
+    and nothing of the tree left (the test's own scan)."""
+    import signal
+    import subprocess
+    import time
+
+    uid, token, home = user
+    env = user_env(CONTAIN_STATE_DIR=os.path.join(home, "state"), **{TOKEN_VAR: token})
+    rec_path = os.path.join(home, "state", "runs", "o", "record.json")
+    sup = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",
+                            SYS_PY, "-m", "launcher", "run", "-q", "--id", "o", "--grace", "0.3", "--",
+                            "sh", "-c", "setsid sleep 300 & sleep 300 & wait"],
+                           env=env, stderr=subprocess.DEVNULL, cwd="/")
+    try:
+        deadline = time.monotonic() + 20
+        while True:                   # supervisor, init, sh, two sleeps; the record names the worker
+            try:
+                with open(rec_path) as f:
+                    started = json.load(f).get("identity") is not None
+            except (OSError, ValueError):
+                started = False
+            if started and len(holders(token)) >= 5:
+                break
+            assert time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.02)
+    finally:
+        sup.send_signal(signal.SIGKILL)
+        sup.wait(10)
+    assert len(holders(token)) >= 3, "the tree outlives its supervisor"
+    p = as_uid(uid, [SYS_PY, "-m", "launcher", "cancel", "o", "--wait", "--timeout", "20", "--json"], env=env)
+    assert "Traceback" not in p.stderr, p.stderr
+    ack = json.loads(p.stdout)
+    assert holders(token) == [], "cancel left the orphaned tree running"
+    with open(rec_path) as f:
+        rec = json.load(f)
+    assert p.returncode == 0 and ack["effect"] == "cancelled" and ack["state"] == "REAPED", (ack, p.stderr)
+    assert rec["state"] == "REAPED" and rec["containment"]["backend"] == "pidns", rec["containment"]
+    assert [w["kind"] for w in rec["containment"]["walls"]] == ["pidns"]
+    assert rec["evidence"]["signal_sent"]["observed"] is True
