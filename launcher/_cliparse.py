@@ -70,6 +70,21 @@ def _run_id(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _op_id(text: str) -> str:
+    """--op-id: 1 to 200 characters, as the owner accepts them. An empty one
+    is refused here, not read as "none given" (which mints a fresh id each
+    time, so a script's unset "$OP" would lose idempotency without a word)."""
+    import argparse
+
+    from ._requests import op_filename
+
+    try:
+        op_filename(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 # What `contain` reads from its own environment (never the worker's), for
 # --help. Keep in step with README.md.
 _ENVIRONMENT = """environment:
@@ -261,7 +276,7 @@ def parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("cancel", help="cancel a run (durably, idempotently by --op-id)")
     c.add_argument("id", type=_run_id)
-    c.add_argument("--op-id", help="operation id; repeating it returns the same record")
+    c.add_argument("--op-id", type=_op_id, help="operation id; repeating it returns the same record")
     c.add_argument("--run-uid", help="refuse unless the run's uid is this one")
     c.add_argument("--grace", type=_seconds, help="seconds between SIGTERM and SIGKILL")
     c.add_argument("--wait", action="store_true", help="wait for the terminal acknowledgement")

@@ -197,6 +197,10 @@ def attach_container(run_dir: str, run_id: str, info: dict[str, Any]) -> AttachR
             res = AttachResult(d)
         else:
             res = _detached(path, f"cgroup {check.status}: {check.reason}")
+    elif backend == "pidns":
+        from ._platform import pidns
+
+        res = AttachResult(pidns.Container.adopt(run_id, facts.get("wall")))
     elif backend == "none":
         from ._platform import none
 

@@ -62,6 +62,11 @@ class Options:
             self.limits = Limits(memory_max=None if memory_max is None else parse_bytes(str(memory_max)),
                                  pids_max=None if pids_max is None else parse_pids(str(pids_max)),
                                  cpu_max=None if cpu_max is None else parse_cpu_max(str(cpu_max)))
+        # An empty path is not "option not given": it would drop the stats
+        # or the workspace layer without a word.
+        for flag, path in (("--stats-json", stats_json), ("--workspace", workspace)):
+            if path is not None and not str(path):
+                raise ValueError(f"{flag} is an empty path")
         self.check_locks = check_locks
         self.stats_json = stats_json
         self.backend = backend

@@ -2,6 +2,7 @@
 
     /proc/<pid>/stat        stat_fields, read_stat, start_time
     /proc/<pid>/comm        read_comm
+    /proc/<pid>/status      read_nspid (the NSpid line)
     /proc/<pid>/cgroup      parse_cgroups, cgroups_of (every hierarchy), parse_cgroup, cgroup_of (v2)
     /proc/self/mountinfo    mounts
 
@@ -45,6 +46,28 @@ def start_time(pid: int) -> int:
     """Field 22 of /proc/<pid>/stat (clock ticks after boot). Raises OSError."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         return stat_fields(f.read())[4]
+
+
+# -- /proc/<pid>/status --------------------------------------------------------
+
+def read_nspid(pid: int | str) -> list[int] | None:
+    """The NSpid line of /proc/<pid>/status (4.1): the process's pid in each
+    PID namespace from the reader's down to its own, so the last is its pid
+    in its own namespace (1 for a namespace's init). None if it is gone or
+    unreadable, or the line is missing or malformed."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            data = f.read(16384)
+    except OSError:
+        return None
+    for line in data.splitlines():
+        if line.startswith(b"NSpid:"):
+            try:
+                out = [int(x) for x in line[6:].split()]
+            except ValueError:
+                return None
+            return out if out and all(x > 0 for x in out) else None
+    return None
 
 
 # -- /proc/<pid>/comm ---------------------------------------------------------

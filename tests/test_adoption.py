@@ -403,6 +403,37 @@ def test_sealed_run_adopted_by_cancel_is_reaped(box):
     assert holders(box.token) == []
 
 
+def test_orphaned_pidns_backend_run_is_stopped_by_cancel(box):
+    """The `pidns` backend has no cgroup: an adopter must find the wall's
+    init in the run's tag and kill it, not look for a cgroup and leave the
+    orphaned tree running (UNCONFIRMED for ever)."""
+    _start_orphan(box, "p", "--backend", "pidns", "--grace", "0.3",
+                  script="setsid sleep 300 & sleep 300 & wait", want=3)
+    assert len(holders(box.token)) >= 3, "the tree outlives its supervisor"
+    rc, ack = _cancel(box, "p")
+    assert holders(box.token) == [], "cancel left the orphaned tree running"
+    rec = box.record("p")
+    assert rc == 0 and ack["effect"] == "cancelled" and ack["state"] == "REAPED", ack
+    assert rec["state"] == "REAPED" and rec["containment"]["backend"] == "pidns"
+    assert rec["evidence"]["descendants_exit"]["observed"] is True
+
+
+def test_orphaned_pidns_backend_run_with_a_gone_init_is_reaped_without_a_signal(box):
+    """The tree ended on its own after its supervisor died: the init's
+    identity (pid + start time) no longer names a process, so the
+    namespace is proven empty and nothing is signalled."""
+    _start_orphan(box, "g", "--backend", "pidns", script="sleep 1", want=1)
+    deadline = time.monotonic() + 20
+    while holders(box.token):
+        assert time.monotonic() < deadline, "the workload did not end"
+        time.sleep(0.05)
+    rc, ack = _cancel(box, "g")
+    rec = box.record("g")
+    assert rc == 0 and rec["state"] == "REAPED", (rec["state"], rec["containment"])
+    assert rec["evidence"]["signal_sent"]["observed"] is not True
+    assert rec["containment"]["walls"][0]["observed_empty"] is True
+
+
 # -- degraded mode ---------------------------------------------------------------
 
 def test_degraded_run_adopted_after_supervisor_sigkill_is_stopped_not_declared_gone(box):

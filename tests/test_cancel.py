@@ -47,6 +47,24 @@ def test_cancel_twice_with_one_op_id_returns_identical_records(box):
     assert len(reqs) == 1, "a repeated operation id must not be applied (or even requested) twice"
 
 
+@pytest.mark.parametrize("op", ["", "x" * 201])
+def test_an_empty_op_id_is_a_usage_error_not_a_fresh_operation(box, op):
+    """`--op-id ''` (a script's unset "$OP") used to mint a fresh id, so two
+    such requests were two operations and idempotency was lost without a
+    word. It is refused as a usage error, like an id that is too long, and
+    nothing is requested: the run goes on."""
+    proc = start(box, "r")
+    try:
+        p = run_contain(box.env, "cancel", "r", f"--op-id={op}")
+        assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+        assert "Traceback" not in p.stderr and "operation id" in p.stderr, p.stderr
+        assert proc.poll() is None and len(holders(box.token)) >= 3, "a refused request cancelled the run"
+        assert not os.path.exists(os.path.join(box.state_dir, "runs", "r", "cancellations", "requests.ndjson"))
+    finally:
+        cancel(box, "r", "--wait")
+        proc.wait(30)
+
+
 def test_cancel_without_wait_acknowledges_cancel_requested(box):
     proc = start(box, "r", "--grace", "0.3", script="trap '' TERM; sleep 300")
     rc, ack = cancel(box, "r", "--op-id", "a")

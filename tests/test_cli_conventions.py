@@ -74,6 +74,27 @@ def test_zero_and_unusable_timeouts_are_usage_errors(tmp_path, option, value):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("option", ["--stats-json", "--workspace"])
+def test_an_empty_path_is_a_usage_error_not_an_option_dropped(tmp_path, option):
+    """`--stats-json ''` used to run with no stats written and exit 0, and
+    `--workspace ''` with no workspace layer: an empty string was read as
+    "option not given". Now it is refused before anything runs."""
+    marker = tmp_path / "ran"
+    p = run_contain(_env(tmp_path), "run", option, "", "--", "touch", str(marker), timeout=30)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert option in p.stderr and "Traceback" not in p.stderr
+    assert not marker.exists()
+
+
+def test_an_empty_path_is_refused_by_the_library_too(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONTAIN_STATE_DIR", str(tmp_path / "state"))
+    marker = tmp_path / "ran"
+    for kw in ("stats_json", "workspace"):
+        with pytest.raises(ValueError, match=kw.replace("_", "-")):
+            launcher.run(["touch", str(marker)], **{kw: ""})
+    assert not marker.exists()
+
+
 @needs_cgroup
 def test_a_small_timeout_means_what_it_says(box):
     p = run_contain(box.env, "run", "--id", "t", "--timeout", "0.3", "--grace", "0", "--", "sleep", "30",

@@ -107,3 +107,122 @@ def test_a_worker_that_can_write_the_state_directory_is_not_called_sealed(user):
     c = rec["containment"]
     assert c["sealed"] is False, c
     assert c["sealed_reason"], c
+
+
+def test_orphaned_run_is_stopped_by_cancel_not_left_running(user):
+    """`contain run` SIGKILLed (by the pid this test started): the run is
+    orphaned, and `contain cancel` must adopt it and stop it (CONTRACT:
+    "a run whose supervisor died is never lost"). Its wall's init, as the
+    run's tag records it, is what the adopter kills and watches: REAPED,
+    and nothing of the tree left (the test's own scan)."""
+    import signal
+    import subprocess
+    import time
+
+    uid, token, home = user
+    env = user_env(CONTAIN_STATE_DIR=os.path.join(home, "state"), **{TOKEN_VAR: token})
+    rec_path = os.path.join(home, "state", "runs", "o", "record.json")
+    sup = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",
+                            SYS_PY, "-m", "launcher", "run", "-q", "--id", "o", "--grace", "0.3", "--",
+                            "sh", "-c", "setsid sleep 300 & sleep 300 & wait"],
+                           env=env, stderr=subprocess.DEVNULL, cwd="/")
+    try:
+        deadline = time.monotonic() + 20
+        while True:                   # supervisor, init, sh, two sleeps; the record names the worker
+            try:
+                with open(rec_path) as f:
+                    started = json.load(f).get("identity") is not None
+            except (OSError, ValueError):
+                started = False
+            if started and len(holders(token)) >= 5:
+                break
+            assert time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.02)
+    finally:
+        sup.send_signal(signal.SIGKILL)
+        sup.wait(10)
+    assert len(holders(token)) >= 3, "the tree outlives its supervisor"
+    p = as_uid(uid, [SYS_PY, "-m", "launcher", "cancel", "o", "--wait", "--timeout", "20", "--json"], env=env)
+    assert "Traceback" not in p.stderr, p.stderr
+    ack = json.loads(p.stdout)
+    assert holders(token) == [], "cancel left the orphaned tree running"
+    with open(rec_path) as f:
+        rec = json.load(f)
+    assert p.returncode == 0 and ack["effect"] == "cancelled" and ack["state"] == "REAPED", (ack, p.stderr)
+    assert rec["state"] == "REAPED" and rec["containment"]["backend"] == "pidns", rec["containment"]
+    assert [w["kind"] for w in rec["containment"]["walls"]] == ["pidns"]
+    assert rec["evidence"]["signal_sent"]["observed"] is True
+
+
+# The worker (the run's own uid, behind the wall) rewrites the run's tag so
+# that its wall's init names a process of the same user outside the wall,
+# which it could never signal itself; then it says so and waits.
+TAG_FORGER = """\
+import json, os, time
+rd = os.environ["CONTAIN_RUN_DIR"]
+while True:
+    try:
+        tag = json.loads(os.getxattr(rd, "user.contain.run"))
+        if tag.get("worker") and tag.get("wall"):
+            break
+    except OSError:
+        pass
+    time.sleep(0.01)
+tag["wall"]["init"] = json.loads(os.environ["VICTIM"])
+os.setxattr(rd, "user.contain.run", json.dumps(tag).encode())
+open(os.environ["FORGED"], "w").close()
+os.execvp("sleep", ["sleep", "300"])
+"""
+
+
+def test_worker_forging_its_wall_init_cannot_make_cancel_kill_a_process_outside(user):
+    """A worker can write its run directory's `user.` tag (same uid), but
+    behind the wall it cannot reach the user's other processes. Naming one
+    of them as the wall's init must not turn `contain cancel` into the
+    weapon: the adopter acts only on a process that is pid 1 of the
+    recorded PID namespace; anything else is UNCONFIRMED, never signalled."""
+    import signal
+    import subprocess
+    import time
+
+    uid, token, home = user
+    victim = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",
+                               "sleep", "300"], env=user_env(**{TOKEN_VAR: token}), cwd="/")
+    forged = os.path.join(home, "forged")
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with open(f"/proc/{victim.pid}/stat", "rb") as f:
+                    data = f.read()
+                if b"(sleep)" in data:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the victim did not start"
+            time.sleep(0.01)
+        start = int(data[data.rfind(b")") + 2:].split()[19])
+        env = user_env(CONTAIN_STATE_DIR=os.path.join(home, "state"), FORGED=forged,
+                       VICTIM=json.dumps({"pid": victim.pid, "start_time": start}), **{TOKEN_VAR: token})
+        sup = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",
+                                SYS_PY, "-m", "launcher", "run", "-q", "--id", "f", "--grace", "0.3", "--",
+                                SYS_PY, "-c", TAG_FORGER], env=env, stderr=subprocess.DEVNULL, cwd="/")
+        try:
+            deadline = time.monotonic() + 20
+            while not os.path.exists(forged):
+                assert time.monotonic() < deadline and sup.poll() is None, "the worker did not forge its tag"
+                time.sleep(0.02)
+        finally:
+            sup.send_signal(signal.SIGKILL)
+            sup.wait(10)
+        p = as_uid(uid, [SYS_PY, "-m", "launcher", "cancel", "f", "--wait", "--timeout", "10", "--json"],
+                   env=env)
+        assert "Traceback" not in p.stderr, p.stderr
+        assert victim.poll() is None, "cancel killed a process outside the run, named by a forged tag"
+        with open(os.path.join(home, "state", "runs", "f", "record.json")) as f:
+            rec = json.load(f)
+        assert rec["state"] == "UNCONFIRMED" and p.returncode != 0, (rec["state"], p.returncode)
+        assert rec["evidence"]["container_empty"]["observed"] is None
+    finally:
+        victim.kill()
+        victim.wait(10)

@@ -92,6 +92,18 @@ def test_missing_command_on_path_is_127(box):
     assert box.leaves() == []
 
 
+def test_empty_command_name_is_127_not_a_path_directory(box, tmp_path):
+    """`contain run -- ''` used to try every PATH directory itself as the
+    program ("/usr/bin/" + "") and exit 126 naming one of them (Permission
+    denied); execvp(3) finds nothing for an empty name (ENOENT), as bash,
+    env and timeout say: 127, command not found."""
+    p = run_contain(dict(box.env, PATH=f"{tmp_path}:/usr/bin:/bin"), "run", "--id", "x", "--", "")
+    assert p.returncode == 127, p.stderr
+    assert "not found" in p.stderr and str(tmp_path) not in p.stderr and "Traceback" not in p.stderr
+    rec = assert_reaped_and_clean(box, "x")
+    assert rec["outcome"] == "spawn_failed"
+
+
 @pytest.mark.parametrize("target", ["a-file-without-x", "/tmp"])
 def test_not_executable_is_126_and_leaves_no_leaf(box, target, tmp_path):
     if not target.startswith("/"):

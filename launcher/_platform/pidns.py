@@ -11,6 +11,7 @@ cgroup (refused).
 """
 from __future__ import annotations
 
+import errno
 import os
 import select
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
@@ -53,6 +54,30 @@ class Container:
         self._state_dir: str | None = None
         self._seal_error: str | None = None
         self.weaker: str | None = None   # auto got less than a root user would: said on stderr
+        self.wall_gone = False           # adopted: the init's identity names no process (the namespace is empty)
+        self.wall_unknown: str | None = None  # adopted: why whether it is empty cannot be told
+
+    @classmethod
+    def adopt(cls, run_id: str, desc: Any) -> "Container":
+        """The container of a run whose owner is gone: its wall re-attached
+        from what the owner tagged (pidwall.adopt, the init by pid + start
+        time). What cannot be re-attached fails every observation with the
+        reason, so the stop is UNCONFIRMED, never terminal."""
+        c = cls(run_id)
+        if not isinstance(desc, dict):
+            c.wall_unknown = "the run's tag records no wall: whether the namespace is empty cannot be told"
+            return c
+        c.wall, c.wall_gone, c.wall_unknown = pidwall.adopt(desc)
+        if isinstance(desc.get("inode"), int):
+            c.path = f"pid:[{desc['inode']}]"
+        if c.wall is not None:
+            c.userns = c.wall.userns
+        return c
+
+    def bind(self, tag: Any) -> str | None:
+        """There is no cgroup to tag: the run's own tag (written by the
+        owner, _evidence.bind_tags) carries the wall, all an adopter acts on."""
+        return None
 
     # -- spawning ----------------------------------------------------------
 
@@ -109,6 +134,8 @@ class Container:
             self.wall.drain(ready)
 
     def populated(self) -> bool:
+        if self.wall is None and self.wall_unknown:
+            raise OSError(errno.ENOENT, self.wall_unknown)
         return self.wall is not None and not self.wall.empty()
 
     def wait_change(self, timeout: float) -> None:
@@ -135,10 +162,17 @@ class Container:
         return out
 
     def unleavable(self) -> str | None:
-        return pidwall.UNLEAVABLE if self.wall is not None else None
+        return pidwall.UNLEAVABLE if self.wall is not None or self.wall_gone else None
 
     def walls(self) -> list[dict[str, Any]]:
-        return [self.wall.record()] if self.wall is not None else []
+        if self.wall is not None:
+            return [self.wall.record()]
+        if self.wall_gone:
+            return [{"kind": "pidns", "observed_empty": True,
+                     "via": "the init's pid no longer names it: it was reaped, so every member was gone"}]
+        if self.wall_unknown:
+            return [{"kind": "pidns", "observed_empty": None, "via": "none", "detail": self.wall_unknown}]
+        return []
 
     def owns(self, pid: int) -> bool:
         return self.wall is not None and self.wall.owns(pid)
@@ -150,12 +184,16 @@ class Container:
 
     def terminate(self, sig: int = 15) -> tuple[str, dict[str, Any]]:
         if self.wall is None:
-            raise OSError(3, "no worker")
+            if self.wall_gone:
+                return "nothing to signal: the PID namespace's init was reaped", {"signalled": 0, "failed": 0}
+            raise OSError(errno.ESRCH, self.wall_unknown or "no worker")
         return self.wall.terminate(sig)
 
     def kill(self) -> str:
         if self.wall is None:
-            raise OSError(3, "no worker")
+            if self.wall_gone:
+                return "nothing to kill: the PID namespace's init was reaped"
+            raise OSError(errno.ESRCH, self.wall_unknown or "no worker")
         return self.wall.kill()
 
     def remove(self) -> str | None:

@@ -178,6 +178,18 @@ def adopt(desc: dict[str, Any]) -> tuple["PidWall | None", bool, str | None]:
         return None, False, f"the wall's init could not be re-attached: {e}"
     if init is None:
         return None, True, None
+    # The tag names the init by pid and start time; a worker that can write
+    # it (a `user.` tag: the same uid) could name a process outside the wall
+    # that it could never signal itself. Only pid 1 of the recorded
+    # namespace, one below ours, is the wall's init.
+    from .._procfs import read_nspid
+
+    ns, nspid = pidns_inode(pid), read_nspid(pid)
+    if (ns is None or ns != desc.get("inode") or ns == pidns_inode(os.getpid()) or nspid is None
+            or len(nspid) < 2 or nspid[-1] != 1):
+        init.close()
+        return None, False, (f"the wall's init as tagged (pid {pid}) is not pid 1 of the recorded PID namespace: "
+                             "not trusted with a stop, whether the namespace is empty cannot be told")
     w = PidWall(init, desc.get("userns") if isinstance(desc.get("userns"), str) else None)
     w.init_identity = {"pid": pid, "start_time": start}
     return w, False, None

@@ -220,8 +220,10 @@ class Spawned:
 
 
 def candidates(argv0: str, env: dict[str, str]) -> list[str]:
-    """What execvpe would try, in order (the search itself runs in the child)."""
-    if "/" in argv0:
+    """What execvpe would try, in order (the search itself runs in the child).
+    An empty name is no search (execvp(3): ENOENT), not each PATH directory
+    tried as the program."""
+    if "/" in argv0 or not argv0:
         return [argv0]
     return [os.path.join(d or ".", argv0) for d in os.get_exec_path(env)]
 
