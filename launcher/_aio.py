@@ -36,7 +36,7 @@ import anyio.to_thread
 
 from ._errors import RunConflict
 from ._handle import RunHandle
-from ._layout import new_uid
+from ._layout import op_id_or_new
 from ._record import CancelRecord, StopRecord
 from ._options import DEFAULT_GRACE
 from ._run import Run
@@ -175,7 +175,7 @@ class AsyncWorker(RunHandle):
         `cancel_requested`, or `not_live` if the run had ended). `wait()` for
         the end; the settled acknowledgement is `cancel_record(op_id)`."""
         await anyio.lowlevel.checkpoint()
-        return self._cancel_now(op_id or f"op-{new_uid()}", grace)
+        return self._cancel_now(op_id_or_new(op_id), grace)
 
     def _cancel_now(self, op: str, grace: float | None) -> CancelRecord:
         run = self._run

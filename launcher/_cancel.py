@@ -19,7 +19,7 @@ from typing import Any
 
 from ._args import check_optional_seconds
 from ._identity import ProcessIdentity
-from ._layout import RunDir, new_uid
+from ._layout import RunDir, op_id_or_new
 from ._record import CancelRecord, now_iso
 from ._state import TERMINAL_STATES, Effect
 
@@ -97,8 +97,8 @@ def cancel(run_id: str, *, op_id: str | None = None, grace: float | None = None,
     seconds >= 0)."""
     grace = check_optional_seconds(grace, "grace")
     timeout = check_optional_seconds(timeout, "timeout")
+    op = op_id_or_new(op_id)
     layout = RunDir.find(run_id, state_dir)
-    op = op_id or f"op-{new_uid()}"
     ack = layout.read_ack(op)
     info = layout.read_run() or {}
     if ack is None and run_uid is not None and info.get("run_uid") != run_uid:

@@ -80,6 +80,17 @@ def new_uid() -> str:
     return token_hex(8)
 
 
+def op_id_or_new(op_id: str | None, prefix: str = "op") -> str:
+    """The operation id a caller gave, checked as the owner checks it (1 to
+    200 characters; ValueError otherwise), or a fresh one if none was given.
+    An empty string is not "none given": a caller's unset variable would
+    mint a new operation on every call and lose idempotency without a word."""
+    if op_id is None:
+        return f"{prefix}-{new_uid()}"
+    op_filename(op_id)
+    return op_id
+
+
 def token_hex(nbytes: int) -> str:
     """What secrets.token_hex does (os.urandom), without importing secrets:
     secrets pulls in hmac, hashlib and OpenSSL, 3 ms of every `contain run`

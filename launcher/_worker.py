@@ -17,7 +17,7 @@ from typing import IO, Any, Callable, Sequence
 
 from . import _stdio
 from ._args import check_optional_seconds, wait_event
-from ._layout import new_uid
+from ._layout import op_id_or_new
 from ._record import CancelRecord, StopRecord, now_iso
 from ._adopt import finish_nested
 from ._handle import RunHandle
@@ -110,7 +110,7 @@ class Worker(RunHandle):
         (effect `cancel_requested` or `not_live`). `wait()` for the end; the
         settled acknowledgement is `cancel_record(op_id)`."""
         grace = check_optional_seconds(grace, "grace")
-        op = op_id or f"op-{new_uid()}"
+        op = op_id_or_new(op_id)
         known = self._known_ack(op)
         if known is not None:
             return known
@@ -224,7 +224,7 @@ class Worker(RunHandle):
         """Cancel if still running, wait for the end, close the pipes."""
         try:
             if not self.done():
-                self.cancel(op_id=op_id or f"stop-{new_uid()}", grace=grace)
+                self.cancel(op_id=op_id_or_new(op_id, "stop"), grace=grace)
             return self.wait()
         finally:
             self.close()

@@ -216,3 +216,26 @@ def test_any_finite_wait_and_grace_work_and_others_are_refused(contained):
         assert w.wait(30).state == "REAPED"
     with pytest.raises(ValueError, match="grace"):
         launcher.Supervisor(grace=float("inf"))
+
+
+@pytest.mark.parametrize("op_id", ["", "x" * 201])
+def test_an_empty_or_oversized_op_id_is_refused_not_read_as_none_given(contained, op_id):
+    """op_id="" (a caller's unset variable) used to mint a fresh operation on
+    every call: two cancels with "the same" id were two operations. The CLI
+    refuses `--op-id ''` (exit 2); the library raises, before any request."""
+    import launcher
+
+    w = launcher.spawn(["sleep", "30"], env=contained["env"])
+    try:
+        with pytest.raises(ValueError, match="operation id"):
+            w.cancel(op_id=op_id)
+        with pytest.raises(ValueError, match="operation id"):
+            w.stop(op_id=op_id)
+        with pytest.raises(ValueError, match="operation id"):
+            launcher.cancel(w.id, op_id=op_id, state_dir=contained["state_dir"])
+        assert not w.done(), "a refused op id stopped the run"
+        assert not os.path.exists(os.path.join(contained["state_dir"], "runs", w.id, "requests.ndjson")), \
+            "a refused op id was written to the inbox"
+    finally:
+        w.cancel(grace=0)
+        assert w.wait(30).state == "REAPED"
