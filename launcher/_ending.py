@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from ._run import Run
 
 from . import _state as S
-from ._record import StopRecord, write_json_atomic
+from ._record import StopRecord
 
 
 def settle_tree(run: Run, terminal: bool) -> None:
@@ -54,11 +54,28 @@ def publish(run: Run) -> StopRecord:
             # it, the CLI says what could not be written and exits 125).
             run.facts.not_saved("record.json", e)
             rec = run.record_dict()
-    if run.opts.record_file:
+    target = run.record_target
+    if target is not None:
+        # record_file= (the library's --record, checked at the start by
+        # _recordfile.prepare): a regular file follows along, a device or
+        # FIFO gets the final record once. A failed write is said once, in
+        # the record it failed to take.
+        from ._runfiles import encode
+
         try:
-            write_json_atomic(run.opts.record_file, rec, fsync=durable)
+            if durable:
+                run.record_target = None
+                try:
+                    target.final(encode(rec, pretty=True))
+                finally:
+                    target.close()
+            else:
+                target.update(encode(rec, pretty=True))
         except OSError as e:
-            run.facts.notes.append(f"--record {run.opts.record_file}: {e}")
+            if not run.record_target_failed:
+                run.record_target_failed = True
+                run.facts.notes.append(f"record_file {e}")
+                rec = run.record_dict()
     return StopRecord(rec)
 
 

@@ -47,7 +47,15 @@ def start(run: Run) -> None:
     then the error goes on to the caller."""
     if run.opts.user is not None:
         user_account(run.opts.user)        # an unknown user is refused before anything is made
-    run.attach(RunDir.claim(run.id, run.opts.state_dir))
+    if run.opts.record_file:
+        from ._recordfile import prepare   # lazy: only runs that asked for it
+
+        run.record_target = prepare(run.opts.record_file)   # refused (OSError) as --record is: before the claim
+    try:
+        run.attach(RunDir.claim(run.id, run.opts.state_dir))
+    except BaseException:
+        run.close()
+        raise
     try:
         _start(run)
     except BaseException as e:

@@ -36,6 +36,8 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any, Callable, Sequence
 
+    from ._recordfile import RecordTarget
+
 from . import _ending, _launch, _nested
 from . import _state as S
 from ._args import check_argv
@@ -84,6 +86,8 @@ class Run:
         self._done = threading.Event()
         self._final: StopRecord | None = None
         self.stats_error: str | None = None       # why --stats-json could not be written
+        self.record_target: RecordTarget | None = None   # record_file=, checked at the start
+        self.record_target_failed = False
 
     # -- start -------------------------------------------------------------
 
@@ -296,6 +300,8 @@ class Run:
             self.root.close()
         if self.watch is not None:
             self.watch.close()        # the ledger's thread and socket
+        if self.record_target is not None:
+            self.record_target.close()
         if self.layout is not None:
             self.layout.release()
         self._done.set()

@@ -239,3 +239,29 @@ def test_an_empty_or_oversized_op_id_is_refused_not_read_as_none_given(contained
     finally:
         w.cancel(grace=0)
         assert w.wait(30).state == "REAPED"
+
+
+def test_record_file_follows_the_rules_of_record(contained, tmp_path):
+    """record_file= is the library's --record: a path that cannot take a
+    record is refused before anything runs; a device is written in place
+    (and stays a device), its failure said once in the record it failed to
+    take; a regular file gets the final record."""
+    import stat as st_
+
+    import launcher
+
+    with pytest.raises(OSError):
+        launcher.run(["true"], env=contained["env"], record_file=str(tmp_path / "no" / "such" / "dir.json"))
+    runs = os.path.join(contained["state_dir"], "runs")
+    assert not os.path.isdir(runs) or [n for n in os.listdir(runs) if not n.startswith(".")] == [], \
+        "a refused record_file claimed a run"
+    rec = launcher.run(["true"], env=contained["env"], record_file="/dev/full")
+    assert rec.state == "REAPED"
+    said = [n for n in rec.to_dict()["notes"] if "record_file" in n]
+    assert len(said) == 1 and "/dev/full" in said[0], rec.to_dict()["notes"]
+    assert st_.S_ISCHR(os.stat("/dev/full").st_mode)
+    out = tmp_path / "rec.json"
+    rec = launcher.run(["true"], env=contained["env"], record_file=str(out))
+    import json
+
+    assert json.loads(out.read_text())["run_id"] == rec.run_id and json.loads(out.read_text())["state"] == "REAPED"
