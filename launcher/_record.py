@@ -7,11 +7,7 @@ the other.
 """
 from __future__ import annotations
 
-import errno
 import json
-import os
-import stat
-import sys
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
@@ -148,54 +144,3 @@ class CancelRecord(_View):
     """The acknowledgement of one cancel operation (`cancellations/<op>.json`)."""
 
     __slots__ = ()
-
-
-def write_json_atomic(path: str, obj: Any, *, fsync: bool = True) -> None:
-    """Write `obj` as JSON to `path` by temp file + rename: readers see the
-    old file or the new one, never a torn one. The temp file has a random
-    name and is made O_EXCL|O_NOFOLLOW in the same directory; the write is
-    complete or raises PersistError (an OSError) with the old file intact.
-    Only a regular file (or nothing) is replaced: anything else at `path`
-    raises UnsafePath (an OSError too). For --record, use _recordfile."""
-    from . import _safefs as F
-
-    parent, name = os.path.split(path)
-    data = (json.dumps(obj, indent=2 if fsync else None) + "\n").encode()
-    if sys.platform == "win32":       # no directory fds: winfs replaces by path, retrying a held target
-        from ._platform.winfs import write_bytes_atomic
-
-        if os.path.lexists(path) and not os.path.isfile(path) or os.path.islink(path):
-            raise F.UnsafePath(path, "is not a regular file: not replaced", errno.EEXIST)
-        try:
-            write_bytes_atomic(path, data, fsync=fsync)
-        except OSError as e:
-            raise F.persist_error(e, "rename", path) from None
-        return
-    dfd = os.open(parent or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        try:
-            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        except FileNotFoundError:
-            st = None
-        mode = 0o600
-        if st is not None:
-            if not stat.S_ISREG(st.st_mode):
-                raise F.UnsafePath(path, "is not a regular file: not replaced", errno.EEXIST)
-            if st.st_uid == os.geteuid():
-                mode = stat.S_IMODE(st.st_mode) & 0o666
-        F.replace_file(dfd, name, data, path, mode=mode, durable=fsync)
-    finally:
-        os.close(dfd)
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_json(path: str) -> Any:
-    with open(path, "rb") as f:
-        return json.loads(f.read())
