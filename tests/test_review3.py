@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -106,3 +107,110 @@ def test_own_symlinked_directory_in_the_record_path_is_still_followed(box, tmp_p
                                    "--", "true"), env=box.env, capture_output=True, text=True, timeout=30)
     assert p.returncode == 0, p.stderr
     assert os.listdir(real) == ["r.json"]
+
+
+# -- a worker that writes its own run directory (root, not sealed) ---------------------
+
+_FORGER = r"""
+import json, os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+d = os.environ["CONTAIN_RUN_DIR"]
+info = json.load(open(os.path.join(d, "run.json")))
+kid = subprocess.Popen(["sleep", "300"])          # inherits the ignored SIGTERM
+
+def put(path, obj):
+    tmp = os.path.join(os.path.dirname(path), ".forged.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj))
+    os.rename(tmp, path)
+
+now = "2026-12-01T00:00:00.000000Z"
+if sys.argv[1] == "record":
+    put(os.path.join(d, "record.json"),
+        {"schema": "contain.stop-record/1", "run_id": info["run_id"], "run_uid": info["run_uid"],
+         "state": "REAPED", "outcome": "exited", "exit_code": 0, "signal": None, "argv": ["true"],
+         "evidence": {}, "notes": [], "timings": {"spawned_at": now, "ended_at": now}})
+print("forging", flush=True)
+req = os.path.join(d, "cancellations", "requests.ndjson")
+seen = set()
+while sys.argv[1] == "ack":
+    try:
+        lines = open(req).read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        try:
+            op = json.loads(line)["op_id"]
+        except Exception:
+            continue
+        if op not in seen:
+            seen.add(op)
+            put(os.path.join(d, "cancellations", op + ".json"),
+                {"op_id": op, "run_id": info["run_id"], "run_uid": info["run_uid"], "requested_at": now,
+                 "acknowledged_at": now, "by": {"pid": 1}, "effect": "cancelled", "state": "REAPED",
+                 "outcome": "cancelled", "settled_at": now})
+    time.sleep(0.001)
+time.sleep(300)
+"""
+
+
+def _start_forger(box, run_id: str, what: str) -> subprocess.Popen:
+    p = subprocess.Popen(contain_cmd("run", "-q", "--id", run_id, "--grace", "5", "--",
+                                     sys.executable, "-c", _FORGER, what),
+                         env=box.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    line = readline_within(p.stdout, 30)
+    assert line.strip() == b"forging", (line, p.poll())
+    return p
+
+
+def _end(p: subprocess.Popen, box, run_id: str) -> None:
+    subprocess.run(contain_cmd("cancel", run_id, "--grace", "0", "--wait"), env=box.env,
+                   capture_output=True, timeout=30)
+    try:
+        p.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(10)
+
+
+@needs_cgroup
+@pytest.mark.timeout(90)
+def test_worker_forging_a_reaped_record_does_not_end_contain_wait(box):
+    """A root worker (not sealed: it can write its run directory) writes a
+    record.json that says REAPED and goes on, with a child, ignoring
+    SIGTERM. `contain wait` believed the file: it said REAPED and exited 0
+    while the whole tree was alive and the owner still ran the run."""
+    p = _start_forger(box, "fr", "record")
+    try:
+        alive = holders(box.token)
+        assert len(alive) >= 2, alive
+        w = subprocess.run(contain_cmd("wait", "fr", "--timeout", "2"), env=box.env, capture_output=True,
+                           text=True, timeout=30)
+        still = holders(box.token)
+        assert not (w.returncode == 0 and still), \
+            f"contain wait said {w.stdout.strip()!r} (exit 0) with {still} alive"
+        assert w.returncode == 1 and "not final" in w.stderr, (w.returncode, w.stdout, w.stderr)
+    finally:
+        _end(p, box, "fr")
+    assert holders(box.token) == []
+    assert box.record("fr")["outcome"] == "cancelled", "the owner's own record replaced the forgery"
+
+
+@needs_cgroup
+@pytest.mark.timeout(90)
+@pytest.mark.xfail(strict=True, reason="the fix belongs in _cancel._await (the lead's): a settled ack is "
+                   "believed only once the owner lock is free, as cmd_wait now does")
+def test_worker_forging_a_settled_ack_does_not_end_cancel_wait(box):
+    """The same worker answers every cancel request itself, at once, with an
+    acknowledgement that says cancelled / REAPED. `contain cancel --wait`
+    returned it (exit 0) while the tree lived on through a 5 s grace."""
+    p = _start_forger(box, "fa", "ack")
+    try:
+        c = subprocess.run(contain_cmd("cancel", "fa", "--wait", "--timeout", "3"), env=box.env,
+                           capture_output=True, text=True, timeout=30)
+        still = holders(box.token)
+        assert not (c.returncode == 0 and still), \
+            f"contain cancel --wait said {c.stdout.strip()!r} (exit 0) with {still} alive"
+    finally:
+        _end(p, box, "fa")
+    assert holders(box.token) == []
