@@ -9,6 +9,7 @@ workload's environment), never by asking contain.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -214,3 +215,33 @@ def test_worker_forging_a_settled_ack_does_not_end_cancel_wait(box):
     finally:
         _end(p, box, "fa")
     assert holders(box.token) == []
+
+
+# -- a huge argv ---------------------------------------------------------------------------
+
+@needs_cgroup
+@pytest.mark.timeout(120)
+def test_run_with_a_huge_argv_whose_supervisor_died_is_still_adopted(box):
+    """argv as large as exec allows with the default 8 MiB stack (2 MiB in
+    all). run.json carries it, and readers refused run.json above 1 MiB:
+    after the supervisor was SIGKILLed, `contain cancel --wait` said
+    "run.json unreadable" and left the whole tree running; the run was lost."""
+    filler = ["x" * 100_000] * 18
+    p = subprocess.Popen(contain_cmd("run", "-q", "--id", "huge", "--", "sh", "-c",
+                                     "trap '' TERM; sleep 300 & echo up; sleep 300", "sh", *filler),
+                         env=box.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert readline_within(p.stdout, 30).strip() == b"up"
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(10)
+        assert holders(box.token), "the tree outlives its supervisor (else the test is void)"
+        c = subprocess.run(contain_cmd("cancel", "huge", "--wait", "--grace", "0.5", "--timeout", "30"),
+                           env=box.env, capture_output=True, text=True, timeout=60)
+        assert holders(box.token) == [], (c.returncode, c.stdout[-300:], c.stderr[-300:])
+        assert c.returncode == 0, (c.stdout[-300:], c.stderr[-300:])
+        rec = box.record("huge")
+        assert rec["state"] == "REAPED" and rec["argv"][4:] == filler
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
