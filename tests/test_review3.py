@@ -245,3 +245,45 @@ def test_run_with_a_huge_argv_whose_supervisor_died_is_still_adopted(box):
         if p.poll() is None:
             p.kill()
             p.wait(10)
+
+
+_DEAFEN = r"""
+import os, signal, subprocess, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+c = os.path.join(os.environ["CONTAIN_RUN_DIR"], "cancellations")
+# A FIFO of the same name, not the owner's: every poke goes to it.
+os.unlink(os.path.join(c, "wake"))
+os.mkfifo(os.path.join(c, "wake"), 0o600)
+kid = subprocess.Popen(["sleep", "300"])
+print("deafened", flush=True)
+time.sleep(300)
+"""
+
+
+@needs_cgroup
+@pytest.mark.timeout(90)
+@pytest.mark.xfail(strict=True, reason="the owner wakes for the inbox only through the FIFO at cancellations/wake; "
+                   "the fix is in the owner loop (_run.py next_deadline / posixwait.Wakeups), the lead's")
+def test_worker_replacing_the_wake_fifo_makes_its_run_deaf_to_cancel(box):
+    """A root worker (not sealed) replaces cancellations/wake with a FIFO
+    of its own. The owner still holds the old one, so no poke reaches it:
+    a `contain cancel` is written to the inbox, durable, and never read;
+    the tree lives on for as long as the worker likes."""
+    p = subprocess.Popen(contain_cmd("run", "-q", "--id", "deaf", "--grace", "0.5", "--",
+                                     sys.executable, "-c", _DEAFEN),
+                         env=box.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert readline_within(p.stdout, 30).strip() == b"deafened"
+        c = subprocess.run(contain_cmd("cancel", "deaf", "--wait", "--timeout", "10"), env=box.env,
+                           capture_output=True, text=True, timeout=60)
+        assert c.returncode == 0 and holders(box.token) == [], \
+            f"cancel: {c.returncode} {c.stdout.strip()!r}; alive {holders(box.token)}"
+    finally:
+        if p.poll() is None:
+            p.terminate()             # contain's own signal path still works
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+    assert holders(box.token) == []
