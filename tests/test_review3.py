@@ -287,3 +287,67 @@ def test_worker_replacing_the_wake_fifo_makes_its_run_deaf_to_cancel(box):
                 p.kill()
                 p.wait(10)
     assert holders(box.token) == []
+
+
+# -- a sealed worker and the caller's terminal ---------------------------------------------
+
+_TIOCSTI = r"""
+import fcntl, os, sys, termios
+try:
+    for ch in b"echo INJECTED\n":
+        fcntl.ioctl(0, termios.TIOCSTI, bytes([ch]))
+    print("injected", flush=True)
+except OSError as e:
+    print("refused", e.errno, flush=True)
+"""
+
+
+@needs_cgroup
+@pytest.mark.forked          # the test process takes a new session and a controlling terminal
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", [["--user", "nobody"], ["--seal"], ["--user", "nobody", "--backend", "pidns"]],
+                         ids=["user", "seal", "pidns-user"])
+def test_sealed_worker_cannot_type_into_the_callers_terminal(box, mode):
+    """contain run from an interactive root shell: the worker inherits the
+    terminal, which is its controlling terminal too. With
+    dev.tty.legacy_tiocsti on (the default before 6.2, and here), a worker
+    the record called sealed pushed "echo INJECTED" into the terminal's
+    input with TIOCSTI; the root shell reads it as soon as contain returns."""
+    import fcntl
+    import pty
+    import select
+    import termios
+
+    try:
+        with open("/proc/sys/dev/tty/legacy_tiocsti") as f:
+            if f.read().strip() == "0":
+                pytest.skip("TIOCSTI is off for everyone here (dev.tty.legacy_tiocsti = 0)")
+    except OSError:
+        pass
+    master, slave = pty.openpty()
+
+    def own_terminal() -> None:
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    try:
+        p = subprocess.run(contain_cmd("run", "-q", "--id", "tty", *mode, "--", "/usr/bin/python3", "-c", _TIOCSTI),
+                           env=box.env, stdin=slave, stdout=slave, stderr=slave, preexec_fn=own_terminal,
+                           timeout=30)
+        out = b""
+        while select.select([master], [], [], 0.3)[0]:
+            out += os.read(master, 4096)
+        os.set_blocking(slave, False)
+        try:
+            pending = os.read(slave, 4096)      # what the caller's shell would read next
+        except BlockingIOError:
+            pending = b""
+        rec = box.record("tty")
+        assert p.returncode == 0, out
+        assert rec["containment"]["sealed"] is True, rec["containment"]["sealed_reason"]
+        assert b"INJECTED" not in pending, f"a sealed worker typed into root's terminal: {pending!r} ({out!r})"
+        assert b"refused" in out, out
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert holders(box.token) == []
