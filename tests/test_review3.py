@@ -133,7 +133,6 @@ if sys.argv[1] == "record":
          "evidence": {}, "notes": [], "timings": {"spawned_at": now, "ended_at": now}})
 print("forging", flush=True)
 req = os.path.join(d, "cancellations", "requests.ndjson")
-seen = set()
 while sys.argv[1] == "ack":
     try:
         lines = open(req).read().splitlines()
@@ -144,13 +143,12 @@ while sys.argv[1] == "ack":
             op = json.loads(line)["op_id"]
         except Exception:
             continue
-        if op not in seen:
-            seen.add(op)
-            put(os.path.join(d, "cancellations", op + ".json"),
-                {"op_id": op, "run_id": info["run_id"], "run_uid": info["run_uid"], "requested_at": now,
-                 "acknowledged_at": now, "by": {"pid": 1}, "effect": "cancelled", "state": "REAPED",
-                 "outcome": "cancelled", "settled_at": now})
-    time.sleep(0.001)
+        # Again and again, over whatever the owner writes.
+        put(os.path.join(d, "cancellations", op + ".json"),
+            {"op_id": op, "run_id": info["run_id"], "run_uid": info["run_uid"], "requested_at": now,
+             "acknowledged_at": now, "by": {"pid": 1}, "effect": "cancelled", "state": "REAPED",
+             "outcome": "cancelled", "settled_at": now})
+    time.sleep(0.002)
 time.sleep(300)
 """
 
@@ -351,3 +349,30 @@ def test_sealed_worker_cannot_type_into_the_callers_terminal(box, mode):
         os.close(master)
         os.close(slave)
     assert holders(box.token) == []
+
+
+@needs_cgroup
+@pytest.mark.timeout(90)
+def test_worker_forging_an_ack_does_not_swallow_the_cancel(box):
+    """The forger above answers each request before the owner reads it.
+    The owner took any acknowledgement on disk for "a repeated operation
+    never applies twice" and skipped the real request: no cancel was ever
+    applied, the run went on, and every later cancel was swallowed too."""
+    p = _start_forger(box, "fs", "ack")
+    try:
+        subprocess.run(contain_cmd("cancel", "fs"), env=box.env, capture_output=True, timeout=30)
+        try:
+            p.wait(timeout=30)           # SIGTERM ignored: the kill comes after the 5 s grace
+        except subprocess.TimeoutExpired:
+            pytest.fail("the cancel was swallowed by a forged acknowledgement: the run goes on")
+        assert holders(box.token) == []
+        rec = box.record("fs")
+        assert rec["outcome"] == "cancelled" and rec["state"] == "REAPED", (rec["state"], rec["outcome"])
+    finally:
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
