@@ -18,6 +18,7 @@ import pytest
 from _proc import contain_cmd, holders, readline_within
 from _users import SYS_PY, Shared, as_uid, spare_uids, user_env, why_not
 from conftest import needs_cgroup
+from test_review2 import _remove_v1_of
 
 USERS_SKIP = why_not()
 needs_users = pytest.mark.skipif(USERS_SKIP is not None, reason=USERS_SKIP or "")
@@ -170,6 +171,7 @@ def _end(p: subprocess.Popen, box, run_id: str) -> None:
     except subprocess.TimeoutExpired:
         p.kill()
         p.wait(10)
+    _remove_v1_of(run_id)
 
 
 @needs_cgroup
@@ -243,6 +245,7 @@ def test_run_with_a_huge_argv_whose_supervisor_died_is_still_adopted(box):
         if p.poll() is None:
             p.kill()
             p.wait(10)
+        _remove_v1_of("huge")
 
 
 _DEAFEN = r"""
@@ -284,6 +287,7 @@ def test_worker_replacing_the_wake_fifo_makes_its_run_deaf_to_cancel(box):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(10)
+        _remove_v1_of("deaf")
     assert holders(box.token) == []
 
 
@@ -376,3 +380,4 @@ def test_worker_forging_an_ack_does_not_swallow_the_cancel(box):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(10)
+        _remove_v1_of("fs")
