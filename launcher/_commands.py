@@ -292,15 +292,22 @@ def cmd_wait(args: argparse.Namespace) -> int:
     info = d.load_run()
     watch = Watcher(d, info.supervisor if isinstance(info, RunInfo) else None)
     rec: dict[str, Any] | Unreadable | None = None
+    final = False
     try:
         while True:
             rec = d.load_record()
             state = rec["state"] if isinstance(rec, dict) else "RUNNING"
-            if state in TERMINAL:
+            # The owner writes its last record and then lets go of its lock:
+            # a final state while the lock is still held is either those last
+            # moments or a record forged by a worker that can write its run
+            # directory. Only the kernel's lock says the owner is done.
+            if state in TERMINAL and d.owner() is not True:
+                final = True
                 break
             if not d.owner_alive():
                 rec = d.load_record()
                 if isinstance(rec, dict) and rec["state"] in TERMINAL:
+                    final = True
                     break
                 if isinstance(rec, Unreadable):
                     _err(f"run {d.id}: its record is unreadable ({rec.reason}) and its owner is gone")
@@ -310,7 +317,11 @@ def cmd_wait(args: argparse.Namespace) -> int:
                 break
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                _err(f"run {d.id} still {state} after {args.timeout} s")
+                if state in TERMINAL:
+                    _err(f"run {d.id}: its record says {state} but its owner still holds the run "
+                         f"after {args.timeout} s: not final")
+                else:
+                    _err(f"run {d.id} still {state} after {args.timeout} s")
                 break
             watch.wait(0.5 if remaining is None else min(0.5, remaining))
     finally:
@@ -331,8 +342,8 @@ def cmd_wait(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"  redispatch_eligible {str(layer.get('observed')).lower() if layer.get('observed') is not None else 'unknown'}"
                   f"  ({layer.get('via')})")
-        return EXIT_OK if layer.get("observed") is True else EXIT_DID_NOT_HOLD
-    return EXIT_OK if record.get("state") in ("REAPED", "EXITED") else EXIT_DID_NOT_HOLD
+        return EXIT_OK if final and layer.get("observed") is True else EXIT_DID_NOT_HOLD
+    return EXIT_OK if final and record.get("state") in ("REAPED", "EXITED") else EXIT_DID_NOT_HOLD
 
 
 # -- gc -----------------------------------------------------------------------------

@@ -87,7 +87,9 @@ class Inbox:
         if self.layout is None:
             return
         for ack in self.layout.acks():
-            if ack.get("run_uid") == self.run_uid and ack.get("op_id"):
+            # An answer to a line that was no request reserves nothing: a
+            # valid request with that op id still applies.
+            if ack.get("run_uid") == self.run_uid and ack.get("op_id") and not _rejected_only(ack):
                 self.ops[ack["op_id"]] = ack
 
     def pending(self) -> list[dict[str, Any]]:
@@ -129,7 +131,7 @@ class Inbox:
                 if self.layout.read_ack(op) is not None:
                     continue
                 # Written, but not remembered in `ops`: a valid request with
-                # this op id later still applies (arrive, _rejected_only).
+                # this op id later still applies (arrive, load).
                 self.layout.write_ack(op, {"op_id": op, "run_id": self.run_id, "run_uid": self.run_uid,
                                            "requested_at": None, "acknowledged_at": now_iso(),
                                            "effect": S.Effect.UNKNOWN.value, "state": None,
@@ -143,14 +145,17 @@ class Inbox:
         if not op:
             return None
         try:
-            existing = self.layout.read_ack(op)
+            self.layout.read_ack(op)       # raises RunConflict: the file names another operation
         except LauncherError as e:
             self.facts.notes.append(str(e))
             return None
-        if existing is not None and op not in self.ops and _rejected_only(existing):
-            existing = None     # only a line that was no request answered it: this one is
-        if op in self.ops or existing is not None:
-            return None    # a repeated operation never applies twice
+        # A repeated operation never applies twice. What was answered is
+        # what this owner wrote, or what an earlier owner did (load()): a
+        # file on disk alone is no answer, since a worker that can write its
+        # run directory answered every request before the owner read it,
+        # and so swallowed every cancel.
+        if op in self.ops:
+            return None
         ack = {"op_id": op, "run_id": self.run_id, "run_uid": self.run_uid,
                "requested_at": req.get("requested_at"), "acknowledged_at": now_iso(), "by": req.get("by")}
         if req.get("run_uid") not in (None, self.run_uid):

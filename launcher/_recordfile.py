@@ -16,11 +16,13 @@ regular file"):
   named pipe with a reader) is written in place: opened without O_CREAT or
   O_TRUNC, the final record written once. `/dev/full` therefore fails, as
   it should, and stays a device.
-- A symlink is followed only when it belongs to root or to us (as
-  fs.protected_symlinks would require in a sticky directory, everywhere);
-  what it names then follows the rules above (a regular file is replaced
-  where it is, the link itself never). Anything else, a directory, a
-  socket, a block device, a dangling link, is refused.
+- A symlink, in the last component or in any directory above it, is
+  followed only when it belongs to root or to us (as fs.protected_symlinks
+  would require in a sticky directory, everywhere); what it names then
+  follows the rules above (a regular file is replaced where it is, the link
+  itself never). Anything else, a directory, a socket, a block device, a
+  dangling link, is refused, and so is a FIFO or a device that belongs to
+  another user (it could hold the final write for ever).
 
 prepare() applies these before anything runs and raises UnsafePath with one
 line; a write that fails raises PersistError. The CLI turns both into
@@ -163,57 +165,89 @@ def prepare(path: str) -> RecordTarget:
         return _prepare_windows(path)
     euid = os.geteuid()
     try:
-        lst = os.lstat(path)
-    except FileNotFoundError:
-        lst = None
-    except OSError as e:
-        raise UnsafePath(path, os.strerror(e.errno or errno.EIO), e.errno or errno.EIO) from None
-    real = path
-    target = lst
-    if lst is not None and stat.S_ISLNK(lst.st_mode):
-        if lst.st_uid not in (0, euid):
-            raise UnsafePath(path, f"is a symlink owned by uid {lst.st_uid}: not followed", errno.ELOOP)
-        try:
-            target = os.stat(path)
-        except OSError as e:
-            raise UnsafePath(path, f"is a symlink to nothing usable ({os.strerror(e.errno or 0)}): not followed",
-                             errno.ELOOP) from None
-        real = os.path.realpath(path)
-    if target is not None:
-        m = target.st_mode
-        if stat.S_ISDIR(m):
+        # Our own stdout or stderr, however named (/dev/stdout and /proc's
+        # magic links included): written through the fd we hold, so no link
+        # leads anywhere else.
+        std = _stdio_match(os.stat(path))
+    except OSError:
+        std = -1
+    if std >= 0:
+        return RecordTarget(path, "stream", fd=_dup(std))
+    dfd, name, target = _resolve(path, euid)
+    try:
+        if target is not None:
+            m = target.st_mode
+            if stat.S_ISDIR(m):
+                raise UnsafePath(path, "is a directory", errno.EISDIR)
+            if stat.S_ISCHR(m) or stat.S_ISFIFO(m):
+                return _in_place(path, dfd, name, target, euid)
+            if not stat.S_ISREG(m):
+                kind = "a socket" if stat.S_ISSOCK(m) else "a block device" if stat.S_ISBLK(m) else "not a file"
+                raise UnsafePath(path, f"is {kind}: not written", errno.EINVAL)
+            if not os.access(name, os.W_OK, dir_fd=dfd, effective_ids=True, follow_symlinks=False):
+                raise UnsafePath(path, "is not writable", errno.EACCES)
+        if not os.access(".", os.W_OK | os.X_OK, dir_fd=dfd, effective_ids=True):
+            raise UnsafePath(path, f"its directory {os.path.dirname(path) or '.'} is not writable", errno.EACCES)
+        mode = 0o600
+        if target is not None and target.st_uid == euid:
+            mode = stat.S_IMODE(target.st_mode) & 0o666
+        kept, dfd = dfd, -1           # the target owns it now
+        return RecordTarget(path, "file", dir_fd=kept, name=name, mode=mode)
+    finally:
+        if dfd >= 0:
+            os.close(dfd)
+
+
+def _resolve(path: str, euid: int) -> tuple[int, str, os.stat_result | None]:
+    """The directory that holds what `path` names (a held fd), the name in
+    it, and its lstat (None when nothing is there yet). Every symlink on the
+    way, the last component's included, is followed only when it belongs to
+    root or to us (_safefs.open_dir_trusted_links); the name returned is
+    never a link."""
+    cur = path
+    followed = False
+    for _ in range(40):
+        parent, name = os.path.split(cur.rstrip("/") or "/")
+        if not name:
             raise UnsafePath(path, "is a directory", errno.EISDIR)
-        std = _stdio_match(target)
-        if std >= 0:
-            return RecordTarget(path, "stream", fd=_dup(std))
-        if stat.S_ISCHR(m) or stat.S_ISFIFO(m):
-            return _in_place(path, target)
-        if not stat.S_ISREG(m):
-            kind = "a socket" if stat.S_ISSOCK(m) else "a block device" if stat.S_ISBLK(m) else "not a file"
-            raise UnsafePath(path, f"is {kind}: not written", errno.EINVAL)
-        if not os.access(real, os.W_OK, effective_ids=True):
-            raise UnsafePath(path, "is not writable", errno.EACCES)
-    parent, name = os.path.split(os.path.abspath(real))
-    try:
-        dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as e:
-        raise UnsafePath(path, f"its directory {parent}: {os.strerror(e.errno or errno.EIO)}",
-                         e.errno or errno.EIO) from None
-    if not os.access(parent, os.W_OK | os.X_OK, effective_ids=True):
+        dfd = F.open_dir_trusted_links(parent or ".", path)
+        try:
+            try:
+                lst: os.stat_result | None = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                lst = None
+            except OSError as e:
+                raise UnsafePath(path, os.strerror(e.errno or errno.EIO), e.errno or errno.EIO) from None
+            if lst is None and followed:
+                raise UnsafePath(path, "is a symlink to nothing usable (No such file or directory): not followed",
+                                 errno.ELOOP)
+            if lst is None or not stat.S_ISLNK(lst.st_mode):
+                return dfd, name, lst
+            if lst.st_uid not in (0, euid):
+                raise UnsafePath(path, f"is a symlink owned by uid {lst.st_uid}: not followed", errno.ELOOP)
+            link = os.readlink(name, dir_fd=dfd)
+        except BaseException:
+            os.close(dfd)
+            raise
         os.close(dfd)
-        raise UnsafePath(path, f"its directory {parent} is not writable", errno.EACCES)
-    mode = 0o600
-    if target is not None and target.st_uid == euid:
-        mode = stat.S_IMODE(target.st_mode) & 0o666
-    return RecordTarget(path, "file", dir_fd=dfd, name=name, mode=mode)
+        cur = link if link.startswith("/") else os.path.join(parent or ".", link)
+        followed = True
+    raise UnsafePath(path, "too many levels of symbolic links: not followed", errno.ELOOP)
 
 
-def _in_place(path: str, expect: os.stat_result) -> RecordTarget:
-    """A device or FIFO, opened for writing now (no O_CREAT, no O_TRUNC;
+def _in_place(path: str, dfd: int, name: str, expect: os.stat_result, euid: int) -> RecordTarget:
+    """A device or FIFO (`name` in `dfd`, borrowed), opened for writing now (no O_CREAT, no O_TRUNC;
     O_NONBLOCK so a FIFO with no reader fails instead of waiting), then
-    checked to be what was examined."""
+    checked to be what was examined. Only one of root's or ours: another
+    user's FIFO can be held open and full (and another user's tty stopped
+    with ^S), and the final write would then block for ever."""
+    if expect.st_uid not in (0, euid):
+        kind = "a FIFO" if stat.S_ISFIFO(expect.st_mode) else "a device"
+        raise UnsafePath(path, f"is {kind} owned by uid {expect.st_uid}: not written (its owner could "
+                         f"keep the write from ever finishing)", errno.EPERM)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(name, os.O_WRONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=dfd)
     except OSError as e:
         why = "is a FIFO with no reader" if e.errno == errno.ENXIO else os.strerror(e.errno or errno.EIO)
         raise UnsafePath(path, why, e.errno or errno.EIO) from None

@@ -26,10 +26,15 @@ if TYPE_CHECKING:
 
 from ._state import TERMINAL_STATES, Effect, Outcome, State
 
-# Bounds on what is read. A record with many escapes or nested runs stays
-# far below these; anything larger was not written by an owner.
-MAX_RECORD = 16 << 20
-MAX_RUN_INFO = 1 << 20
+# Bounds on what is read; anything larger was not written by an owner.
+# run.json and the record both carry argv, which exec accepts up to 6 MiB
+# with argv and environment together (fs/exec.c: a quarter of the stack
+# rlimit, at most 3/4 of _STK_LIM), and which json escapes to at most 6
+# bytes per byte ("\udcXX" for a byte that is not UTF-8). A run.json an
+# adopter refuses is a run nobody can stop: it was 1 MiB, and a 2 MiB argv
+# (the default 8 MiB stack) made its run unadoptable.
+MAX_RECORD = 40 << 20
+MAX_RUN_INFO = MAX_RECORD
 MAX_ACK = 1 << 20
 # One inbox line (a request the requester may write: see append_request).
 MAX_LINE = 4096

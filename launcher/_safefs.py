@@ -127,6 +127,55 @@ def open_ancestors(path: str) -> int:
     return fd
 
 
+def open_dir_trusted_links(path: str, shown: str) -> int:
+    """An O_RDONLY fd of directory `path` (a path we were given, such as
+    --record's), walked one component at a time; a symlink on the way is
+    followed only when it belongs to root or to us. That is
+    fs.protected_symlinks' rule, applied everywhere and whatever the sysctl
+    says: another user's link in the middle of the path would otherwise
+    choose the directory root writes in. `shown` names the path in errors."""
+    euid = os.geteuid()
+    todo = [c for c in path.split("/") if c and c != "."][::-1]
+    fd = os.open("/" if path.startswith("/") else ".", O_DIR_PATH)
+    walked = "/" if path.startswith("/") else ""
+    links = 0
+    try:
+        while todo:
+            comp = todo.pop()
+            here = os.path.join(walked, comp)
+            try:
+                st = os.stat(comp, dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISLNK(st.st_mode):
+                    if st.st_uid not in (0, euid):
+                        raise UnsafePath(shown, f"{here} is a symlink owned by uid {st.st_uid}: not followed",
+                                         errno.ELOOP)
+                    links += 1
+                    if links > 40:
+                        raise UnsafePath(shown, "too many levels of symbolic links", errno.ELOOP)
+                    target = os.readlink(comp, dir_fd=fd)
+                    if target.startswith("/"):
+                        os.close(fd)
+                        fd = -1
+                        fd = os.open("/", O_DIR_PATH)
+                        walked = "/"
+                    todo.extend(c for c in target.split("/")[::-1] if c and c != ".")
+                    continue
+                # O_NOFOLLOW: a link swapped in after the stat is refused, not followed.
+                nfd = os.open(comp, O_DIR_PATH, dir_fd=fd)
+            except UnsafePath:
+                raise
+            except OSError as e:
+                raise UnsafePath(shown, f"its directory {here}: {os.strerror(e.errno or errno.EIO)}",
+                                 e.errno or errno.EIO) from None
+            os.close(fd)
+            fd = nfd
+            walked = here
+        return os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
 def _dir_error(e: OSError, path: str, parent_fd: int = -1, name: str = "") -> OSError:
     """O_DIRECTORY|O_NOFOLLOW on a symlink fails with ENOTDIR (or ELOOP):
     say which it was."""

@@ -80,16 +80,28 @@ def append_stats(path: str, line: str) -> None:
     symlink in its last component, never opens a FIFO or device (O_NONBLOCK
     at open, then a regular-file check), creates the file 0644. Raises
     OSError, which the caller reports (stderr and the exit status)."""
+    from . import _safefs
+
+    parent, name = os.path.split(path)
+    if not name:
+        raise OSError(21, "is a directory")
+    # The directories above: a symlink there is followed only when it
+    # belongs to root or to us, as in --record (another user's would choose
+    # the directory root appends in).
+    dfd = _safefs.open_dir_trusted_links(parent or ".", path)
     try:
-        st0 = os.lstat(path)
-        if not stat.S_ISREG(st0.st_mode):
-            # Not even opened: opening a device can act (a tty would become
-            # our controlling terminal, a watchdog would arm).
-            raise OSError(21 if stat.S_ISDIR(st0.st_mode) else 22, "not a regular file")
-    except FileNotFoundError:
-        pass
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-                 | os.O_NOCTTY, 0o644)
+        try:
+            st0 = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if not stat.S_ISREG(st0.st_mode):
+                # Not even opened: opening a device can act (a tty would become
+                # our controlling terminal, a watchdog would arm).
+                raise OSError(21 if stat.S_ISDIR(st0.st_mode) else 22, "not a regular file")
+        except FileNotFoundError:
+            pass
+        fd = os.open(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+                     | os.O_NOCTTY, 0o644, dir_fd=dfd)
+    finally:
+        os.close(dfd)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

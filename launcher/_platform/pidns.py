@@ -88,6 +88,7 @@ class Container:
                                 "caller's own uid, which owns the state directory)")
         if req.uid >= 0:
             req.clear_caps = req.no_new_privs = True
+            req.new_session = True    # no controlling terminal to push input into (sealing.prepare says why)
         pidwall.shape(req, True, userns=self.userns)
 
     def spawn(self, req: posix.SpawnRequest) -> posix.Spawned:

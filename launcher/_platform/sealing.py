@@ -193,6 +193,14 @@ def prepare(c: Any, req: Any, opts: Any) -> None:
     unprivileged host uid, behind the wall."""
     c.seal_detail = c.seal_error = c.seal_uid = c.uid_claim = None
     c.state_dir = getattr(opts, "state_dir", None)
+    if req.uid >= 0 or opts.seal:
+        # A session of its own, so no controlling terminal: a worker that
+        # shared the caller's could push input into it with TIOCSTI
+        # (dev.tty.legacy_tiocsti, on by default before 6.2 and here), which
+        # the caller's root shell reads once contain returns. Without it as
+        # the controlling terminal TIOCSTI needs CAP_SYS_ADMIN (tty_io.c
+        # tiocsti), and TIOCSCTTY cannot take it from the caller's session.
+        req.new_session = True
     if req.uid >= 0:
         req.clear_caps = req.no_new_privs = True
     if not opts.seal:
