@@ -123,7 +123,10 @@ def _await(layout: RunDir, op: str, info: dict[str, Any], wait: bool, timeout: f
     try:
         while True:
             ack = layout.read_ack(op)
-            if ack is not None and (not wait or settled(ack)):
+            # A settled answer is the owner's last word only once it has let
+            # go of its lock (it settles, then releases): a worker that can
+            # write its run directory could have written it (cmd_wait alike).
+            if ack is not None and (not wait or (settled(ack) and layout.owner() is not True)):
                 return CancelRecord(ack)
             if not layout.owner_alive():
                 # Lazy: adoption loads the whole run driver, which a cancel
@@ -136,11 +139,13 @@ def _await(layout: RunDir, op: str, info: dict[str, Any], wait: bool, timeout: f
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 ack = layout.read_ack(op)
-                if ack is not None:
+                held = ack is not None and wait and settled(ack) and layout.owner() is True
+                if ack is not None and not held:
                     return CancelRecord(ack)
                 return CancelRecord({"op_id": op, "run_id": layout.id, "effect": "unknown", "state": None,
-                                     "detail": "no acknowledgement from the owner before the deadline; "
-                                     "the request stays in the inbox"})
+                                     "detail": "a settled acknowledgement is there but the owner still holds the "
+                                     "run: not final" if held else "no acknowledgement from the owner before the "
+                                     "deadline; the request stays in the inbox"})
             watch.wait(0.5 if remaining is None else min(remaining, 0.5))
     finally:
         watch.close()

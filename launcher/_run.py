@@ -324,6 +324,9 @@ class Run:
         self.journal("ended" if terminal else "unconfirmed", state=self.snap.state.value)
         if self.layout is not None:
             self.layout.release()
+            # Readers believe a final record or settled ack only once the
+            # lock is free (a worker may forge either): wake them again now.
+            self.layout.poke_waiters()
         if self.wakeups is not None:
             self.wakeups.close()
         self._final = rec

@@ -199,8 +199,6 @@ def test_worker_forging_a_reaped_record_does_not_end_contain_wait(box):
 
 @needs_cgroup
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(strict=True, reason="the fix belongs in _cancel._await (the lead's): a settled ack is "
-                   "believed only once the owner lock is free, as cmd_wait now does")
 def test_worker_forging_a_settled_ack_does_not_end_cancel_wait(box):
     """The same worker answers every cancel request itself, at once, with an
     acknowledgement that says cancelled / REAPED. `contain cancel --wait`
