@@ -320,6 +320,9 @@ class Run:
         rec = self.publish()
         if terminal and self.opts.stats_json:
             self.stats_error = self.usage.append_stats(self.opts.stats_json, rec.to_dict())
+            if self.stats_error is not None:     # said in the record too (a library caller sees no stderr)
+                self.facts.notes.append(self.stats_error)
+                rec = self.publish()
         self.inbox.settle(self.snap)
         self.journal("ended" if terminal else "unconfirmed", state=self.snap.state.value)
         if self.layout is not None:

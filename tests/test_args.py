@@ -265,3 +265,21 @@ def test_record_file_follows_the_rules_of_record(contained, tmp_path):
     import json
 
     assert json.loads(out.read_text())["run_id"] == rec.run_id and json.loads(out.read_text())["state"] == "REAPED"
+
+
+def test_a_stats_json_that_cannot_be_written_is_said_in_the_library_record(contained, tmp_path):
+    """The CLI says it on stderr (and exits 125); a library caller has no
+    stderr to read: the record's notes say it, once, and the run is still
+    REAPED."""
+    import launcher
+
+    d = tmp_path / "stats-dir"
+    d.mkdir()
+    rec = launcher.run(["true"], env=contained["env"], stats_json=str(d))    # a directory: refused
+    assert rec.state == "REAPED"
+    said = [n for n in rec.to_dict()["notes"] if "--stats-json" in n]
+    assert len(said) == 1 and str(d) in said[0], rec.to_dict()["notes"]
+    good = tmp_path / "stats.ndjson"
+    rec = launcher.run(["true"], env=contained["env"], stats_json=str(good))
+    assert not [n for n in rec.to_dict()["notes"] if "--stats-json" in n]
+    assert len(good.read_text().splitlines()) == 1
