@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 from . import _safefs as F
+from ._ofdlock import lock_held
 from ._runfiles import ID_RE, MAX_RECORD, TERMINAL, iso_epoch, loads, parse_record
 from ._safefs import UnsafePath
 from ._statedir import PRUNE_SLACK, StateDir, claim_lock, keep_runs
@@ -124,7 +125,7 @@ def _status(st: StateDir, e: Entry, now: float) -> str:
             return "unreadable"
         if lock >= 0:
             try:
-                if F.lock_held(lock):
+                if lock_held(lock):
                     return "live"
             except OSError:
                 return "unreadable"

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 from . import _fifos, _gc, _requests
 from . import _safefs as F
 from ._errors import RunConflict
+from ._ofdlock import take_lock
 from ._record import now_iso
 from ._requests import InboxRead, op_filename
 from ._rundir import RunDirBase, check_id
@@ -156,7 +157,7 @@ class RunDir(RunDirBase):
             lock = os.open("owner.lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                            FILE_MODE, dir_fd=fd)
             os.fchmod(lock, FILE_MODE)
-            if not F.take_lock(lock):
+            if not take_lock(lock):
                 os.close(lock)
                 raise RunConflict(f"run {self.id}: the owner lock of a new directory is taken")
             self._lock_fd = lock

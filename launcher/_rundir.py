@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 from . import _safefs as F
 from ._errors import RunNotFound
+from ._ofdlock import lock_held, take_lock
 from ._runfiles import ID_RE
 from ._safefs import UnsafePath
 from ._statedir import FILE_MODE, RUN_DIR_MODE, StateDir, location
@@ -191,7 +192,7 @@ class RunDirBase:
                 if e.errno == errno.ELOOP:
                     raise UnsafePath(self.file("owner.lock"), "is a symlink (not followed)", errno.ELOOP) from None
                 raise
-            if not stat.S_ISREG(os.fstat(lock).st_mode) or not F.take_lock(lock):
+            if not stat.S_ISREG(os.fstat(lock).st_mode) or not take_lock(lock):
                 os.close(lock)
                 return False
             with self._mu:
@@ -235,7 +236,7 @@ class RunDirBase:
         try:
             if not stat.S_ISREG(os.fstat(lock).st_mode):
                 return None
-            return F.lock_held(lock)
+            return lock_held(lock)
         except OSError:
             return None
         finally:

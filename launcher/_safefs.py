@@ -22,7 +22,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import struct
 import sys
 
 from ._errors import LauncherError
@@ -401,43 +400,6 @@ def append_line(fd: int, line: bytes, path: str, *, durable: bool = False) -> No
             sync(fd)
     except OSError as e:
         raise persist_error(e, "fsync" if durable else "write", path) from None
-
-
-# -- locks -------------------------------------------------------------------------
-# OFD locks (fcntl(2), "Open file description locks"): owned by the open file
-# description, dropped by the kernel when its last fd closes (the owner's
-# death included), and observable with F_OFD_GETLK without taking anything.
-
-_FLOCK = "hhqqi"                      # struct flock: l_type, l_whence, l_start, l_len, l_pid
-_FLOCK_PAD = b"\0" * ((-struct.calcsize(_FLOCK)) % 8)
-
-
-def _flock(kind: int) -> bytes:
-    return struct.pack(_FLOCK, kind, os.SEEK_SET, 0, 0, 0) + _FLOCK_PAD
-
-
-def take_lock(fd: int) -> bool:
-    """An exclusive OFD lock on the whole file of `fd` (open for writing),
-    without waiting. False if another open file description holds one."""
-    import fcntl
-
-    try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK))
-    except OSError as e:
-        if e.errno in (errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-    return True
-
-
-def lock_held(fd: int) -> bool:
-    """Whether any other open file description holds a lock on the file of
-    `fd`. F_OFD_GETLK takes nothing, and works on a read-only fd: a reader
-    can neither block the owner nor make a concurrent taker fail."""
-    import fcntl
-
-    res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK))
-    return bool(struct.unpack_from("h", res)[0] != fcntl.F_UNLCK)
 
 
 # -- removing ------------------------------------------------------------------
