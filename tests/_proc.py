@@ -63,6 +63,24 @@ def wait_holders(token: str, want: int, timeout: float = 10.0) -> list[int]:
         time.sleep(0.02)
 
 
+def wait_comm(token: str, comm: str, timeout: float = 10.0) -> bool:
+    """Wait until a token holder named `comm` exists (that program has been
+    exec'd: counting holders is not enough, since contain's init and a
+    worker not yet exec'd carry the token too)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for pid in holders(token):
+            try:
+                with open(f"/proc/{pid}/comm") as f:
+                    if f.read().strip() == comm:
+                        return True
+            except OSError:
+                pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+
+
 def kill_holders(token: str) -> None:
     """Clean-up: SIGKILL, by pid, only processes carrying our own token."""
     for _ in range(20):
