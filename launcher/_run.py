@@ -173,8 +173,11 @@ class Run:
             t = min(t, self._deadline_timeout)
         if self.container is not None and self.container.backend == "none" and self.snap.stopping:
             t = min(t, time.monotonic() + 0.02)   # degraded mode has no emptiness event
-        if self.layout is not None and not (self.wakeups is not None and self.wakeups.inbox_woken):
-            t = min(t, time.monotonic() + _INBOX_FALLBACK_S)
+        if self.layout is not None:
+            if not (self.wakeups is not None and self.wakeups.inbox_woken):
+                t = min(t, time.monotonic() + _INBOX_FALLBACK_S)
+            elif (guard := getattr(self.wakeups, "guard_s", None)) is not None:
+                t = min(t, time.monotonic() + guard)
         return t
 
     def turn(self) -> None:

@@ -261,8 +261,6 @@ time.sleep(300)
 
 @needs_cgroup
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(strict=True, reason="the owner wakes for the inbox only through the FIFO at cancellations/wake; "
-                   "the fix is in the owner loop (_run.py next_deadline / posixwait.Wakeups), the lead's")
 def test_worker_replacing_the_wake_fifo_makes_its_run_deaf_to_cancel(box):
     """A root worker (not sealed) replaces cancellations/wake with a FIFO
     of its own. The owner still holds the old one, so no poke reaches it:

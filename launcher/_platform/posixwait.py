@@ -314,6 +314,12 @@ class Wakeups:
     that holds a watch waits for an SRCU grace period (0.1 to 24 ms here),
     and every run closes it (docs/performance.md)."""
 
+    # The inbox is read this often even with the FIFO: a worker that can
+    # write its run directory may swap cancellations/wake for a FIFO of its
+    # own, and the owner (holding the old one) would never hear a cancel.
+    # One wake-up and one failed open every few seconds; no spin.
+    guard_s = 2.0
+
     def __init__(self, layout: Any, *, container: Any = None, run_uid: str | None = None) -> None:
         # (`container` and `run_uid`: what the Windows host needs, winhost.py.)
         self.r, self.w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
