@@ -207,6 +207,11 @@ class RunDirBase:
             for name in ("_lock_fd", "_journal_fd", "_cfd", "_fd"):
                 fd = getattr(self, name)
                 if fd >= 0:
+                    if name == "_lock_fd":
+                        try:
+                            F.drop_lock(fd)      # not only close: a fork's copy would go on holding it
+                        except OSError:
+                            pass
                     try:
                         os.close(fd)
                     except OSError:

@@ -430,6 +430,15 @@ def take_lock(fd: int) -> bool:
     return True
 
 
+def drop_lock(fd: int) -> None:
+    """Give up the OFD lock of `fd` now. Closing `fd` is not enough: a copy
+    of the descriptor in a fork() of this process (a CI runner's worker
+    pool) shares the open file description, and so would keep the lock."""
+    import fcntl
+
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK))
+
+
 def lock_held(fd: int) -> bool:
     """Whether any other open file description holds a lock on the file of
     `fd`. F_OFD_GETLK takes nothing, and works on a read-only fd: a reader

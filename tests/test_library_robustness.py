@@ -1,0 +1,101 @@
+"""Robustness review of the library as an agent runtime or CI runner embeds
+it: the caller forks, the caller is interrupted at awkward moments.
+
+Each test failed on the code it was written against. Real processes and
+cgroups; survival is decided by the test's own /proc scan (the token in the
+worker's environment), never by asking contain. Every wait is bounded.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import launcher
+from conftest import children_of, pids_with_token
+
+
+def _gone(token: str, timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (left := pids_with_token(token)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return left
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(60)
+def test_a_forked_child_of_the_caller_does_not_keep_an_ended_run_locked(contained: dict) -> None:
+    """A CI runner forks (multiprocessing's fork start method, a pre-fork
+    server) while a worker runs. The fork copies the descriptor of the run's
+    OFD owner lock, and the owner gave the lock up only by closing its own
+    copy: after the run ended REAPED its id stayed 'held by a live run'
+    (RunConflict) and `contain wait` blocked, for as long as the forked
+    child lived."""
+    w = launcher.spawn(["sleep", "0.3"], id="forked", env=contained["env"])
+    child = os.fork()
+    if child == 0:                      # the caller's fork: holds copies of every fd, lives on
+        time.sleep(30)
+        os._exit(0)
+    try:
+        rec = w.wait(30)
+        assert rec.state == "REAPED", rec.to_dict()
+        again = launcher.run(["true"], id="forked", env=contained["env"])
+        assert again.state == "REAPED" and again.exit_code == 0, again.to_dict()
+        p = subprocess.run([sys.executable, "-m", "launcher", "wait", "forked"], env=contained["env"],
+                           capture_output=True, text=True, timeout=10)
+        assert p.returncode == 0, p.stderr
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        w.close()
+
+
+def _interrupt_after(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> None:
+    """Ctrl-C landing the moment `owner.name` returns (the signal handler
+    runs at the next bytecode; here, deterministically, once)."""
+    real = getattr(owner, name)
+    fired = []
+
+    def interrupted(*a: object, **kw: object) -> object:
+        out = real(*a, **kw)
+        if not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(owner, name, interrupted)
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("moment", ["spawn: child ends closed", "run: before the owner loop"])
+def test_keyboard_interrupt_right_after_the_spawn_leaves_no_unowned_worker(
+        contained: dict, monkeypatch: pytest.MonkeyPatch, moment: str) -> None:
+    """Ctrl-C after the worker was spawned but before anything owned it
+    (while `spawn` closed the caller's copies of the child's pipe ends, or
+    between `run`'s start and its owner loop): the KeyboardInterrupt came
+    out and the worker ran on with no owner loop, its owner lock held (the
+    id refused as live) and nothing left to stop it."""
+    from launcher import _stdio, _worker
+
+    env = contained["env"]
+    if moment.startswith("spawn"):
+        _interrupt_after(monkeypatch, _stdio.Stdio, "spawned")
+        call = lambda: launcher.spawn(["sleep", "300"], id="ki", env=env, stdout=subprocess.PIPE)  # noqa: E731
+    else:
+        _interrupt_after(monkeypatch, _worker, "start_run")
+        call = lambda: launcher.run(["sleep", "300"], id="ki", env=env)  # noqa: E731
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            call()
+        assert _gone(contained["token"], 5.0) == []
+        assert children_of(os.getpid()) == []
+        monkeypatch.undo()
+        again = launcher.run(["true"], id="ki", env=env)
+        assert again.state == "REAPED" and again.exit_code == 0, again.to_dict()
+    finally:
+        monkeypatch.undo()
