@@ -35,6 +35,7 @@ def start_run(argv: Sequence[str], *, id: str | None, grace: float, timeout: flo
     if "stdio" in options and (stdin, stdout, stderr) != (None, None, None):
         raise ValueError("give stdin/stdout/stderr or stdio, not both")
     st = _stdio.resolve(stdin, stdout, stderr)
+    run: Run | None = None
     try:
         if "stdio" not in options:
             options = dict(options, stdio=st.child)
@@ -43,10 +44,12 @@ def start_run(argv: Sequence[str], *, id: str | None, grace: float, timeout: flo
         if track is not None:
             track(run)
         run.start()
+        st.spawned()
     except BaseException:
         st.abort()
+        if run is not None:
+            abandon(run)    # an interrupt after the spawn: nothing owns the worker yet, so stop it here
         raise
-    st.spawned()
     return run, st
 
 
@@ -243,12 +246,14 @@ def spawn(argv: Sequence[str], *, id: str | None = None, grace: float = DEFAULT_
     """Start `argv` in a fresh container and return its Worker at once.
     Raises SpawnFailed, ContainmentUnavailable or RunConflict; on the first
     two a stop record with outcome `spawn_failed` is in the run directory."""
-    run, st = start_run(argv, id=id, grace=grace, timeout=timeout, backend=backend, stdin=stdin,
-                        stdout=stdout, stderr=stderr, options=options)
+    started: list[Run] = []
     try:
+        run, st = start_run(argv, id=id, grace=grace, timeout=timeout, backend=backend, stdin=stdin,
+                            stdout=stdout, stderr=stderr, options=options, track=started.append)
         return Worker(run, st)
     except BaseException:
-        abandon(run)
+        for r in started:
+            abandon(r)
         raise
 
 
@@ -283,6 +288,12 @@ def run(argv: Sequence[str], *, id: str | None = None, grace: float = DEFAULT_GR
     if any(s is _stdio.PIPE or (type(s) is int and s == _stdio.PIPE) for s in (stdin, stdout, stderr)):
         raise ValueError("launcher.run returns the stop record and reads no pipe: "
                          "use spawn(..., stdout=PIPE) and Worker.communicate()")
-    r, _ = start_run(argv, id=id, grace=grace, timeout=timeout, backend=backend, stdin=stdin,
-                     stdout=stdout, stderr=stderr, options=options)
-    return r.supervise()
+    started: list[Run] = []
+    try:
+        r, _ = start_run(argv, id=id, grace=grace, timeout=timeout, backend=backend, stdin=stdin,
+                         stdout=stdout, stderr=stderr, options=options, track=started.append)
+        return r.supervise()
+    except BaseException:
+        for s in started:       # interrupted before its owner loop began: no worker runs on unowned
+            abandon(s)
+        raise
