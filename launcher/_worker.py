@@ -13,6 +13,7 @@ import selectors
 import sys
 import threading
 import time
+import weakref
 from typing import IO, Any, Callable, Sequence
 
 from . import _stdio
@@ -24,6 +25,21 @@ from ._handle import RunHandle
 from ._options import DEFAULT_GRACE, Options
 from ._run import Run
 from ._stdio import StdioSpec
+
+
+_owned_mu = threading.Lock()
+_owned: "weakref.WeakSet[Run]" = weakref.WeakSet()
+
+
+def _claim(run: Run) -> bool:
+    """Become the one owner loop of `run` (a Worker's thread, or `abandon`).
+    False if another has: an interrupt in `Thread.start()` comes once the
+    thread exists, and both used to own the run at once."""
+    with _owned_mu:
+        if run in _owned:
+            return False
+        _owned.add(run)
+        return True
 
 
 def start_run(argv: Sequence[str], *, id: str | None, grace: float, timeout: float | None, backend: str,
@@ -84,6 +100,8 @@ class Worker(RunHandle):
 
     def _own(self) -> None:
         try:
+            if not _claim(self._run):
+                return              # the constructor was interrupted and stopped the run itself
             self._run.supervise()
         except BaseException as e:      # surfaced by wait(), never lost
             self._error = e
@@ -263,6 +281,14 @@ def abandon(run: Run) -> StopRecord | None:
     in this thread. A run interrupted before its worker existed gives up its
     directory lock and its (killed, removed) container; None then."""
     if run.layout is None or run.finished() or not run.owning():
+        return None
+    if not _claim(run):
+        # Its Worker's thread owns it (the interrupt came once that thread
+        # existed): that owner stops it.
+        run.layout.append_request({"op_id": f"abandon-{run.uid}", "run_uid": run.uid,
+                                   "requested_at": now_iso(), "grace": 0.0,
+                                   "by": {"pid": os.getpid(), "reason": "its Worker could not be made"}})
+        run.wake()
         return None
     if run.pid <= 0:
         if run.container is not None:

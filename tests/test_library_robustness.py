@@ -99,3 +99,44 @@ def test_keyboard_interrupt_right_after_the_spawn_leaves_no_unowned_worker(
         assert again.state == "REAPED" and again.exit_code == 0, again.to_dict()
     finally:
         monkeypatch.undo()
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(60)
+def test_keyboard_interrupt_as_the_owner_thread_starts_leaves_one_owner(
+        contained: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C lands in `Thread.start()` of the Worker's owner thread once
+    the thread exists (start() waits for it to begin). `spawn` then owned
+    the run itself too (abandon), so two owner loops ran one run at once:
+    the second close of the wall's pidfd raised EBADF instead of the
+    KeyboardInterrupt (an fd number closed twice may be another thread's
+    fresh descriptor), and the run ended twice."""
+    import json
+    import threading
+
+    real = threading.Thread.start
+    fired = []
+
+    def start(self: threading.Thread) -> None:
+        real(self)
+        if self.name.startswith("contain-") and not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    env = contained["env"]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launcher.spawn(["sh", "-c", "trap '' TERM; sleep 300"], id="ki2", env=env, stdout=subprocess.PIPE)
+        assert _gone(contained["token"], 10.0) == []
+        p = subprocess.run([sys.executable, "-m", "launcher", "wait", "ki2"], env=env,
+                           capture_output=True, text=True, timeout=20)
+        assert p.returncode == 0, p.stderr
+        with open(os.path.join(contained["state_dir"], "runs", "ki2", "journal.ndjson")) as f:
+            events = [json.loads(line).get("event") for line in f]
+        assert events.count("ended") == 1, events
+        again = launcher.run(["true"], id="ki2", env=env)
+        assert again.state == "REAPED" and again.exit_code == 0, again.to_dict()
+        assert children_of(os.getpid()) == []
+    finally:
+        monkeypatch.undo()
