@@ -140,3 +140,41 @@ def test_keyboard_interrupt_as_the_owner_thread_starts_leaves_one_owner(
         assert children_of(os.getpid()) == []
     finally:
         monkeypatch.undo()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("op", ["line\nbreak", "nul\x00byte", "tab\there", "\ud800"])
+def test_an_operation_id_the_owner_refuses_is_a_value_error_at_once(contained: dict, op: str) -> None:
+    """An op id the owner's inbox rejects (not printable: a newline, a NUL,
+    a tab, a lone surrogate) was taken by Worker.cancel: the request was
+    appended, the owner dropped it unanswered, and cancel() waited until
+    the run ended on its own (for ever, for a worker that does not end),
+    then raised a LauncherError; the run was never cancelled. A surrogate
+    was a bare UnicodeEncodeError. It is a ValueError before anything is
+    written, as an empty one is."""
+    import anyio
+
+    w = launcher.spawn(["sleep", "3"], env=contained["env"])
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match="operation id"):
+            w.cancel(op_id=op)
+        assert time.monotonic() - t0 < 2.5, "cancel() waited for the run to end"
+        with pytest.raises(ValueError, match="operation id"):
+            launcher.cancel(w.id, op_id=op)
+        with pytest.raises(ValueError, match="operation id"):
+            w.cancel_record(op)
+        assert not w.done()
+        ack = w.cancel(op_id="then-a-good-one", grace=0)
+        assert ack.effect == "cancel_requested"
+        assert w.wait(30).outcome == "cancelled"
+
+        async def main() -> None:
+            async with launcher.open_worker(["sleep", "30"], env=contained["env"], grace=0) as aw:
+                with pytest.raises(ValueError, match="operation id"):
+                    await aw.cancel(op_id=op)
+                assert not aw.done()
+
+        anyio.run(main)
+    finally:
+        w.stop(grace=0)
