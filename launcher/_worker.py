@@ -154,6 +154,7 @@ class Worker(RunHandle):
         stdout and stderr to their ends, wait for the run. Returns the bytes
         read (None for a stream that is not a pipe). TimeoutError if `timeout`
         passes first; the run goes on and the call can be repeated."""
+        timeout = check_optional_seconds(timeout, "timeout")
         deadline = None if timeout is None else time.monotonic() + timeout
         if sys.platform == "win32":       # no selecting on pipes there: a thread per pipe, as subprocess does
             return self._communicate_threads(input, deadline, timeout)

@@ -178,3 +178,43 @@ def test_an_operation_id_the_owner_refuses_is_a_value_error_at_once(contained: d
         anyio.run(main)
     finally:
         w.stop(grace=0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("env_extra, error", [
+    ({"A=B": "c"}, ValueError),          # the worker got A="B=c": another variable than the caller named
+    ({"A": "b\x00c"}, ValueError),       # cut at the NUL: A="b"
+    ({"A\x00B": "x"}, ValueError),       # dropped without a word
+    ({"A": 1}, TypeError),               # str()ed: subprocess refuses it
+    ({"A": None}, TypeError),            # became A="None"
+])
+def test_an_environment_the_worker_cannot_carry_is_refused_before_the_spawn(
+        contained: dict, env_extra: dict, error: type) -> None:
+    """env= was written out as f"{k}={v}" unchecked: a name with '=' became
+    another variable, a NUL cut the string short, a non-string was str()ed.
+    subprocess refuses each; so does the library, before anything starts."""
+    env = dict(contained["env"], **env_extra)
+    with pytest.raises(error):
+        launcher.spawn(["sh", "-c", "env"], env=env, stdout=subprocess.DEVNULL)
+    runs = os.path.join(contained["state_dir"], "runs")
+    assert not os.path.isdir(runs) or os.listdir(runs) == []
+
+
+@pytest.mark.timeout(60)
+def test_cwd_and_user_and_pass_fds_of_the_wrong_kind_are_clear_errors(contained: dict) -> None:
+    """cwd='/tmp\\0/x' ran in /tmp (cut at the NUL); user=65534 was an
+    AttributeError from inside; pass_fds=3 'int object is not iterable';
+    communicate(timeout='1') a TypeError from an addition."""
+    env = contained["env"]
+    with pytest.raises(ValueError, match="cwd"):
+        launcher.run(["true"], env=env, cwd="/tmp\x00/nonexistent")
+    with pytest.raises(TypeError, match="pass_fds"):
+        launcher.run(["true"], env=env, pass_fds=3)
+    rec = launcher.run(["id", "-u"], env=env, user=65534, stdout=subprocess.DEVNULL)
+    assert rec.exit_code == 0, rec.to_dict()
+    with pytest.raises(TypeError, match="user"):
+        launcher.run(["true"], env=env, user=1.5)
+    with launcher.spawn(["true"], env=env, stdout=subprocess.PIPE) as w:
+        with pytest.raises(TypeError, match="timeout"):
+            w.communicate(timeout="1")
+        assert w.communicate(timeout=30) == (b"", None)
