@@ -92,6 +92,7 @@ class Worker(RunHandle):
         self._finished = threading.Event()
         self._thread = threading.Thread(target=self._own, name=f"contain-{run.id}", daemon=True)
         self._error: BaseException | None = None
+        self._comm: tuple[dict[int, list[bytes]], memoryview] | None = None   # a communicate() under way
         try:
             self._thread.start()
         except BaseException:
@@ -158,11 +159,17 @@ class Worker(RunHandle):
         deadline = None if timeout is None else time.monotonic() + timeout
         if sys.platform == "win32":       # no selecting on pipes there: a thread per pipe, as subprocess does
             return self._communicate_threads(input, deadline, timeout)
-        chunks: dict[int, list[bytes]] = {}
+        if self._comm is None:
+            # What was read so far and the input still to send: kept across
+            # a TimeoutError, so a repeated call loses nothing (as Popen's).
+            self._comm = ({}, memoryview(input or b""))
+        elif input:
+            raise ValueError("communicate(): cannot send input after a communicate() that timed out")
+        chunks, view = self._comm
         sel = selectors.DefaultSelector()
         try:
             if self.stdin is not None and not self.stdin.closed:
-                if input:
+                if view:
                     self.stdin.flush()
                     os.set_blocking(self.stdin.fileno(), False)
                     sel.register(self.stdin.fileno(), selectors.EVENT_WRITE, self.stdin)
@@ -172,9 +179,8 @@ class Worker(RunHandle):
             for i, f in enumerate((self.stdout, self.stderr)):
                 if f is not None and not f.closed:
                     fds[i] = f.fileno()
-                    chunks[fds[i]] = []
+                    chunks.setdefault(fds[i], [])
                     sel.register(fds[i], selectors.EVENT_READ, f)
-            view = memoryview(input or b"")
             while sel.get_map():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -199,8 +205,10 @@ class Worker(RunHandle):
                             sel.unregister(key.fd)
         finally:
             sel.close()
+            self._comm = (chunks, view)
         out, err = (b"".join(chunks[fd]) if fd >= 0 else None for fd in fds)
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._comm = None
         return out, err
 
     def _communicate_threads(self, input: bytes | None, deadline: float | None,

@@ -218,3 +218,27 @@ def test_cwd_and_user_and_pass_fds_of_the_wrong_kind_are_clear_errors(contained:
         with pytest.raises(TypeError, match="timeout"):
             w.communicate(timeout="1")
         assert w.communicate(timeout=30) == (b"", None)
+
+
+@pytest.mark.timeout(60)
+def test_communicate_repeated_after_a_timeout_loses_no_output(contained: dict) -> None:
+    """The docs say a communicate() that timed out can be repeated (as
+    Popen's): the repeat returned only what came after the timeout, the
+    bytes read before it were dropped with the first call's locals."""
+    with launcher.spawn(["sh", "-c", "echo a; echo e >&2; read x; echo got $x; sleep 1; echo b"],
+                        env=contained["env"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE) as w:
+        with pytest.raises(TimeoutError):
+            w.communicate(b"1\n", timeout=0.5)
+        assert w.communicate(timeout=30) == (b"a\ngot 1\nb\n", b"e\n")
+
+
+@pytest.mark.timeout(60)
+def test_communicate_repeated_after_the_wait_timed_out_loses_no_output(contained: dict) -> None:
+    """The pipes reached their ends but the run had not: the repeat must
+    still return what was read."""
+    with launcher.spawn(["sh", "-c", "echo a; exec >&-; sleep 1"], env=contained["env"],
+                        stdout=subprocess.PIPE) as w:
+        with pytest.raises(TimeoutError):
+            w.communicate(timeout=0.5)
+        assert w.communicate(timeout=30) == (b"a\n", None)
