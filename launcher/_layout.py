@@ -59,7 +59,7 @@ from ._runfiles import (MAX_RECORD, MAX_RUN_INFO, RunInfo, Unreadable, encode, l
                         parse_run_info)
 from ._safefs import PersistError, UnsafePath
 from ._state import LIVE_STATES
-from ._statedir import FILE_MODE, RUN_DIR_MODE, StateDir, StateDirError, claim_lock, location
+from ._statedir import FILE_MODE, RUN_DIR_MODE, StateDir, StateDirError, claim_lock, claim_unlock, location
 
 
 __all__ = ["RunDir", "InboxRead", "PersistError", "UnsafePath", "StateDir", "StateDirError", "state_dir",
@@ -141,7 +141,7 @@ class RunDir(RunDirBase):
                 d._create(st, info)
                 _gc.maybe_prune(st)
             finally:
-                os.close(guard)
+                claim_unlock(guard)
             d._state = None
         return d
 

@@ -242,3 +242,38 @@ def test_communicate_repeated_after_the_wait_timed_out_loses_no_output(contained
         with pytest.raises(TimeoutError):
             w.communicate(timeout=0.5)
         assert w.communicate(timeout=30) == (b"a\n", None)
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(60)
+def test_a_fork_while_another_thread_claims_a_run_does_not_wedge_later_claims(
+        contained: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another thread of the caller forks while a spawn holds the state
+    directory's claim lock (an flock). The fork's copy of the descriptor
+    shares the lock, and the claimer gave it up only by closing its own
+    copy: every later claim, in the caller and in the forked child, waited
+    CLAIM_WAIT_S and failed ('another claim held it for 10 s') for as long
+    as the child lived. The fork is made at that moment here, by hand."""
+    from launcher import _layout
+
+    real = _layout.claim_lock
+    children: list[int] = []
+
+    def claim_then_fork(st: object) -> int:
+        fd = real(st)                   # type: ignore[arg-type]
+        if not children:
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(30)
+                os._exit(0)
+            children.append(pid)
+        return fd
+
+    monkeypatch.setattr(_layout, "claim_lock", claim_then_fork)
+    try:
+        assert launcher.run(["true"], env=contained["env"]).state == "REAPED"
+        assert launcher.run(["true"], env=contained["env"]).state == "REAPED"
+    finally:
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
