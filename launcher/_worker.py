@@ -31,6 +31,15 @@ _owned_mu = threading.Lock()
 _owned: "weakref.WeakSet[Run]" = weakref.WeakSet()
 
 
+def _after_fork_in_child() -> None:
+    global _owned_mu
+    _owned_mu = threading.Lock()     # another thread may have held it at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _claim(run: Run) -> bool:
     """Become the one owner loop of `run` (a Worker's thread, or `abandon`).
     False if another has: an interrupt in `Thread.start()` comes once the
