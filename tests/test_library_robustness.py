@@ -312,3 +312,40 @@ def test_supervisor_closed_while_another_thread_spawns_leaves_no_worker(containe
                 w.stop(grace=0)
         assert left == [], f"attempt {attempt}: {left} alive after close()"
         assert all(w.done() and w.record().state == "REAPED" for w in spawned)
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("face", ["open_worker", "AsyncSupervisor.spawn"])
+def test_keyboard_interrupt_right_after_an_async_spawn_leaves_no_unowned_worker(
+        contained: dict, monkeypatch: pytest.MonkeyPatch, backend: str, face: str) -> None:
+    """Ctrl-C between the spawn and the owner task (trio raises
+    KeyboardInterrupt wherever the code runs): `open_worker`'s __aenter__
+    and `AsyncSupervisor.spawn` had started the run and not yet handed it
+    to an owner task or the supervisor's list, so the worker ran on with
+    nothing to stop it, its id held."""
+    import anyio
+
+    from launcher import _aio
+
+    _interrupt_after(monkeypatch, _aio, "start_run")
+    env = contained["env"]
+
+    async def main() -> None:
+        if face == "open_worker":
+            async with launcher.open_worker(["sleep", "300"], id="aki", env=env):
+                pass
+        else:
+            async with launcher.AsyncSupervisor(grace=0) as sup:
+                await sup.spawn(["sleep", "300"], id="aki", env=env)
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            anyio.run(main, backend=backend)
+        assert _gone(contained["token"], 5.0) == []
+        monkeypatch.undo()
+        again = launcher.run(["true"], id="aki", env=env)
+        assert again.state == "REAPED" and again.exit_code == 0, again.to_dict()
+    finally:
+        monkeypatch.undo()
