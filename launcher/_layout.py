@@ -139,7 +139,11 @@ class RunDir(RunDirBase):
                     old_info = d.load_run()
                     _gc.move_aside(st, run_id, old_info.run_uid if isinstance(old_info, RunInfo) else None)
                 d._create(st, info)
-                _gc.maybe_prune(st)
+                try:
+                    _gc.maybe_prune(st)
+                except BaseException:
+                    d.release()       # made and locked, but nobody holds it yet: an interrupt must not keep it
+                    raise
             finally:
                 claim_unlock(guard)
             d._state = None

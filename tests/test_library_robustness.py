@@ -349,3 +349,35 @@ def test_keyboard_interrupt_right_after_an_async_spawn_leaves_no_unowned_worker(
         assert again.state == "REAPED" and again.exit_code == 0, again.to_dict()
     finally:
         monkeypatch.undo()
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(60)
+def test_keyboard_interrupt_during_the_retention_prune_of_a_claim_frees_the_claimed_id(
+        contained: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each claim prunes ended runs past the retention bound (milliseconds
+    with thousands of runs: where a Ctrl-C during a spawn most often lands).
+    An interrupt there came after the new run directory was made and
+    locked, and before the Run held it: the directory's fds and its owner
+    lock stayed open in the caller, so the id was 'held by a live run'
+    until the process exited."""
+    from conftest import fd_count
+    from launcher import _layout
+
+    env = contained["env"]
+    launcher.run(["true"], env=env)           # the state directory exists: count from here
+    fds = fd_count()
+
+    def interrupted(st: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_layout._gc, "maybe_prune", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launcher.run(["sleep", "300"], id="kp", env=env)
+    finally:
+        monkeypatch.undo()
+    assert pids_with_token(contained["token"]) == []
+    assert fd_count() == fds
+    again = launcher.run(["true"], id="kp", env=env)
+    assert again.state == "REAPED" and again.exit_code == 0, again.to_dict()
