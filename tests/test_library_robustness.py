@@ -381,3 +381,27 @@ def test_keyboard_interrupt_during_the_retention_prune_of_a_claim_frees_the_clai
     assert fd_count() == fds
     again = launcher.run(["true"], id="kp", env=env)
     assert again.state == "REAPED" and again.exit_code == 0, again.to_dict()
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(60)
+def test_keyboard_interrupt_while_the_run_cgroup_is_prepared_leaves_no_cgroup(
+        contained: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C after the run's cgroup directory was made, while it was being
+    identified and given its leaf: only OSError removed it, so every such
+    interrupt left an empty run cgroup under the base for good."""
+    from launcher._platform import linux
+
+    base = contained["cgroup_base"]
+    before = sorted(os.listdir(base))
+
+    def interrupted(*a: object, **kw: object) -> object:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(linux, "identify", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launcher.run(["true"], env=contained["env"], backend="cgroup2")
+    finally:
+        monkeypatch.undo()
+    assert sorted(os.listdir(base)) == before

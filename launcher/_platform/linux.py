@@ -91,14 +91,24 @@ class Container:
             except OSError as e:
                 remove_made(made)
                 raise ContainmentUnavailable(f"cannot create {c.dir}: {os.strerror(e.errno or 0)}") from e
+            except BaseException:
+                # An interrupt the moment mkdir returned: the name is ours and new.
+                try:
+                    os.rmdir(c.dir)
+                except OSError:
+                    pass
+                remove_made(made)
+                raise
             try:
                 c.identity = identify(h, base, c.dir)
                 os.mkdir(c.leaf)
                 c._leaves.append(c.leaf)
                 c._events_fd = os.open(os.path.join(c.dir, "cgroup.events"), os.O_RDONLY | os.O_CLOEXEC)
-            except OSError as e:
+            except BaseException as e:          # an interrupt too: nothing has run in it, nothing stays
                 c.remove()
-                raise ContainmentUnavailable(f"cannot prepare {c.dir}: {os.strerror(e.errno or 0)}") from e
+                if isinstance(e, OSError):
+                    raise ContainmentUnavailable(f"cannot prepare {c.dir}: {os.strerror(e.errno or 0)}") from e
+                raise
             return c
         remove_made(made)
         raise ContainmentUnavailable(f"no free cgroup name under {base}")
