@@ -405,3 +405,32 @@ def test_keyboard_interrupt_while_the_run_cgroup_is_prepared_leaves_no_cgroup(
     finally:
         monkeypatch.undo()
     assert sorted(os.listdir(base)) == before
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(60)
+def test_keyboard_interrupt_as_the_spawn_returns_leaves_no_zombie_or_pidfd(
+        contained: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C the moment the clone3 spawn returned, before the container
+    held the new wall: the roll-back killed the cgroup, but nobody reaped
+    the wall's init (the caller's child) or closed its pidfds and report
+    socket: a zombie in the caller and three descriptors, per interrupt."""
+    from conftest import fd_count
+    from launcher._platform import linux
+
+    env = contained["env"]
+    launcher.run(["true"], env=env)
+    fds = fd_count()
+
+    def interrupted(*a: object, **kw: object) -> object:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(linux.pidwall.PidWall, "of", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launcher.run(["sleep", "300"], env=env, pidns=True)
+    finally:
+        monkeypatch.undo()
+    assert _gone(contained["token"], 5.0) == []
+    assert children_of(os.getpid()) == []
+    assert fd_count() == fds
