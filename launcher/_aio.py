@@ -42,7 +42,7 @@ from ._options import DEFAULT_GRACE
 from ._run import Run
 from ._state import Phase
 from ._stdio import Stdio, StdioSpec
-from ._worker import start_run
+from ._worker import abandon, start_run
 
 __all__ = ["AsyncWorker", "AsyncSupervisor", "open_worker"]
 
@@ -288,12 +288,24 @@ class _OpenWorker:
     async def __aenter__(self) -> AsyncWorker:
         await anyio.lowlevel.checkpoint_if_cancelled()
         kw = dict(self._kw)
-        run, st = start_run(self._argv, id=kw.pop("id"), grace=kw.pop("grace"), timeout=kw.pop("timeout"),
-                            backend=kw.pop("backend"), stdin=kw.pop("stdin"), stdout=kw.pop("stdout"),
-                            stderr=kw.pop("stderr"), options=kw)
-        w = AsyncWorker(run, st)
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
+        started: list[Run] = []
+        w: AsyncWorker | None = None
+        try:
+            run, st = start_run(self._argv, id=kw.pop("id"), grace=kw.pop("grace"), timeout=kw.pop("timeout"),
+                                backend=kw.pop("backend"), stdin=kw.pop("stdin"), stdout=kw.pop("stdout"),
+                                stderr=kw.pop("stderr"), options=kw, track=started.append)
+            w = AsyncWorker(run, st)
+            tg = anyio.create_task_group()
+            await tg.__aenter__()
+        except BaseException:
+            # Started, but no owner task yet (an interrupt; trio raises
+            # KeyboardInterrupt wherever the code runs): stopped here.
+            for r in started:
+                abandon(r)
+            for stream in (w.stdin, w.stdout, w.stderr) if w is not None else ():
+                if stream is not None:
+                    _close_fd(stream)
+            raise
         tg.start_soon(w._own, name=f"contain-{run.id}")
         self._tg, self._worker = tg, w
         return w
@@ -354,10 +366,16 @@ class AsyncSupervisor:
         await anyio.lowlevel.checkpoint_if_cancelled()
         o = {"id": None, "grace": DEFAULT_GRACE, "timeout": None, "backend": "auto",
              "stdin": None, "stdout": None, "stderr": None, **self._defaults, **kw}
-        run, st = start_run(argv, id=o.pop("id"), grace=o.pop("grace"), timeout=o.pop("timeout"),
-                            backend=o.pop("backend"), stdin=o.pop("stdin"), stdout=o.pop("stdout"),
-                            stderr=o.pop("stderr"), options=o)
-        w = AsyncWorker(run, st)
+        started: list[Run] = []
+        try:
+            run, st = start_run(argv, id=o.pop("id"), grace=o.pop("grace"), timeout=o.pop("timeout"),
+                                backend=o.pop("backend"), stdin=o.pop("stdin"), stdout=o.pop("stdout"),
+                                stderr=o.pop("stderr"), options=o, track=started.append)
+            w = AsyncWorker(run, st)
+        except BaseException:
+            for r in started:       # started, but neither listed nor owned yet: stopped here
+                abandon(r)
+            raise
         self._workers.append(w)
         self._tg.start_soon(w._own, name=f"contain-{run.id}")
         return w

@@ -49,6 +49,40 @@ def check_argv(argv: Any) -> list[str]:
     return out
 
 
+def check_env(env: Any) -> dict[str, str]:
+    """`env=` as the worker's environment: a mapping of str (or bytes, or
+    os.PathLike values) to the same, as subprocess takes it. A name with
+    '=' (it would be read as another variable), a NUL anywhere (the string
+    would end there) or a value that is not a string is refused, as
+    subprocess refuses it, instead of being written out changed."""
+    items = getattr(env, "items", None)
+    if items is None:
+        raise TypeError(f"env must be a mapping of names to values, not {type(env).__name__}")
+    out: dict[str, str] = {}
+    for k, v in items():
+        if not isinstance(k, (str, bytes)):
+            raise TypeError(f"env: a name must be str or bytes, not {type(k).__name__} {k!r}")
+        if not isinstance(v, (str, bytes, os.PathLike)):
+            raise TypeError(f"env[{k!r}] must be str, bytes or os.PathLike, not {type(v).__name__}")
+        name, value = os.fsdecode(k), os.fsdecode(v)
+        if "=" in name or "\0" in name:
+            raise ValueError(f"illegal environment variable name {k!r}")
+        if "\0" in value:
+            raise ValueError(f"env[{k!r}] contains a NUL character, which no variable can carry")
+        out[name] = value
+    return out
+
+
+def check_path(value: Any, name: str) -> str:
+    """A path option (`cwd`): str, bytes or os.PathLike without a NUL."""
+    if not isinstance(value, (str, bytes, os.PathLike)):
+        raise TypeError(f"{name} must be str, bytes or os.PathLike, not {type(value).__name__}")
+    s = os.fsdecode(value)
+    if "\0" in s:
+        raise ValueError(f"{name} contains a NUL character, which no path can carry")
+    return s
+
+
 def check_seconds(value: Any, name: str, *, positive: bool = False) -> float:
     """A finite number of seconds, >= 0 (or > 0 with `positive`), as float.
 

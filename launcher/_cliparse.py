@@ -71,7 +71,7 @@ def _run_id(text: str) -> str:
 
 
 def _op_id(text: str) -> str:
-    """--op-id: 1 to 200 characters, as the owner accepts them. An empty one
+    """--op-id: 1 to 200 printable characters, as the owner accepts them. An empty one
     is refused here, not read as "none given" (which mints a fresh id each
     time, so a script's unset "$OP" would lose idempotency without a word)."""
     import argparse

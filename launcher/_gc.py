@@ -33,7 +33,7 @@ from . import _safefs as F
 from ._ofdlock import lock_held
 from ._runfiles import ID_RE, MAX_RECORD, TERMINAL, iso_epoch, loads, parse_record
 from ._safefs import UnsafePath
-from ._statedir import PRUNE_SLACK, StateDir, claim_lock, keep_runs
+from ._statedir import PRUNE_SLACK, StateDir, claim_lock, claim_unlock, keep_runs
 
 CLAIM_STALE_S = 60.0
 # Entries re-checked and renamed per hold of the claim lock: a big gc never
@@ -185,7 +185,7 @@ def _remove(st: StateDir, chosen: list[Entry], now: float, result: GcResult) -> 
                         continue
                 doomed.append((e, tmp))
         finally:
-            os.close(guard)
+            claim_unlock(guard)
     for e, tmp in doomed:
         try:
             F.remove_tree(st.runs_fd, tmp)

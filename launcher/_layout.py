@@ -60,7 +60,7 @@ from ._runfiles import (MAX_RECORD, MAX_RUN_INFO, RunInfo, Unreadable, encode, l
                         parse_run_info)
 from ._safefs import PersistError, UnsafePath
 from ._state import LIVE_STATES
-from ._statedir import FILE_MODE, RUN_DIR_MODE, StateDir, StateDirError, claim_lock, location
+from ._statedir import FILE_MODE, RUN_DIR_MODE, StateDir, StateDirError, claim_lock, claim_unlock, location
 
 
 __all__ = ["RunDir", "InboxRead", "PersistError", "UnsafePath", "StateDir", "StateDirError", "state_dir",
@@ -140,9 +140,13 @@ class RunDir(RunDirBase):
                     old_info = d.load_run()
                     _gc.move_aside(st, run_id, old_info.run_uid if isinstance(old_info, RunInfo) else None)
                 d._create(st, info)
-                _gc.maybe_prune(st)
+                try:
+                    _gc.maybe_prune(st)
+                except BaseException:
+                    d.release()       # made and locked, but nobody holds it yet: an interrupt must not keep it
+                    raise
             finally:
-                os.close(guard)
+                claim_unlock(guard)
             d._state = None
         return d
 

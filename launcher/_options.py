@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from ._args import check_run_numbers, check_seconds
+from ._args import check_env, check_path, check_run_numbers, check_seconds
 
 DEFAULT_GRACE = 5.0
 DEFAULT_KILL_TIMEOUT = 10.0
@@ -48,7 +48,7 @@ class Options:
         # Descriptors the worker gets besides stdio, as subprocess's pass_fds
         # (the CLI passes what its own caller handed it: `<(...)`, `3<file`,
         # make's jobserver). Every other descriptor is closed at exec.
-        if isinstance(pass_fds, (str, bytes)) or any(isinstance(fd, bool) or not isinstance(fd, int) or fd < 0
+        if isinstance(pass_fds, (str, bytes, int)) or any(isinstance(fd, bool) or not isinstance(fd, int) or fd < 0
                                                       for fd in pass_fds):
             raise TypeError(f"pass_fds must be a sequence of descriptor numbers, not {pass_fds!r}")
         self.pass_fds = tuple(sorted(set(pass_fds)))
@@ -71,11 +71,15 @@ class Options:
         self.stats_json = stats_json
         self.backend = backend
         self.seal = seal
+        if isinstance(user, int) and not isinstance(user, bool):
+            user = str(user)            # a uid, as --user takes it
+        elif user is not None and not isinstance(user, str):
+            raise TypeError(f"user must be a name or a uid, not {type(user).__name__} {user!r}")
         self.user = user
         self.workspace = workspace
         self.record_file = record_file
-        self.env = env
-        self.cwd = cwd
+        self.env = None if env is None else check_env(env)
+        self.cwd = None if cwd is None else check_path(cwd, "cwd")
         self.stdio = stdio
         self.state_dir = state_dir
         self.subreaper = subreaper

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 from . import _safefs as F
 from ._errors import RunConflict
 from ._runfiles import (MAX_ACK, MAX_LINE, Rejected, Request, encode, loads, parse_ack, parse_nested,
-                        parse_request)
+                        parse_request, valid_op_id)
 from ._safefs import UnsafePath
 from ._statedir import FILE_MODE
 
@@ -40,8 +40,10 @@ def op_filename(op: str) -> str:
     """A file name for an operation id. Ids that are already safe map to
     themselves; others get a digest suffix, so two different ids can only
     share a file if they are equal (and equality is checked on read)."""
-    if not isinstance(op, str) or not op or len(op) > 200:
-        raise ValueError("operation id must be 1 to 200 characters")
+    if valid_op_id(op) is None:
+        # As the owner checks a request (parse_request): an id it would drop
+        # unanswered is refused here, before anything is written.
+        raise ValueError("operation id must be 1 to 200 printable characters")
     safe = "".join(c if c in _OP_SAFE_CHARS else "_" for c in op)
     if safe != op or safe.startswith("."):
         import hashlib      # only for odd ids: kept off the `contain run` path

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 from . import _safefs as F
 from ._errors import RunNotFound
-from ._ofdlock import lock_held, take_lock
+from ._ofdlock import drop_lock, lock_held, take_lock
 from ._runfiles import ID_RE
 from ._safefs import UnsafePath
 from ._statedir import FILE_MODE, RUN_DIR_MODE, StateDir, location
@@ -208,6 +208,11 @@ class RunDirBase:
             for name in ("_lock_fd", "_journal_fd", "_cfd", "_fd"):
                 fd = getattr(self, name)
                 if fd >= 0:
+                    if name == "_lock_fd":
+                        try:
+                            drop_lock(fd)      # not only close: a fork's copy would go on holding it
+                        except OSError:
+                            pass
                     try:
                         os.close(fd)
                     except OSError:

@@ -201,10 +201,22 @@ def _make_parents(parent: str) -> None:
             os.close(fd)
 
 
+def claim_unlock(fd: int) -> None:
+    """Give up the claim lock and close its fd. Unlocked first: a fork() of
+    this process (another thread's, during the claim) shares the flock's
+    open file description, and closing our copy alone would leave it held."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
 def claim_lock(st: StateDir) -> int:
-    """`runs/.claim.lock`, held (flock LOCK_EX) by the caller until it closes
-    the returned fd: claims, and the renames of retention, are serialised by
-    it. Waits at most CLAIM_WAIT_S for another holder (a stopped process
+    """`runs/.claim.lock`, held (flock LOCK_EX) by the caller until it gives
+    the returned fd to claim_unlock: claims, and the renames of retention,
+    are serialised by it. Waits at most CLAIM_WAIT_S for another holder (a stopped process
     holding it must not wedge every later run). Raises StateDirError."""
     import fcntl     # (imported here: this module is loaded on Windows too, for its errors and bounds)
 

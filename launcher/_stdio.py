@@ -53,9 +53,8 @@ class Stdio:
 
     def spawned(self) -> None:
         """The child has its copies: close ours of its ends."""
-        for fd in self._opened_child:
-            os.close(fd)
-        self._opened_child.clear()
+        while self._opened_child:      # one at a time: an interrupt between two never closes one twice
+            os.close(self._opened_child.pop())
 
     def abort(self) -> None:
         """The spawn did not happen: close everything made here."""

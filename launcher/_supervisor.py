@@ -38,6 +38,8 @@ class Supervisor:
         self.grace = check_optional_seconds(grace, "grace")
         self._defaults = defaults
         self._lock = threading.Lock()
+        self._spawning = 0                         # spawns under way (close() waits for them)
+        self._idle = threading.Condition(self._lock)
         self._runs: list[Run] = []                 # every run, from before it starts
         self._workers: dict[int, Worker] = {}      # id(run) -> its Worker
         self._closed = False
@@ -50,17 +52,27 @@ class Supervisor:
 
     def spawn(self, argv: Sequence[str], **kw: Any) -> Worker:
         """As `launcher.spawn`, owned by this supervisor."""
-        if self._closed:
-            raise RuntimeError("Supervisor is closed")
-        o = {"id": None, "grace": DEFAULT_GRACE, "timeout": None, "backend": "auto",
-             "stdin": None, "stdout": None, "stderr": None, **self._defaults, **kw}
-        run, st = start_run(argv, id=o.pop("id"), grace=o.pop("grace"), timeout=o.pop("timeout"),
-                            backend=o.pop("backend"), stdin=o.pop("stdin"), stdout=o.pop("stdout"),
-                            stderr=o.pop("stderr"), options=o, track=self._track)
-        w = Worker(run, st)
         with self._lock:
-            self._workers[id(run)] = w
-        return w
+            # Counted under the lock that close() takes: a spawn either
+            # starts before close() takes its list (which waits for it) or
+            # is refused; never a run that close() did not see.
+            if self._closed:
+                raise RuntimeError("Supervisor is closed")
+            self._spawning += 1
+        try:
+            o = {"id": None, "grace": DEFAULT_GRACE, "timeout": None, "backend": "auto",
+                 "stdin": None, "stdout": None, "stderr": None, **self._defaults, **kw}
+            run, st = start_run(argv, id=o.pop("id"), grace=o.pop("grace"), timeout=o.pop("timeout"),
+                                backend=o.pop("backend"), stdin=o.pop("stdin"), stdout=o.pop("stdout"),
+                                stderr=o.pop("stderr"), options=o, track=self._track)
+            w = Worker(run, st)
+            with self._lock:
+                self._workers[id(run)] = w
+            return w
+        finally:
+            with self._lock:
+                self._spawning -= 1
+                self._idle.notify_all()
 
     def _track(self, run: Run) -> None:
         with self._lock:
@@ -73,13 +85,16 @@ class Supervisor:
     def close(self) -> list[StopRecord]:
         """Cancel every run still going, wait until all are reaped, close
         their pipes. Idempotent. Returns every run's final record."""
-        self._closed = True
+        with self._lock:
+            self._closed = True
         interrupted: KeyboardInterrupt | None = None
         errors: list[Exception] = []
         op = f"supervisor-exit-{self._uid}"
         while True:
             try:
                 with self._lock:
+                    while self._spawning:            # another thread's spawn under way: it ends shortly
+                        self._idle.wait(1.0)
                     runs = list(self._runs)
                     workers = dict(self._workers)
                 for r in runs:                       # every stop requested first

@@ -13,6 +13,7 @@ import selectors
 import sys
 import threading
 import time
+import weakref
 from typing import IO, Any, Callable, Sequence
 
 from . import _stdio
@@ -26,6 +27,30 @@ from ._run import Run
 from ._stdio import StdioSpec
 
 
+_owned_mu = threading.Lock()
+_owned: "weakref.WeakSet[Run]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    global _owned_mu
+    _owned_mu = threading.Lock()     # another thread may have held it at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _claim(run: Run) -> bool:
+    """Become the one owner loop of `run` (a Worker's thread, or `abandon`).
+    False if another has: an interrupt in `Thread.start()` comes once the
+    thread exists, and both used to own the run at once."""
+    with _owned_mu:
+        if run in _owned:
+            return False
+        _owned.add(run)
+        return True
+
+
 def start_run(argv: Sequence[str], *, id: str | None, grace: float, timeout: float | None, backend: str,
               stdin: StdioSpec, stdout: StdioSpec, stderr: StdioSpec,
               options: dict[str, Any], track: Callable[[Run], None] | None = None) -> tuple[Run, _stdio.Stdio]:
@@ -35,6 +60,7 @@ def start_run(argv: Sequence[str], *, id: str | None, grace: float, timeout: flo
     if "stdio" in options and (stdin, stdout, stderr) != (None, None, None):
         raise ValueError("give stdin/stdout/stderr or stdio, not both")
     st = _stdio.resolve(stdin, stdout, stderr)
+    run: Run | None = None
     try:
         if "stdio" not in options:
             options = dict(options, stdio=st.child)
@@ -43,10 +69,12 @@ def start_run(argv: Sequence[str], *, id: str | None, grace: float, timeout: flo
         if track is not None:
             track(run)
         run.start()
+        st.spawned()
     except BaseException:
         st.abort()
+        if run is not None:
+            abandon(run)    # an interrupt after the spawn: nothing owns the worker yet, so stop it here
         raise
-    st.spawned()
     return run, st
 
 
@@ -73,6 +101,7 @@ class Worker(RunHandle):
         self._finished = threading.Event()
         self._thread = threading.Thread(target=self._own, name=f"contain-{run.id}", daemon=True)
         self._error: BaseException | None = None
+        self._comm: tuple[dict[int, list[bytes]], memoryview] | None = None   # a communicate() under way
         try:
             self._thread.start()
         except BaseException:
@@ -81,6 +110,8 @@ class Worker(RunHandle):
 
     def _own(self) -> None:
         try:
+            if not _claim(self._run):
+                return              # the constructor was interrupted and stopped the run itself
             self._run.supervise()
         except BaseException as e:      # surfaced by wait(), never lost
             self._error = e
@@ -133,14 +164,21 @@ class Worker(RunHandle):
         stdout and stderr to their ends, wait for the run. Returns the bytes
         read (None for a stream that is not a pipe). TimeoutError if `timeout`
         passes first; the run goes on and the call can be repeated."""
+        timeout = check_optional_seconds(timeout, "timeout")
         deadline = None if timeout is None else time.monotonic() + timeout
         if sys.platform == "win32":       # no selecting on pipes there: a thread per pipe, as subprocess does
             return self._communicate_threads(input, deadline, timeout)
-        chunks: dict[int, list[bytes]] = {}
+        if self._comm is None:
+            # What was read so far and the input still to send: kept across
+            # a TimeoutError, so a repeated call loses nothing (as Popen's).
+            self._comm = ({}, memoryview(input or b""))
+        elif input:
+            raise ValueError("communicate(): cannot send input after a communicate() that timed out")
+        chunks, view = self._comm
         sel = selectors.DefaultSelector()
         try:
             if self.stdin is not None and not self.stdin.closed:
-                if input:
+                if view:
                     self.stdin.flush()
                     os.set_blocking(self.stdin.fileno(), False)
                     sel.register(self.stdin.fileno(), selectors.EVENT_WRITE, self.stdin)
@@ -150,9 +188,8 @@ class Worker(RunHandle):
             for i, f in enumerate((self.stdout, self.stderr)):
                 if f is not None and not f.closed:
                     fds[i] = f.fileno()
-                    chunks[fds[i]] = []
+                    chunks.setdefault(fds[i], [])
                     sel.register(fds[i], selectors.EVENT_READ, f)
-            view = memoryview(input or b"")
             while sel.get_map():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -177,8 +214,10 @@ class Worker(RunHandle):
                             sel.unregister(key.fd)
         finally:
             sel.close()
+            self._comm = (chunks, view)
         out, err = (b"".join(chunks[fd]) if fd >= 0 else None for fd in fds)
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._comm = None
         return out, err
 
     def _communicate_threads(self, input: bytes | None, deadline: float | None,
@@ -243,12 +282,14 @@ def spawn(argv: Sequence[str], *, id: str | None = None, grace: float = DEFAULT_
     """Start `argv` in a fresh container and return its Worker at once.
     Raises SpawnFailed, ContainmentUnavailable or RunConflict; on the first
     two a stop record with outcome `spawn_failed` is in the run directory."""
-    run, st = start_run(argv, id=id, grace=grace, timeout=timeout, backend=backend, stdin=stdin,
-                        stdout=stdout, stderr=stderr, options=options)
+    started: list[Run] = []
     try:
+        run, st = start_run(argv, id=id, grace=grace, timeout=timeout, backend=backend, stdin=stdin,
+                            stdout=stdout, stderr=stderr, options=options, track=started.append)
         return Worker(run, st)
     except BaseException:
-        abandon(run)
+        for r in started:
+            abandon(r)
         raise
 
 
@@ -258,6 +299,14 @@ def abandon(run: Run) -> StopRecord | None:
     in this thread. A run interrupted before its worker existed gives up its
     directory lock and its (killed, removed) container; None then."""
     if run.layout is None or run.finished() or not run.owning():
+        return None
+    if not _claim(run):
+        # Its Worker's thread owns it (the interrupt came once that thread
+        # existed): that owner stops it.
+        run.layout.append_request({"op_id": f"abandon-{run.uid}", "run_uid": run.uid,
+                                   "requested_at": now_iso(), "grace": 0.0,
+                                   "by": {"pid": os.getpid(), "reason": "its Worker could not be made"}})
+        run.wake()
         return None
     if run.pid <= 0:
         if run.container is not None:
@@ -283,6 +332,12 @@ def run(argv: Sequence[str], *, id: str | None = None, grace: float = DEFAULT_GR
     if any(s is _stdio.PIPE or (type(s) is int and s == _stdio.PIPE) for s in (stdin, stdout, stderr)):
         raise ValueError("launcher.run returns the stop record and reads no pipe: "
                          "use spawn(..., stdout=PIPE) and Worker.communicate()")
-    r, _ = start_run(argv, id=id, grace=grace, timeout=timeout, backend=backend, stdin=stdin,
-                     stdout=stdout, stderr=stderr, options=options)
-    return r.supervise()
+    started: list[Run] = []
+    try:
+        r, _ = start_run(argv, id=id, grace=grace, timeout=timeout, backend=backend, stdin=stdin,
+                         stdout=stdout, stderr=stderr, options=options, track=started.append)
+        return r.supervise()
+    except BaseException:
+        for s in started:       # interrupted before its owner loop began: no worker runs on unowned
+            abandon(s)
+        raise

@@ -91,14 +91,24 @@ class Container:
             except OSError as e:
                 remove_made(made)
                 raise ContainmentUnavailable(f"cannot create {c.dir}: {os.strerror(e.errno or 0)}") from e
+            except BaseException:
+                # An interrupt the moment mkdir returned: the name is ours and new.
+                try:
+                    os.rmdir(c.dir)
+                except OSError:
+                    pass
+                remove_made(made)
+                raise
             try:
                 c.identity = identify(h, base, c.dir)
                 os.mkdir(c.leaf)
                 c._leaves.append(c.leaf)
                 c._events_fd = os.open(os.path.join(c.dir, "cgroup.events"), os.O_RDONLY | os.O_CLOEXEC)
-            except OSError as e:
+            except BaseException as e:          # an interrupt too: nothing has run in it, nothing stays
                 c.remove()
-                raise ContainmentUnavailable(f"cannot prepare {c.dir}: {os.strerror(e.errno or 0)}") from e
+                if isinstance(e, OSError):
+                    raise ContainmentUnavailable(f"cannot prepare {c.dir}: {os.strerror(e.errno or 0)}") from e
+                raise
             return c
         remove_made(made)
         raise ContainmentUnavailable(f"no free cgroup name under {base}")
@@ -146,9 +156,14 @@ class Container:
             self.wall_problem = f"PID-namespace wall unavailable: {e}"
             req.pidns = req.mount_proc = False
             sp = self._spawn(req)
-        if sp.wall:
-            self.wall = pidwall.PidWall.of(sp, req.userns)
-            self.empty_proof = f"cgroup.events populated 0, and {pidwall.PROOF}"
+        try:
+            if sp.wall:
+                self.wall = pidwall.PidWall.of(sp, req.userns)
+                self.empty_proof = f"cgroup.events populated 0, and {pidwall.PROOF}"
+        except BaseException:
+            if self.wall is None:
+                _discard(sp)     # an interrupt before anything holds it: no zombie, no descriptor left
+            raise
         return sp
 
     def root(self, sp: posix.Spawned) -> Any:
@@ -184,6 +199,7 @@ class Container:
         to the leaf's cgroup.procs, opened here, and checks /proc/self/cgroup
         names the leaf): it never runs a worker instruction outside."""
         fd = os.open(self.leaf, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        sp = None
         try:
             sp = posix.spawn(req, cgroup_fd=fd)
         except posix.CloneUnsupported:
@@ -193,7 +209,12 @@ class Container:
             sp = None
             reason = "child SIGKILLed at birth (cgroup.kill fork bug); fresh leaf"
         finally:
-            os.close(fd)
+            try:
+                os.close(fd)
+            except BaseException:
+                if sp is not None:
+                    _discard(sp)     # an interrupt as the spawn returned: nothing else holds it
+                raise
         if sp is not None:
             if sp.wall is None:      # a wall's init says how it was made
                 sp.via = "clone3(CLONE_INTO_CGROUP|CLONE_PIDFD)"
@@ -433,3 +454,21 @@ def _gids_of(req: posix.SpawnRequest) -> list[int]:
     if req.uid >= 0:
         return sorted({req.gid, *req.groups} - {-1})
     return sorted({os.getegid(), *os.getgroups()})
+
+
+def _discard(sp: posix.Spawned) -> None:
+    """A spawn nothing will own (an interrupt came as it returned): kill our
+    child (the wall's init, or the worker), reap it, close its descriptors."""
+    child = sp.init_pidfd if sp.wall else sp.pidfd
+    if child >= 0:
+        try:
+            signal.pidfd_send_signal(child, signal.SIGKILL)
+            os.waitid(os.P_PIDFD, child, os.WEXITED)
+        except OSError:
+            pass
+    for fd in {sp.pidfd, sp.init_pidfd, sp.report_fd} - {-1}:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    sp.pidfd = sp.init_pidfd = sp.report_fd = -1

@@ -1,0 +1,55 @@
+"""OFD locks (fcntl(2), "Open file description locks"): the owner lock of a
+run directory and of the state directory's claims.
+
+    take_lock(fd)    an exclusive lock on the whole file, without waiting
+    drop_lock(fd)    give it up now (a fork's copy of the fd would keep it)
+    lock_held(fd)    whether another open file description holds one (takes nothing)
+
+A lock is owned by the open file description and dropped by the kernel when
+its last fd closes (the owner's death included).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import struct
+
+_FLOCK = "hhqqi"                      # struct flock: l_type, l_whence, l_start, l_len, l_pid
+_FLOCK_PAD = b"\0" * ((-struct.calcsize(_FLOCK)) % 8)
+
+
+def _flock(kind: int) -> bytes:
+    return struct.pack(_FLOCK, kind, os.SEEK_SET, 0, 0, 0) + _FLOCK_PAD
+
+
+def take_lock(fd: int) -> bool:
+    """An exclusive OFD lock on the whole file of `fd` (open for writing),
+    without waiting. False if another open file description holds one."""
+    import fcntl
+
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK))
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def drop_lock(fd: int) -> None:
+    """Give up the OFD lock of `fd` now. Closing `fd` is not enough: a copy
+    of the descriptor in a fork() of this process (a CI runner's worker
+    pool) shares the open file description, and so would keep the lock."""
+    import fcntl
+
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK))
+
+
+def lock_held(fd: int) -> bool:
+    """Whether any other open file description holds a lock on the file of
+    `fd`. F_OFD_GETLK takes nothing, and works on a read-only fd: a reader
+    can neither block the owner nor make a concurrent taker fail."""
+    import fcntl
+
+    res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK))
+    return bool(struct.unpack_from("h", res)[0] != fcntl.F_UNLCK)
