@@ -44,17 +44,11 @@ if TYPE_CHECKING:
 
 from . import _state as S
 from ._identity import ProcessIdentity
+from ._platform.exits import signal_name
 from ._procfs import read_comm
 from ._record import not_measured, now_iso
 
 _NAMES_KEPT = 16     # processes named in the record per step; the count is always exact
-
-
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 class StopSequence:

@@ -264,3 +264,19 @@ def available() -> str | None:
         return str(e)
     return None
 
+
+def kill_by_freezing(cg_dir: str, cg_path: str) -> str:
+    """Before 5.14: freeze so nothing forks, SIGKILL each member (fatal
+    signals reach frozen tasks), repeat until no member is left."""
+    from .._native import ffi, lib
+
+    freeze = os.path.join(cg_dir, "cgroup.freeze")
+    with open(freeze, "w") as f:
+        f.write("1")
+    sent = ffi.new("int*")
+    failed = ffi.new("int*")
+    for _ in range(100):
+        lib.ct_cgroup_signal_members(cg_dir.encode(), cg_path.encode(), 9, 0, sent, failed)
+        if sent[0] == 0:
+            break
+    return "cgroup.freeze + SIGKILL per member"

@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import os
 import select
-import signal
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
@@ -26,7 +25,9 @@ from .. import _tags
 from .._errors import ContainmentUnavailable, SpawnFailed
 from .._procfs import cgroup_of
 from . import pidwall, posix, sealing
-from .cgroups import Hierarchy, hierarchies, identify, remove_made, resolve_base, writable_procs_above
+from .cgroups import (Hierarchy, hierarchies, identify, kill_by_freezing, remove_made, resolve_base,
+                      writable_procs_above)
+from .exits import signal_name
 from .posixwait import Root
 
 if TYPE_CHECKING:
@@ -162,7 +163,7 @@ class Container:
                 self.empty_proof = f"cgroup.events populated 0, and {pidwall.PROOF}"
         except BaseException:
             if self.wall is None:
-                _discard(sp)     # an interrupt before anything holds it: no zombie, no descriptor left
+                posix.discard(sp)     # an interrupt before anything holds it: no zombie, no descriptor left
             raise
         return sp
 
@@ -213,7 +214,7 @@ class Container:
                 os.close(fd)
             except BaseException:
                 if sp is not None:
-                    _discard(sp)     # an interrupt as the spawn returned: nothing else holds it
+                    posix.discard(sp)     # an interrupt as the spawn returned: nothing else holds it
                 raise
         if sp is not None:
             if sp.wall is None:      # a wall's init says how it was made
@@ -249,7 +250,7 @@ class Container:
         """Whether the tree's host credentials cannot act outside the run
         (CONTRACT.md "sealed"), with what was checked (`seal_detail`)."""
         return sealing.status(self, req, writable_procs_above(
-            req.uid if req.uid >= 0 and req.userns != "map" else os.geteuid(), _gids_of(req), self.dir))
+            req.uid if req.uid >= 0 and req.userns != "map" else os.geteuid(), posix.gids_of(req), self.dir))
 
     def escape_evidence(self) -> dict[str, Any]:
         return {"observed": None, "at": None, "via": "none",
@@ -378,7 +379,7 @@ class Container:
             else:
                 fd = os.open(os.path.join(self.dir, "cgroup.kill"), os.O_WRONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            via = self._kill_by_freezing()
+            via = kill_by_freezing(self.dir, self.path)
         else:
             try:
                 os.write(fd, b"1")
@@ -390,22 +391,6 @@ class Container:
             # the namespace, and dies with its init.
             self.also_killed = self.wall.kill()
         return via
-
-    def _kill_by_freezing(self) -> str:
-        """Before 5.14: freeze so nothing forks, SIGKILL each member (fatal
-        signals reach frozen tasks), repeat until no member is left."""
-        from .._native import ffi, lib
-
-        freeze = os.path.join(self.dir, "cgroup.freeze")
-        with open(freeze, "w") as f:
-            f.write("1")
-        sent = ffi.new("int*")
-        failed = ffi.new("int*")
-        for _ in range(100):
-            lib.ct_cgroup_signal_members(self.dir.encode(), self.path.encode(), 9, 0, sent, failed)
-            if sent[0] == 0:
-                break
-        return "cgroup.freeze + SIGKILL per member"
 
     def remove(self) -> str | None:
         """Remove the run's cgroups bottom-up. Returns None, or why not."""
@@ -442,33 +427,3 @@ class Container:
             remove_made(self._made)
         return problem
 
-
-def signal_name(sig: int) -> str:
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return f"signal {sig}"
-
-
-def _gids_of(req: posix.SpawnRequest) -> list[int]:
-    if req.uid >= 0:
-        return sorted({req.gid, *req.groups} - {-1})
-    return sorted({os.getegid(), *os.getgroups()})
-
-
-def _discard(sp: posix.Spawned) -> None:
-    """A spawn nothing will own (an interrupt came as it returned): kill our
-    child (the wall's init, or the worker), reap it, close its descriptors."""
-    child = sp.init_pidfd if sp.wall else sp.pidfd
-    if child >= 0:
-        try:
-            signal.pidfd_send_signal(child, signal.SIGKILL)
-            os.waitid(os.P_PIDFD, child, os.WEXITED)
-        except OSError:
-            pass
-    for fd in {sp.pidfd, sp.init_pidfd, sp.report_fd} - {-1}:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    sp.pidfd = sp.init_pidfd = sp.report_fd = -1

@@ -112,3 +112,28 @@ def spawn(req: SpawnRequest, cgroup_fd: int = -1, join_fds: Sequence[int] = (),
                 pass
             os.close(r.pidfd)
         raise
+
+
+def gids_of(req: SpawnRequest) -> list[int]:
+    """The groups the worker will have (its account's, else ours)."""
+    if req.uid >= 0:
+        return sorted({req.gid, *req.groups} - {-1})
+    return sorted({os.getegid(), *os.getgroups()})
+
+
+def discard(sp: Spawned) -> None:
+    """A spawn nothing will own (an interrupt came as it returned): kill our
+    child (the wall's init, or the worker), reap it, close its descriptors."""
+    child = sp.init_pidfd if sp.wall else sp.pidfd
+    if child >= 0:
+        try:
+            signal.pidfd_send_signal(child, signal.SIGKILL)
+            os.waitid(os.P_PIDFD, child, os.WEXITED)
+        except OSError:
+            pass
+    for fd in {sp.pidfd, sp.init_pidfd, sp.report_fd} - {-1}:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    sp.pidfd = sp.init_pidfd = sp.report_fd = -1
