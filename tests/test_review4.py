@@ -1,0 +1,100 @@
+"""Adversarial review 4: an unprivileged user as the victim, and what its
+own worker or another local user can make its `contain` believe.
+
+Each test is named after the attack and failed on the code it was written
+against. The victim and the attacker are spare uids (setpriv) working in
+directories the test made; survival is decided by the test's own /proc scan
+(a token in the workload's environment), never by asking contain.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from _proc import TOKEN_VAR, holders, kill_holders, new_token, readline_within
+from _users import SYS_PY, Shared, spare_uids, user_env, why_not
+
+USERS_SKIP = why_not()
+needs_users = pytest.mark.skipif(USERS_SKIP is not None, reason=USERS_SKIP or "")
+
+
+def _as(uid: int, *argv: str) -> list[str]:
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
+
+
+class Victim:
+    """An unprivileged user with a runtime directory of its own (made by
+    the test) and a token in its workloads' environment."""
+
+    def __init__(self, sh: Shared, uid: int) -> None:
+        self.uid = uid
+        self.token = new_token()
+        self.env = user_env(XDG_RUNTIME_DIR=sh.sub(f"xdg-{uid}", uid=uid, mode=0o700),
+                            **{TOKEN_VAR: self.token})
+
+    def contain(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(_as(self.uid, SYS_PY, "-m", "launcher", *args), env=self.env, capture_output=True,
+                              text=True, timeout=timeout, cwd="/")
+
+    def start(self, *args: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(_as(self.uid, SYS_PY, "-m", "launcher", *args), env=self.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/")
+
+
+_FORGE_TERMINAL = r"""
+import json, os, subprocess, sys, time
+d = os.environ["CONTAIN_RUN_DIR"]
+kid = subprocess.Popen(["sleep", "300"])
+path = os.path.join(d, "record.json")
+rec = json.load(open(path))
+rec.update(state=sys.argv[1], outcome="exited", exit_code=0, signal=None)
+tmp = os.path.join(d, ".forged.tmp")
+with open(tmp, "w") as f:
+    f.write(json.dumps(rec))
+os.rename(tmp, path)
+print("forged", flush=True)
+time.sleep(300)
+"""
+
+
+@needs_users
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("state", ["REAPED", "EXITED"])
+def test_own_worker_forging_a_terminal_record_then_orphaned_is_still_stopped_by_cancel(state):
+    """An unprivileged user's run (the pidns backend: the worker is the same
+    uid, so it can write its run directory) rewrites record.json to say the
+    run ended, and goes on with a child. Its supervisor then dies (killed
+    here). `contain cancel --wait` adopted the orphan, took the forged record
+    as the previous owner's last word, answered `not_live` and stopped
+    nothing; `contain wait` then said REAPED, exit 0, with the whole tree
+    alive, for ever: the run was lost."""
+    victim, = spare_uids(1)
+    with Shared() as sh:
+        v = Victim(sh, victim)
+        p = v.start("run", "-q", "--backend", "pidns", "--id", "fg", "--", SYS_PY, "-c", _FORGE_TERMINAL, state)
+        try:
+            line = readline_within(p.stdout, 30)
+            assert line.strip() == b"forged", (line, p.poll(), p.stderr.read() if p.poll() is not None else b"")
+            assert len(holders(v.token)) >= 2
+            os.kill(p.pid, signal.SIGKILL)          # the supervisor dies (an OOM kill, a lost session)
+            p.wait(10)
+            c = v.contain("cancel", "fg", "--grace", "0", "--wait", "--json", timeout=60)
+            ack = json.loads(c.stdout) if c.stdout.strip().startswith("{") else {}
+            still = holders(v.token)
+            assert still == [], f"cancel said {ack.get('effect')} {ack.get('state')} (exit {c.returncode}) " \
+                                f"with {still} alive"
+            assert c.returncode == 0 and ack.get("effect") == "cancelled", (c.returncode, c.stdout, c.stderr)
+            w = v.contain("wait", "fg", "--json", timeout=30)
+            rec = json.loads(w.stdout)
+            assert w.returncode == 0 and rec["state"] == "REAPED" and rec["outcome"] == "cancelled", w.stdout
+            assert any("record.json" in n for n in rec["notes"]), rec["notes"]
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+            kill_holders(v.token)
+        assert holders(v.token) == []
