@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from _proc import TOKEN_VAR, holders, kill_holders, new_token, readline_within
+from _proc import TOKEN_VAR, contain_cmd, holders, kill_holders, new_token, readline_within
 from _users import SYS_PY, Shared, spare_uids, user_env, why_not
 
 USERS_SKIP = why_not()
@@ -98,3 +98,52 @@ def test_own_worker_forging_a_terminal_record_then_orphaned_is_still_stopped_by_
                 p.wait(10)
             kill_holders(v.token)
         assert holders(v.token) == []
+
+
+# -- the state directory's path ----------------------------------------------------------
+
+@needs_users
+@pytest.mark.timeout(60)
+def test_another_users_symlink_above_the_state_dir_is_not_followed(tmp_path):
+    """An unprivileged user's CONTAIN_STATE_DIR goes through a symlink that
+    another user owns (in a sticky shared directory) and that points, for
+    now, at the victim's own directory. Only the real path was checked, so
+    the victim used it; the attacker can re-point the link whenever it
+    likes at another directory of the victim's, and the victim's `contain ls`
+    and `cancel` then look at runs that are not the ones it started (here:
+    its live run is 'no such run', exit 3)."""
+    victim, attacker = spare_uids(2)
+    with Shared(mode=0o1777) as sh:
+        v = Victim(sh, victim)
+        real = sh.sub("real", uid=victim, mode=0o700)
+        other = sh.sub("other", uid=victim, mode=0o700)
+        link = os.path.join(sh.path, "link")
+        assert subprocess.run(_as(attacker, "ln", "-s", real, link), capture_output=True,
+                              timeout=10).returncode == 0
+        v.env["CONTAIN_STATE_DIR"] = os.path.join(link, "st")
+        r = v.contain("run", "-q", "--backend", "pidns", "--id", "sl", "--", "true", timeout=30)
+        made = os.listdir(real) + os.listdir(other)
+        assert r.returncode == 125, (r.returncode, r.stderr, made)
+        assert "Traceback" not in r.stderr and "not followed" in r.stderr, r.stderr
+        assert made == [], f"a state directory was made through another user's link: {made}"
+
+
+@needs_users
+@pytest.mark.timeout(60)
+def test_another_users_symlink_above_roots_state_dir_is_not_followed(box, tmp_path):
+    """The same link under root: another user's symlink in the middle of
+    root's CONTAIN_STATE_DIR chose the root-owned directory (a stand-in for
+    /etc here) in which root created `st/runs/<id>/`."""
+    attacker, = spare_uids(1)
+    decoy = tmp_path / "decoy"
+    decoy.mkdir(mode=0o755)
+    with Shared(mode=0o1777) as sh:
+        link = os.path.join(sh.path, "link")
+        assert subprocess.run(_as(attacker, "ln", "-s", str(decoy), link), capture_output=True,
+                              timeout=10).returncode == 0
+        env = dict(box.env, CONTAIN_STATE_DIR=os.path.join(link, "st"))
+        r = subprocess.run(contain_cmd("run", "-q", "--backend", "pidns", "--id", "sl", "--", "true"),
+                           env=env, capture_output=True, text=True, timeout=30)
+        assert os.listdir(decoy) == [], f"root made {os.listdir(decoy)} through another user's link"
+        assert r.returncode == 125 and "not followed" in r.stderr, (r.returncode, r.stderr)
+    assert holders(box.token) == []
