@@ -277,6 +277,20 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _final_unless_alive(d: RunDir, state: str) -> bool:
+    """A final record whose owner let go is final unless what the run's tag
+    names is alive (_tags.still_alive): then a worker wrote it, and the
+    owner died before it could write its own."""
+    from ._tags import still_alive
+
+    alive = still_alive(d.path)
+    if alive is None:
+        return True
+    _err(f"run {d.id}: its record says {state} but {alive} and its owner is gone: not final; "
+         f"`contain cancel {d.id}` adopts and stops it")
+    return False
+
+
 def cmd_wait(args: argparse.Namespace) -> int:
     from ._cancel import Watcher
 
@@ -302,12 +316,12 @@ def cmd_wait(args: argparse.Namespace) -> int:
             # moments or a record forged by a worker that can write its run
             # directory. Only the kernel's lock says the owner is done.
             if state in TERMINAL and d.owner() is not True:
-                final = True
+                final = _final_unless_alive(d, state)
                 break
             if not d.owner_alive():
                 rec = d.load_record()
                 if isinstance(rec, dict) and rec["state"] in TERMINAL:
-                    final = True
+                    final = _final_unless_alive(d, rec["state"])
                     break
                 if isinstance(rec, Unreadable):
                     _err(f"run {d.id}: its record is unreadable ({rec.reason}) and its owner is gone")

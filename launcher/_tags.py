@@ -115,6 +115,37 @@ def can_write(path: str) -> bool:
     return True
 
 
+def still_alive(run_dir: str) -> str | None:
+    """For a reader of a final record: which process the run's tag names
+    (the wall's init, the worker, by pid + start time) is alive now, or
+    None. An owner writes its final record only once its container was
+    observed empty, so a live one means the record is not the owner's (a
+    worker that can write its run directory wrote it). This only ever makes
+    a reader more cautious: a forged tag can make it say "not final" about
+    the forger's own run, never "final"."""
+    from ._identity import boot_id
+    from ._procfs import read_stat
+
+    v = read(run_dir, RUN_TAG).value
+    if v is None or v.get("boot_id") != boot_id():
+        return None
+    wall = v.get("wall")
+    init = wall.get("init") if isinstance(wall, dict) else None
+    for what, ident in (("the PID namespace's init", init), ("the worker", v.get("worker"))):
+        if not isinstance(ident, dict):
+            continue
+        pid, start = ident.get("pid"), ident.get("start_time")
+        if not isinstance(pid, int) or not isinstance(start, int) or pid <= 0:
+            continue
+        st = read_stat(pid)
+        # A zombie is not alive: an init's exit waits for every member of
+        # its namespace to be gone (zap_pid_ns_processes), and a zombie
+        # waits only for its new parent to reap it.
+        if st is not None and st[4] == start and st[0] not in ("Z", "X"):
+            return f"{what} (pid {pid}) is still alive"
+    return None
+
+
 class RunTag:
     """The run directory's tag, kept by the owner: fields are changed with
     `update`, which rewrites the tag only when something changed."""

@@ -90,8 +90,43 @@ def test_own_worker_forging_a_terminal_record_then_orphaned_is_still_stopped_by_
             assert c.returncode == 0 and ack.get("effect") == "cancelled", (c.returncode, c.stdout, c.stderr)
             w = v.contain("wait", "fg", "--json", timeout=30)
             rec = json.loads(w.stdout)
-            assert w.returncode == 0 and rec["state"] == "REAPED" and rec["outcome"] == "cancelled", w.stdout
+            assert w.returncode == 0 and rec["state"] == "REAPED" and rec["outcome"] == "cancelled", (w.stderr, w.stdout[:300])
             assert any("record.json" in n for n in rec["notes"]), rec["notes"]
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+            kill_holders(v.token)
+        assert holders(v.token) == []
+
+
+
+@needs_users
+@pytest.mark.timeout(120)
+def test_own_worker_forging_a_reaped_record_then_orphaned_does_not_end_contain_wait():
+    """The same forgery, asked by a reader: once the supervisor is dead,
+    `contain wait` took the forged REAPED as final (the owner had let go of
+    its lock: it died) and exited 0 with the whole tree alive."""
+    victim, = spare_uids(1)
+    with Shared() as sh:
+        v = Victim(sh, victim)
+        p = v.start("run", "-q", "--backend", "pidns", "--id", "fw", "--", SYS_PY, "-c", _FORGE_TERMINAL, "REAPED")
+        try:
+            line = readline_within(p.stdout, 30)
+            assert line.strip() == b"forged", (line, p.poll())
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait(10)
+            w = v.contain("wait", "fw", timeout=30)
+            still = holders(v.token)
+            assert len(still) >= 2, still
+            assert w.returncode != 0, f"contain wait said {w.stdout.strip()!r} (exit 0) with {still} alive"
+            assert w.returncode == 1 and "not final" in w.stderr and "Traceback" not in w.stderr, \
+                (w.returncode, w.stdout, w.stderr)
+            c = v.contain("cancel", "fw", "--grace", "0", "--wait", timeout=60)
+            assert c.returncode == 0, (c.stdout, c.stderr)
+            assert holders(v.token) == []
+            w = v.contain("wait", "fw", timeout=30)
+            assert w.returncode == 0 and "REAPED" in w.stdout, (w.stdout, w.stderr)
         finally:
             if p.poll() is None:
                 p.kill()
