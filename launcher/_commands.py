@@ -175,6 +175,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     state = view["state"]
     if state == UNREADABLE:
         add(f"  state      UNREADABLE: {view['unreadable']}")
+    elif view.get("not_final"):
+        add(f"  state      {state}? not final: {view['not_final']} and its supervisor is gone; "
+            f"`contain cancel {d.id}` adopts and stops it")
     elif view["orphaned"]:
         add(f"  state      {state}, orphaned: its supervisor is gone; `contain cancel {d.id}` adopts and stops it")
     else:

@@ -149,6 +149,16 @@ def fill_view(d: RunDir, view: dict[str, Any], live: bool, summary: bool = False
         if rec["state"] in TERMINAL:
             if owner_of_ended:
                 view["owner_alive"] = d.owner()
+                if not summary and view["owner_alive"] is False:
+                    # One run's status: a final record whose owner is gone
+                    # while what the tag names lives was not the owner's
+                    # (_tags.still_alive; `contain wait` says "not final").
+                    from ._tags import still_alive
+
+                    alive = still_alive(d.path)
+                    if alive is not None:
+                        view["orphaned"] = True
+                        view["not_final"] = f"its record says {rec['state']} but {alive}"
             return view
     owner = d.owner()
     view["owner_alive"] = owner

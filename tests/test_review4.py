@@ -122,6 +122,10 @@ def test_own_worker_forging_a_reaped_record_then_orphaned_does_not_end_contain_w
             assert w.returncode != 0, f"contain wait said {w.stdout.strip()!r} (exit 0) with {still} alive"
             assert w.returncode == 1 and "not final" in w.stderr and "Traceback" not in w.stderr, \
                 (w.returncode, w.stdout, w.stderr)
+            st = v.contain("status", "fw", timeout=30)
+            assert "not final" in st.stdout and "Traceback" not in st.stderr, (st.stdout, st.stderr)
+            sj = json.loads(v.contain("status", "fw", "--json", timeout=30).stdout)
+            assert sj["live"]["orphaned"] is True, sj["live"]
             c = v.contain("cancel", "fw", "--grace", "0", "--wait", timeout=60)
             assert c.returncode == 0, (c.stdout, c.stderr)
             assert holders(v.token) == []
