@@ -17,6 +17,7 @@ import pytest
 
 from _proc import TOKEN_VAR, contain_cmd, holders, kill_holders, new_token, readline_within
 from _users import SYS_PY, Shared, spare_uids, user_env, why_not
+from conftest import needs_cgroup
 
 USERS_SKIP = why_not()
 needs_users = pytest.mark.skipif(USERS_SKIP is not None, reason=USERS_SKIP or "")
@@ -185,4 +186,45 @@ def test_another_users_symlink_above_roots_state_dir_is_not_followed(box, tmp_pa
                            env=env, capture_output=True, text=True, timeout=30)
         assert os.listdir(decoy) == [], f"root made {os.listdir(decoy)} through another user's link"
         assert r.returncode == 125 and "not followed" in r.stderr, (r.returncode, r.stderr)
+    assert holders(box.token) == []
+
+
+# -- --seal's dynamic uids -----------------------------------------------------------------
+
+_SEAL_IN_OWN_PASSWD = r"""
+set -e
+mount --bind "$1" /etc/passwd
+shift
+exec "$@"
+"""
+
+
+@needs_cgroup
+@pytest.mark.timeout(90)
+def test_seal_never_takes_the_uid_of_an_account_that_is_logged_out(box, tmp_path):
+    """`--seal` picks a host uid from 61184-65519 that no live process has.
+    A local account in that range (a user, logged out right now) was not
+    excluded: the sealed worker ran as that user's uid, so it could write
+    that user's files, and that user, once back, could signal or ptrace the
+    'sealed' tree. Here every uid of the range but one is an account (in a
+    passwd file bind-mounted in a mount namespace of the test's own): the
+    run must get that one."""
+    from launcher._platform.sealing import DYNAMIC_FIRST, DYNAMIC_LAST, _uids_in_use
+
+    used = _uids_in_use()
+    free = next(u for u in range(DYNAMIC_LAST, DYNAMIC_FIRST, -1) if u not in used)
+    passwd = tmp_path / "passwd"
+    with open("/etc/passwd") as f:
+        lines = f.read().splitlines()
+    lines += [f"acct{u}:x:{u}:{u}::/home/acct{u}:/bin/sh" for u in range(DYNAMIC_FIRST, DYNAMIC_LAST + 1)
+              if u != free]
+    passwd.write_text("\n".join(lines) + "\n")
+    rec_path = tmp_path / "rec.json"
+    p = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", _SEAL_IN_OWN_PASSWD, "sh",
+                        str(passwd), *contain_cmd("run", "-q", "--seal", "--id", "su", "--record", str(rec_path),
+                                                  "--", "true")],
+                       env=box.env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, (p.returncode, p.stderr)
+    seal = json.loads(rec_path.read_text())["containment"]["seal"]
+    assert seal["host_uid"] == free, f"sealed as uid {seal['host_uid']}, an account's (acct{seal['host_uid']})"
     assert holders(box.token) == []
