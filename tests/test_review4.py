@@ -12,12 +12,14 @@ import json
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 
 from _proc import TOKEN_VAR, contain_cmd, holders, kill_holders, new_token, readline_within
 from _users import SYS_PY, Shared, spare_uids, user_env, why_not
 from conftest import needs_cgroup
+from test_review2 import _remove_v1_of
 
 USERS_SKIP = why_not()
 needs_users = pytest.mark.skipif(USERS_SKIP is not None, reason=USERS_SKIP or "")
@@ -100,6 +102,35 @@ def test_own_worker_forging_a_terminal_record_then_orphaned_is_still_stopped_by_
             kill_holders(v.token)
         assert holders(v.token) == []
 
+
+
+
+@needs_cgroup
+@pytest.mark.timeout(120)
+def test_root_worker_forging_a_reaped_record_then_orphaned_is_still_stopped_by_cancel(box):
+    """The same under root on cgroup2 (a root worker, not sealed, writes its
+    run directory): once the supervisor died, cancel adopted, believed the
+    forged REAPED and left the populated cgroup running."""
+    p = subprocess.Popen(contain_cmd("run", "-q", "--id", "rf", "--", sys.executable, "-c", _FORGE_TERMINAL, "REAPED"),
+                         env=box.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        line = readline_within(p.stdout, 30)
+        assert line.strip() == b"forged", (line, p.poll())
+        assert len(holders(box.token)) >= 2
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(10)
+        c = subprocess.run(contain_cmd("cancel", "rf", "--grace", "0", "--wait", "--json"), env=box.env,
+                           capture_output=True, text=True, timeout=60)
+        still = holders(box.token)
+        assert still == [], f"cancel said {c.stdout.strip()[-200:]!r} with {still} alive"
+        assert c.returncode == 0 and json.loads(c.stdout)["effect"] == "cancelled", (c.stdout, c.stderr)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        kill_holders(box.token)
+        _remove_v1_of("rf")
+    assert holders(box.token) == []
 
 
 @needs_users
