@@ -21,8 +21,11 @@ that replaces the whole directory makes one without the tag, which an
 adopter reads as "not to be trusted", never as "nothing to do".
 
 A non-root supervisor uses `user.`, which any writer of the directory may
-set: for a non-root adopter those are processes of its own uid, which could
-already do whatever the tag would make the adopter do.
+set, its own worker included. That worker is walled in a PID namespace and
+could not signal anything outside it, so a rewritten tag can make the
+adopter do what the worker could not (name another run's init, which is pid
+1 of a namespace too: tests/test_review4.py, strict xfail, says how to bind
+the init to its run directory instead).
 """
 from __future__ import annotations
 

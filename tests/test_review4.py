@@ -259,3 +259,66 @@ def test_seal_never_takes_the_uid_of_an_account_that_is_logged_out(box, tmp_path
     seal = json.loads(rec_path.read_text())["containment"]["seal"]
     assert seal["host_uid"] == free, f"sealed as uid {seal['host_uid']}, an account's (acct{seal['host_uid']})"
     assert holders(box.token) == []
+
+
+# -- the `user.` tag an unprivileged run's worker can rewrite ----------------------------
+
+_NAME_ANOTHER_RUNS_INIT = r"""
+import os, sys, time
+d = os.environ["CONTAIN_RUN_DIR"]
+other = os.path.join(os.path.dirname(d), sys.argv[1])
+tag = os.getxattr(other, "user.contain.run")
+import json
+mine = json.loads(os.getxattr(d, "user.contain.run"))
+mine["wall"] = json.loads(tag)["wall"]        # the other run's init: pid 1 of its namespace
+os.setxattr(d, "user.contain.run", json.dumps(mine).encode())
+print("forged", flush=True)
+time.sleep(300)
+"""
+
+
+@needs_users
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(strict=True, reason="an unprivileged run's tag is a user. xattr its own worker can rewrite: naming "
+                   "another run's init (pid 1 of its namespace) passes pidwall.adopt; the fix binds the init to its "
+                   "run directory where the worker cannot reach (e.g. the init holds the run directory open and the "
+                   "adopter checks /proc/<init>/fd for its dev:ino), in init.c/wall.c and pidwall.adopt")
+def test_own_worker_naming_another_runs_init_in_its_tag_cannot_make_cancel_kill_that_run():
+    """Two runs of one unprivileged user (pidns backend). Run A's worker,
+    walled in its own PID namespace, cannot signal run B. It copies B's wall
+    (its init's pid and start time, B's namespace) into A's own `user.` tag;
+    A's supervisor then dies. The user's `contain cancel A` adopted, took
+    B's init for A's (it is pid 1 of the namespace the tag names), killed
+    run B's whole tree, and said A was REAPED with A's tree alive."""
+    victim, = spare_uids(1)
+    with Shared() as sh:
+        v = Victim(sh, victim)
+        b_token = new_token()
+        env_b = dict(v.env, **{TOKEN_VAR: b_token})
+        b = subprocess.Popen(_as(victim, SYS_PY, "-m", "launcher", "run", "-q", "--backend", "pidns", "--id", "b",
+                                 "--", "sleep", "300"), env=env_b, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             cwd="/")
+        a = None
+        try:
+            for _ in range(200):
+                if holders(b_token):
+                    break
+                readline_within(b.stdout, 0.05)
+            assert holders(b_token), "run b did not start"
+            a = v.start("run", "-q", "--backend", "pidns", "--id", "a", "--", SYS_PY, "-c",
+                        _NAME_ANOTHER_RUNS_INIT, "b")
+            line = readline_within(a.stdout, 30)
+            assert line.strip() == b"forged", (line, a.poll())
+            os.kill(a.pid, signal.SIGKILL)
+            a.wait(10)
+            c = v.contain("cancel", "a", "--grace", "0", "--wait", "--json", timeout=60)
+            assert holders(b_token), f"cancel of run a killed run b ({c.stdout.strip()[-200:]!r})"
+            assert not (c.returncode == 0 and holders(v.token)), f"cancel said {c.stdout[-200:]!r}, run a alive"
+        finally:
+            for p in (a, b):
+                if p is not None and p.poll() is None:
+                    p.kill()
+                    p.wait(10)
+            kill_holders(v.token)
+            kill_holders(b_token)
+        assert holders(v.token) == [] and holders(b_token) == []
