@@ -18,8 +18,8 @@ from ._errors import LauncherError, RunConflict, RunNotFound
 from ._layout import RunDir
 from ._runfiles import TERMINAL, RunInfo, Unreadable
 from ._safefs import UnsafePath
-from ._views import (ID_WIDTH, UNREADABLE, age, cost_lines, cut, empty_view, exit_text, fill_view, layers,
-                     live_view, observed, parse_iso, signame, size, text, usage_lines)
+from ._views import (ID_WIDTH, UNREADABLE, age, command, cost_lines, cut, empty_view, exit_text, fill_view, layers,
+                     live_view, observed, parse_iso, printable, signame, size, text, usage_lines)
 
 EXIT_OK, EXIT_DID_NOT_HOLD, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_CONTAIN_FAILED = 0, 1, 2, 3, 125
 
@@ -136,7 +136,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         members = "-" if v["members"] is None else str(v["members"])
         cpu = "-" if not isinstance(v["cpu_usec"], int) else f"{v['cpu_usec'] / 1e6:.2f}s"
         mem = ((v.get("usage") or {}).get("memory_bytes") or {}).get("value")
-        what = (f"({v['unreadable']})" if v["unreadable"] else " ".join(v["argv"] or []))
+        what = (f"({printable(v['unreadable'])})" if v["unreadable"] else command(v["argv"]))
         rows.append((v["id"] if width is None else cut(v["id"], width), state, v["outcome"] or "-",
                      exit_text(v), age(v["started_at"], now), members, cpu, size(mem) if mem is not None else "-",
                      cut(what, 80)))
@@ -144,7 +144,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     out = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
     if hidden:
         out.append(f"({hidden} ended run{'s' if hidden != 1 else ''} not shown: `contain ls --all`)")
-    sys.stdout.write("\n".join(out) + "\n")
+    sys.stdout.write("\n".join(printable(line) for line in out) + "\n")
     return EXIT_OK
 
 
@@ -191,7 +191,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         add(f"  outcome    {how}")
     argv = view["argv"]
     if argv:
-        add(f"  command    {' '.join(argv)}")
+        add(f"  command    {command(argv)}")
     t = (record or {}).get("timings") or {}
     if t.get("spawned_at") or view["started_at"]:
         started = t.get("spawned_at") or view["started_at"]
@@ -232,7 +232,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         add(f"  cancel     {ack.get('op_id')}: {ack.get('effect')}"
             + (f" (requested {ack['requested_at']})" if ack.get("requested_at") else "")
             + (f": {ack['detail']}" if ack.get("detail") else ""))
-    sys.stdout.write("\n".join(out) + "\n")
+    sys.stdout.write("\n".join(printable(line) for line in out) + "\n")
     return EXIT_OK
 
 

@@ -216,6 +216,33 @@ def text(v: Any, budget: int = 240) -> str:
     return s
 
 
+_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def printable(s: str) -> str:
+    """`s` for a terminal: control characters (a newline that would forge a
+    row of `ls`, an escape sequence that would reach the terminal) and
+    undecodable bytes (surrogate escapes) spelled as backslash escapes. The
+    text comes from argv and record.json, which a worker may have written."""
+    if s.isprintable():
+        return s
+    out = []
+    for c in s:
+        if c.isprintable():
+            out.append(c)
+        elif c in _ESCAPES:
+            out.append(_ESCAPES[c])
+        elif 0xDC80 <= ord(c) <= 0xDCFF:
+            out.append(f"\\x{ord(c) - 0xDC00:02x}")
+        else:
+            out.append(f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+    return "".join(out)
+
+
+def command(argv: list[Any] | None) -> str:
+    return " ".join(printable(str(a)) for a in argv or [])
+
+
 def render(v: Any) -> str:
     if v is None:
         return "-"

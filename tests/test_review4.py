@@ -322,3 +322,27 @@ def test_own_worker_naming_another_runs_init_in_its_tag_cannot_make_cancel_kill_
             kill_holders(v.token)
             kill_holders(b_token)
         assert holders(v.token) == [] and holders(b_token) == []
+
+
+# -- what ls and status print ------------------------------------------------------------
+
+@needs_cgroup
+@pytest.mark.timeout(60)
+def test_newline_and_escape_in_argv_cannot_forge_ls_rows_or_reach_the_terminal(box):
+    """A command with a newline (any multi-line `sh -c` script) and an
+    escape sequence (here one that would set the terminal's title, or OSC 52,
+    the clipboard) was printed raw by `ls` and `status`: the newline forged
+    a row of its own ("fake  REAPED ...") and the escape went to the
+    terminal. A worker that can write its record.json chooses this text."""
+    script = "true\nfake  REAPED   exited   0\n\x1b]0;owned\x07\x1b]52;c;ZWNobyBvd25lZA==\x07"
+    r = subprocess.run(contain_cmd("run", "-q", "--id", "nl", "--", "sh", "-c", script), env=box.env,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    ls = subprocess.run(contain_cmd("ls", "--all"), env=box.env, capture_output=True, text=True, timeout=30)
+    st = subprocess.run(contain_cmd("status", "nl"), env=box.env, capture_output=True, text=True, timeout=30)
+    for out in (ls.stdout, st.stdout):
+        assert "\x1b" not in out and "\x07" not in out, repr(out)
+        assert not any(line.startswith("fake") for line in out.splitlines()), out
+    assert len(ls.stdout.splitlines()) == 2, ls.stdout     # the header and one row
+    assert "\\n" in ls.stdout and "\\x1b" in st.stdout, (ls.stdout, st.stdout)
+    assert holders(box.token) == []
