@@ -346,3 +346,48 @@ def test_newline_and_escape_in_argv_cannot_forge_ls_rows_or_reach_the_terminal(b
     assert len(ls.stdout.splitlines()) == 2, ls.stdout     # the header and one row
     assert "\\n" in ls.stdout and "\\x1b" in st.stdout, (ls.stdout, st.stdout)
     assert holders(box.token) == []
+
+
+_FIFOS_FOR_RUN_FILES = r"""
+import os, subprocess, time
+d = os.environ["CONTAIN_RUN_DIR"]
+kid = subprocess.Popen(["sleep", "300"])
+for name in ("run.json", "record.json"):
+    os.unlink(os.path.join(d, name))
+    os.mkfifo(os.path.join(d, name), 0o600)
+print("replaced", flush=True)
+time.sleep(300)
+"""
+
+
+@needs_users
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(strict=True, reason="the requester takes the run uid from run.json only; without one the owner "
+                   "rejects the request (run_uid required) and cancel --wait waits for an owner that will never act. "
+                   "The fix is in _cancel.cancel (the lead's): fall back to record.json's run_uid, then to the run "
+                   "tag's (_tags.read(path, RUN_TAG)), which a --user/--seal worker cannot touch")
+def test_own_worker_replacing_run_json_with_a_fifo_cannot_make_its_run_deaf_to_cancel():
+    """An unprivileged user's worker replaces its run.json and record.json
+    with FIFOs. `contain cancel --wait` could not read the run uid, sent a
+    request without one, which the owner rejected; it then waited for ever
+    (the owner holds the run as long as the worker lives): the run was
+    deaf to cancel and the user's cancel hung."""
+    victim, = spare_uids(1)
+    with Shared() as sh:
+        v = Victim(sh, victim)
+        p = v.start("run", "-q", "--backend", "pidns", "--id", "ff", "--", SYS_PY, "-c", _FIFOS_FOR_RUN_FILES)
+        try:
+            line = readline_within(p.stdout, 30)
+            assert line.strip() == b"replaced", (line, p.poll())
+            try:
+                c = v.contain("cancel", "ff", "--grace", "0", "--wait", timeout=20)
+            except subprocess.TimeoutExpired:
+                pytest.fail("contain cancel --wait hung: the run did not stop")
+            still = holders(v.token)
+            assert still == [], f"cancel exited {c.returncode} ({c.stdout.strip()} {c.stderr.strip()}) with {still} alive"
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+            kill_holders(v.token)
+        assert holders(v.token) == []
