@@ -380,7 +380,7 @@ def test_own_worker_replacing_run_json_with_a_fifo_cannot_make_its_run_deaf_to_c
             line = readline_within(p.stdout, 30)
             assert line.strip() == b"replaced", (line, p.poll())
             try:
-                c = v.contain("cancel", "ff", "--grace", "0", "--wait", timeout=20)
+                c = v.contain("cancel", "ff", "--grace", "0", "--wait", timeout=10)
             except subprocess.TimeoutExpired:
                 pytest.fail("contain cancel --wait hung: the run did not stop")
             still = holders(v.token)
