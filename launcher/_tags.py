@@ -24,8 +24,9 @@ A non-root supervisor uses `user.`, which any writer of the directory may
 set, its own worker included. That worker is walled in a PID namespace and
 could not signal anything outside it, so a rewritten tag can make the
 adopter do what the worker could not (name another run's init, which is pid
-1 of a namespace too: tests/test_review4.py, strict xfail, says how to bind
-the init to its run directory instead).
+1 of a namespace too: tests/test_review4.py, strict xfail). Such a worker
+can rewrite everything in the state directory, so nothing there binds it;
+only hiding the state directory from it would.
 """
 from __future__ import annotations
 

@@ -280,9 +280,11 @@ time.sleep(300)
 @needs_users
 @pytest.mark.timeout(120)
 @pytest.mark.xfail(strict=True, reason="an unprivileged run's tag is a user. xattr its own worker can rewrite: naming "
-                   "another run's init (pid 1 of its namespace) passes pidwall.adopt; the fix binds the init to its "
-                   "run directory where the worker cannot reach (e.g. the init holds the run directory open and the "
-                   "adopter checks /proc/<init>/fd for its dev:ino), in init.c/wall.c and pidwall.adopt")
+                   "another run's init (pid 1 of its namespace) passes pidwall.adopt. Binding the init to its run "
+                   "directory is not enough (the worker can also rename run directories: swapping runs/A and runs/B "
+                   "made both deaf to cancel); the fix is that the worker cannot write the state directory: hide it "
+                   "in the run's mount namespace (the init mounts over it; the pidns worker has no capability to "
+                   "unmount), which is also what `sealed` needs; a design decision for the lead (nested runs)")
 def test_own_worker_naming_another_runs_init_in_its_tag_cannot_make_cancel_kill_that_run():
     """Two runs of one unprivileged user (pidns backend). Run A's worker,
     walled in its own PID namespace, cannot signal run B. It copies B's wall
