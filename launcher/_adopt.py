@@ -56,9 +56,14 @@ def _adopt(layout: RunDir, vouched: str | None = None) -> tuple[Run, AttachResul
     if not isinstance(info, dict) or not isinstance(info.get("argv"), list):
         raise LauncherError(f"run {layout.id}: run.json unreadable")
     rec = layout.read_record() or {}
+    att = attach_container(layout.path, layout.id, info)
+    forged = _terminal_but_held(rec, att)
+    if forged is not None:
+        rec = {}
     facts = RunEvidence.from_record(rec)
     facts.notes.append(f"adopted by pid {os.getpid()} after the owner was gone")
-    att = attach_container(layout.path, layout.id, info)
+    if forged is not None:
+        facts.notes.append(forged)
     facts.notes.extend(n for n in att.notes if n)
     if vouched is not None and att.unattached is None and att.container.backend == "cgroup2":
         att.container.vouched = vouched
@@ -87,6 +92,30 @@ def _adopt(layout: RunDir, vouched: str | None = None) -> tuple[Run, AttachResul
             r.snap = S.step(r.snap, S.Event.ROOT_EXITED)
     r.open_channels()
     return r, att
+
+
+def _terminal_but_held(rec: dict[str, Any], att: AttachResult) -> str | None:
+    """Why record.json's terminal state is not the previous owner's, or None.
+    An owner writes a terminal state only once it observed its kernel
+    container empty; a worker that can write its run directory (the same
+    uid, or root unsealed) can write one while its tree goes on, and then
+    an adopter that believed it stopped nothing. So a terminal record of a
+    cgroup or PID-namespace run whose container, as tagged and re-verified,
+    is observed holding members is not the owner's, and is ignored. Only a
+    positive observation overrides the file: one that cannot be made leaves
+    it as it is (docs/protocol.md, "What an adopter acts on")."""
+    state = rec.get("state")
+    c = att.container
+    if state not in S.TERMINAL_STATES or att.unattached is not None or c.backend not in ("cgroup2", "pidns"):
+        return None
+    try:
+        held = c.populated()
+    except OSError:
+        return None
+    if not held:
+        return None
+    return (f"record.json said {str(state)[:20]} but the run's container still held members: "
+            "not the owner's record (a process that can write the run directory wrote it), ignored")
 
 
 def _trust_the_tag(facts: RunEvidence, att: AttachResult) -> None:

@@ -18,8 +18,8 @@ from ._errors import LauncherError, RunConflict, RunNotFound
 from ._layout import RunDir
 from ._runfiles import TERMINAL, RunInfo, Unreadable
 from ._safefs import UnsafePath
-from ._views import (ID_WIDTH, UNREADABLE, age, cost_lines, cut, empty_view, exit_text, fill_view, layers,
-                     live_view, observed, parse_iso, signame, size, text, usage_lines)
+from ._views import (ID_WIDTH, UNREADABLE, age, command, cost_lines, cut, empty_view, exit_text, fill_view, layers,
+                     live_view, observed, parse_iso, printable, signame, size, text, usage_lines)
 
 EXIT_OK, EXIT_DID_NOT_HOLD, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_CONTAIN_FAILED = 0, 1, 2, 3, 125
 
@@ -136,7 +136,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         members = "-" if v["members"] is None else str(v["members"])
         cpu = "-" if not isinstance(v["cpu_usec"], int) else f"{v['cpu_usec'] / 1e6:.2f}s"
         mem = ((v.get("usage") or {}).get("memory_bytes") or {}).get("value")
-        what = (f"({v['unreadable']})" if v["unreadable"] else " ".join(v["argv"] or []))
+        what = (f"({printable(v['unreadable'])})" if v["unreadable"] else command(v["argv"]))
         rows.append((v["id"] if width is None else cut(v["id"], width), state, v["outcome"] or "-",
                      exit_text(v), age(v["started_at"], now), members, cpu, size(mem) if mem is not None else "-",
                      cut(what, 80)))
@@ -144,7 +144,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     out = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
     if hidden:
         out.append(f"({hidden} ended run{'s' if hidden != 1 else ''} not shown: `contain ls --all`)")
-    sys.stdout.write("\n".join(out) + "\n")
+    sys.stdout.write("\n".join(printable(line) for line in out) + "\n")
     return EXIT_OK
 
 
@@ -175,6 +175,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     state = view["state"]
     if state == UNREADABLE:
         add(f"  state      UNREADABLE: {view['unreadable']}")
+    elif view.get("not_final"):
+        add(f"  state      {state}? not final: {view['not_final']} and its supervisor is gone; "
+            f"`contain cancel {d.id}` adopts and stops it")
     elif view["orphaned"]:
         add(f"  state      {state}, orphaned: its supervisor is gone; `contain cancel {d.id}` adopts and stops it")
     else:
@@ -188,7 +191,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         add(f"  outcome    {how}")
     argv = view["argv"]
     if argv:
-        add(f"  command    {' '.join(argv)}")
+        add(f"  command    {command(argv)}")
     t = (record or {}).get("timings") or {}
     if t.get("spawned_at") or view["started_at"]:
         started = t.get("spawned_at") or view["started_at"]
@@ -229,7 +232,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         add(f"  cancel     {ack.get('op_id')}: {ack.get('effect')}"
             + (f" (requested {ack['requested_at']})" if ack.get("requested_at") else "")
             + (f": {ack['detail']}" if ack.get("detail") else ""))
-    sys.stdout.write("\n".join(out) + "\n")
+    sys.stdout.write("\n".join(printable(line) for line in out) + "\n")
     return EXIT_OK
 
 
@@ -277,6 +280,20 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _final_unless_alive(d: RunDir, state: str) -> bool:
+    """A final record whose owner let go is final unless what the run's tag
+    names is alive (_tags.still_alive): then a worker wrote it, and the
+    owner died before it could write its own."""
+    from ._tags import still_alive
+
+    alive = still_alive(d.path)
+    if alive is None:
+        return True
+    _err(f"run {d.id}: its record says {state} but {alive} and its owner is gone: not final; "
+         f"`contain cancel {d.id}` adopts and stops it")
+    return False
+
+
 def cmd_wait(args: argparse.Namespace) -> int:
     from ._cancel import Watcher
 
@@ -302,12 +319,12 @@ def cmd_wait(args: argparse.Namespace) -> int:
             # moments or a record forged by a worker that can write its run
             # directory. Only the kernel's lock says the owner is done.
             if state in TERMINAL and d.owner() is not True:
-                final = True
+                final = _final_unless_alive(d, state)
                 break
             if not d.owner_alive():
                 rec = d.load_record()
                 if isinstance(rec, dict) and rec["state"] in TERMINAL:
-                    final = True
+                    final = _final_unless_alive(d, rec["state"])
                     break
                 if isinstance(rec, Unreadable):
                     _err(f"run {d.id}: its record is unreadable ({rec.reason}) and its owner is gone")

@@ -103,8 +103,9 @@ def open_ancestors(path: str) -> int:
     """An O_PATH fd of directory `path`, resolved by the kernel once
     (realpath) and then walked from / one component at a time with
     O_NOFOLLOW, each component checked (check_ancestor). Trust is decided by
-    the real directories, whatever symlinks led there."""
-    real = os.path.realpath(path)
+    the real directories, and a symlink on the way is followed only when it
+    belongs to root or to us (_trusted_realpath)."""
+    real = _trusted_realpath(path)
     fd = os.open("/", O_DIR_PATH)
     try:
         check_ancestor(os.fstat(fd), "/")
@@ -124,6 +125,46 @@ def open_ancestors(path: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _trusted_realpath(path: str) -> str:
+    """realpath(`path`), refusing a symlink of another user on the way
+    (UnsafePath): its owner can re-point it at any time, at another of our
+    directories (whose runs `contain ls` and `cancel` would then see instead
+    of ours) or, for root, at a directory of root's where root then creates
+    the state directory. A missing component ends the resolution; the walk
+    that follows reports it. fs.protected_symlinks' rule, as
+    open_dir_trusted_links applies it."""
+    euid = os.geteuid()
+    todo = [c for c in path.split("/") if c and c != "."][::-1]
+    parts: list[str] = []
+    links = 0
+    while todo:
+        comp = todo.pop()
+        if comp == "..":
+            if parts:
+                parts.pop()
+            continue
+        here = "/" + "/".join([*parts, comp])
+        try:
+            st = os.lstat(here)
+        except OSError:
+            parts.append(comp)
+            parts.extend(reversed(todo))
+            break
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid not in (0, euid):
+                raise UnsafePath(here, f"is a symlink owned by uid {st.st_uid}: not followed", errno.ELOOP)
+            links += 1
+            if links > 40:
+                raise UnsafePath(path, "too many levels of symbolic links", errno.ELOOP)
+            target = os.readlink(here)
+            if target.startswith("/"):
+                parts = []
+            todo.extend(c for c in target.split("/")[::-1] if c and c != ".")
+            continue
+        parts.append(comp)
+    return "/" + "/".join(parts)
 
 
 def open_dir_trusted_links(path: str, shown: str) -> int:

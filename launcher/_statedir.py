@@ -15,7 +15,8 @@ Location (first that applies):
 Verification, at every open (`StateDir.open`):
 - every directory above the state directory is owned by root or by us, and
   is writable by others only with the sticky bit (as /tmp is), checked on
-  the real path, one component at a time with O_NOFOLLOW;
+  the real path, one component at a time with O_NOFOLLOW, and a symlink
+  that led there is followed only when it is root's or ours;
 - the state directory and `runs/` are real directories (not symlinks), owned
   by the effective uid (readers also accept root's), not writable by group
   or others. What we create gets exactly 0700 (root's top and `runs/` 0755,

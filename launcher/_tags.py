@@ -21,8 +21,12 @@ that replaces the whole directory makes one without the tag, which an
 adopter reads as "not to be trusted", never as "nothing to do".
 
 A non-root supervisor uses `user.`, which any writer of the directory may
-set: for a non-root adopter those are processes of its own uid, which could
-already do whatever the tag would make the adopter do.
+set, its own worker included. That worker is walled in a PID namespace and
+could not signal anything outside it, so a rewritten tag can make the
+adopter do what the worker could not (name another run's init, which is pid
+1 of a namespace too: tests/test_review4.py, strict xfail). Such a worker
+can rewrite everything in the state directory, so nothing there binds it;
+only hiding the state directory from it would.
 """
 from __future__ import annotations
 
@@ -113,6 +117,37 @@ def can_write(path: str) -> bool:
     except OSError:
         pass
     return True
+
+
+def still_alive(run_dir: str) -> str | None:
+    """For a reader of a final record: which process the run's tag names
+    (the wall's init, the worker, by pid + start time) is alive now, or
+    None. An owner writes its final record only once its container was
+    observed empty, so a live one means the record is not the owner's (a
+    worker that can write its run directory wrote it). This only ever makes
+    a reader more cautious: a forged tag can make it say "not final" about
+    the forger's own run, never "final"."""
+    from ._identity import boot_id
+    from ._procfs import read_stat
+
+    v = read(run_dir, RUN_TAG).value
+    if v is None or v.get("boot_id") != boot_id():
+        return None
+    wall = v.get("wall")
+    init = wall.get("init") if isinstance(wall, dict) else None
+    for what, ident in (("the PID namespace's init", init), ("the worker", v.get("worker"))):
+        if not isinstance(ident, dict):
+            continue
+        pid, start = ident.get("pid"), ident.get("start_time")
+        if not isinstance(pid, int) or not isinstance(start, int) or pid <= 0:
+            continue
+        st = read_stat(pid)
+        # A zombie is not alive: an init's exit waits for every member of
+        # its namespace to be gone (zap_pid_ns_processes), and a zombie
+        # waits only for its new parent to reap it.
+        if st is not None and st[4] == start and st[0] not in ("Z", "X"):
+            return f"{what} (pid {pid}) is still alive"
+    return None
 
 
 class RunTag:

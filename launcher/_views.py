@@ -149,6 +149,16 @@ def fill_view(d: RunDir, view: dict[str, Any], live: bool, summary: bool = False
         if rec["state"] in TERMINAL:
             if owner_of_ended:
                 view["owner_alive"] = d.owner()
+                if not summary and view["owner_alive"] is False:
+                    # One run's status: a final record whose owner is gone
+                    # while what the tag names lives was not the owner's
+                    # (_tags.still_alive; `contain wait` says "not final").
+                    from ._tags import still_alive
+
+                    alive = still_alive(d.path)
+                    if alive is not None:
+                        view["orphaned"] = True
+                        view["not_final"] = f"its record says {rec['state']} but {alive}"
             return view
     owner = d.owner()
     view["owner_alive"] = owner
@@ -204,6 +214,33 @@ def text(v: Any, budget: int = 240) -> str:
     if isinstance(v, list):
         return f"{len(v)} entries: `contain status ID --json` shows them"
     return s
+
+
+_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def printable(s: str) -> str:
+    """`s` for a terminal: control characters (a newline that would forge a
+    row of `ls`, an escape sequence that would reach the terminal) and
+    undecodable bytes (surrogate escapes) spelled as backslash escapes. The
+    text comes from argv and record.json, which a worker may have written."""
+    if s.isprintable():
+        return s
+    out = []
+    for c in s:
+        if c.isprintable():
+            out.append(c)
+        elif c in _ESCAPES:
+            out.append(_ESCAPES[c])
+        elif 0xDC80 <= ord(c) <= 0xDCFF:
+            out.append(f"\\x{ord(c) - 0xDC00:02x}")
+        else:
+            out.append(f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+    return "".join(out)
+
+
+def command(argv: list[Any] | None) -> str:
+    return " ".join(printable(str(a)) for a in argv or [])
 
 
 def render(v: Any) -> str:

@@ -52,9 +52,29 @@ def _uids_in_use() -> set[int]:
     return used
 
 
+def _is_account(uid: int) -> bool:
+    """Whether `uid` (or the gid of that number) names a user or group of
+    this host (NSS, as systemd's dynamic users check): one that has no
+    process now is only logged out. A sealed worker with its uid could
+    write its files, and it, once back, could signal or trace the tree."""
+    import grp
+    import pwd
+
+    for lookup in (pwd.getpwuid, grp.getgrgid):
+        try:
+            lookup(uid)
+            return True
+        except KeyError:
+            continue
+        except OSError:
+            return True       # NSS could not answer: not known to be free
+    return False
+
+
 def claim_dynamic_uid(state_dir: str, run_id: str) -> tuple[int, str]:
     """A host uid for one sealed run, from the dynamic range: one no live
-    process has and no recent claim names. Returns (uid, claim path); the
+    process has, no account or group of this host names, and no recent
+    claim names. Returns (uid, claim path); the
     claim is removed when the run ends (release_claim). Claims are made
     under an flock of the claims directory, so two supervisors never take
     the same one. Raises OSError when none is free."""
@@ -90,7 +110,7 @@ def claim_dynamic_uid(state_dir: str, run_id: str) -> tuple[int, str]:
         start = int.from_bytes(os.urandom(4), "little") % span     # (not `random`: 1 ms of imports)
         for i in range(span):
             uid = DYNAMIC_FIRST + (start + i) % span
-            if uid in used or uid in claimed:
+            if uid in used or uid in claimed or _is_account(uid):
                 continue
             fd = os.open(str(uid), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                          0o600, dir_fd=dfd)
