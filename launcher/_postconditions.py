@@ -16,7 +16,7 @@ import socket
 import time
 from typing import Any, Iterable
 
-from ._locks import HeldLocks as HeldLocks, held_by as locks_held_by, locks_released as locks_released
+from ._locks import HeldLocks as HeldLocks, locks_released as locks_released
 from ._record import evidence
 from ._redispatch import POSTCONDITIONS as POSTCONDITIONS
 

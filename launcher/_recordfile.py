@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 from . import _safefs as F
 from ._safefs import PersistError, UnsafePath
+from ._safepath import open_dir_trusted_links
 
 
 class RecordTarget:
@@ -202,7 +203,7 @@ def _resolve(path: str, euid: int) -> tuple[int, str, os.stat_result | None]:
     """The directory that holds what `path` names (a held fd), the name in
     it, and its lstat (None when nothing is there yet). Every symlink on the
     way, the last component's included, is followed only when it belongs to
-    root or to us (_safefs.open_dir_trusted_links); the name returned is
+    root or to us (_safepath.open_dir_trusted_links); the name returned is
     never a link."""
     cur = path
     followed = False
@@ -210,7 +211,7 @@ def _resolve(path: str, euid: int) -> tuple[int, str, os.stat_result | None]:
         parent, name = os.path.split(cur.rstrip("/") or "/")
         if not name:
             raise UnsafePath(path, "is a directory", errno.EISDIR)
-        dfd = F.open_dir_trusted_links(parent or ".", path)
+        dfd = open_dir_trusted_links(parent or ".", path)
         try:
             try:
                 lst: os.stat_result | None = os.stat(name, dir_fd=dfd, follow_symlinks=False)

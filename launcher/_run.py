@@ -28,7 +28,6 @@ worker's status instead of "worker running".
 """
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time

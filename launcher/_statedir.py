@@ -35,6 +35,7 @@ import time
 from . import _safefs as F
 from ._policy import elevated as elevated, policy_env as policy_env
 from ._safefs import UnsafePath
+from ._safepath import open_ancestors
 
 ENV = "CONTAIN_STATE_DIR"
 
@@ -141,12 +142,12 @@ class StateDir:
         mode = top_mode()
         try:
             try:
-                anc = F.open_ancestors(parent)
+                anc = open_ancestors(parent)
             except FileNotFoundError:
                 if not create:
                     raise
                 _make_parents(parent)
-                anc = F.open_ancestors(parent)
+                anc = open_ancestors(parent)
             try:
                 fd = F.open_private_dir(anc, name, path, owners=owners, create_mode=mode if create else None)
             finally:

@@ -80,7 +80,7 @@ def append_stats(path: str, line: str) -> None:
     symlink in its last component, never opens a FIFO or device (O_NONBLOCK
     at open, then a regular-file check), creates the file 0644. Raises
     OSError, which the caller reports (stderr and the exit status)."""
-    from . import _safefs
+    from ._safepath import open_dir_trusted_links
 
     parent, name = os.path.split(path)
     if not name:
@@ -88,7 +88,7 @@ def append_stats(path: str, line: str) -> None:
     # The directories above: a symlink there is followed only when it
     # belongs to root or to us, as in --record (another user's would choose
     # the directory root appends in).
-    dfd = _safefs.open_dir_trusted_links(parent or ".", path)
+    dfd = open_dir_trusted_links(parent or ".", path)
     try:
         try:
             st0 = os.stat(name, dir_fd=dfd, follow_symlinks=False)
