@@ -101,19 +101,37 @@ def cancel(run_id: str, *, op_id: str | None = None, grace: float | None = None,
     layout = RunDir.find(run_id, state_dir)
     ack = layout.read_ack(op)
     info = layout.read_run() or {}
-    if ack is None and run_uid is not None and info.get("run_uid") != run_uid:
+    known_uid = info.get("run_uid") or _run_uid_elsewhere(layout)
+    if ack is None and run_uid is not None and known_uid != run_uid:
         return CancelRecord({"op_id": op, "run_id": run_id, "run_uid": run_uid, "effect": "unknown",
                              "state": None, "detail": f"refused: run {run_id} is now run uid "
-                             f"{info.get('run_uid')}, not {run_uid}", "requested_at": now_iso()})
-    if ack is not None and (not wait or settled(ack)):
+                             f"{known_uid}, not {run_uid}", "requested_at": now_iso()})
+    if ack is not None and (not wait or (settled(ack) and layout.owner() is not True)):
         return CancelRecord(ack)
     if ack is None:
-        req: dict[str, Any] = {"op_id": op, "run_uid": run_uid or info.get("run_uid"),
+        req: dict[str, Any] = {"op_id": op, "run_uid": run_uid or known_uid,
                                "requested_at": now_iso(), "by": {"pid": os.getpid()}}
         if grace is not None:
             req["grace"] = grace
         layout.append_request(req)
     return _await(layout, op, info, wait, timeout)
+
+
+def _run_uid_elsewhere(layout: RunDir) -> str | None:
+    """The run uid when run.json does not give it (gone, unreadable, or a
+    FIFO a worker put there): the record's, else the run's own tag (root's
+    is a trusted. xattr no worker of another uid can touch). Without one the
+    owner refuses the request, and a cancel would wait on a run that never
+    hears it."""
+    rec = layout.read_record()
+    if rec is not None and isinstance(rec.get("run_uid"), str):
+        return str(rec["run_uid"])
+    from . import _tags
+    from ._runfiles import UID_RE
+
+    tag = _tags.read(layout.path, _tags.RUN_TAG).value
+    uid = tag.get("run_uid") if tag is not None else None
+    return uid if isinstance(uid, str) and UID_RE.match(uid) else None
 
 
 def _await(layout: RunDir, op: str, info: dict[str, Any], wait: bool, timeout: float | None) -> CancelRecord:

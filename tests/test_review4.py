@@ -364,10 +364,6 @@ time.sleep(300)
 
 @needs_users
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="the requester takes the run uid from run.json only; without one the owner "
-                   "rejects the request (run_uid required) and cancel --wait waits for an owner that will never act. "
-                   "The fix is in _cancel.cancel (the lead's): fall back to record.json's run_uid, then to the run "
-                   "tag's (_tags.read(path, RUN_TAG)), which a --user/--seal worker cannot touch")
 def test_own_worker_replacing_run_json_with_a_fifo_cannot_make_its_run_deaf_to_cancel():
     """An unprivileged user's worker replaces its run.json and record.json
     with FIFOs. `contain cancel --wait` could not read the run uid, sent a
