@@ -45,7 +45,7 @@ MAX_MEMBERS = 100       # member identities kept in RUN_TAG; `more` says when so
 
 def prefix() -> str:
     """The namespace this process writes and trusts."""
-    return "trusted." if os.geteuid() == 0 else "user."
+    return "trusted." if hasattr(os, "geteuid") and os.geteuid() == 0 else "user."   # (Windows: no xattrs at all)
 
 
 def dir_key(path: str) -> str | None:
@@ -83,6 +83,8 @@ class TagRead:
 
 
 def read(path: str, name: str) -> TagRead:
+    if not hasattr(os, "getxattr"):        # Windows: no xattrs (and no geteuid for the prefix)
+        return TagRead(None, False, "no extended attributes on this platform")
     full = prefix() + name
     try:
         data = os.getxattr(path, full, follow_symlinks=False)

@@ -347,7 +347,7 @@ def test_ls_status_wait_and_gc(box: Box) -> None:
         waiter = box.start("wait", "rd", "--json")
         assert box.contain("cancel", "rd").returncode == 0
         out, _err = waiter.communicate(timeout=LONG)
-        assert waiter.returncode == 0 and json.loads(out)["state"] == "REAPED", out
+        assert waiter.returncode == 0 and json.loads(out)["state"] == "REAPED", (out, _err)
         run.communicate(timeout=LONG)
     finally:
         if run.poll() is None:
