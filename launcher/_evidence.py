@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ._state import Snapshot
 
 from . import _nested
-from ._identity import ProcessIdentity, boot_id
+from ._identity import ProcessIdentity, boot_id, pidns_inode
 from ._record import LAYERS, SCHEMA, evidence, not_measured, now_iso
 from ._redispatch import redispatch_eligible
 from ._tags import RUN_TAG, RunTag, prefix as tag_prefix
@@ -104,6 +104,14 @@ class RunEvidence:
         self.times["spawned_at"] = now_iso(t0)
         try:
             self.identity = ProcessIdentity.read(sp.pid, sp.pidfd)
+            if self.identity.pidns is None:
+                # Exited already (its ns links go at exit, before the reap):
+                # behind the wall its namespace is the init's, read earlier;
+                # without one it is ours (cloned without CLONE_NEWPID).
+                if getattr(sp, "init_ns", None):
+                    self.identity.pidns = sp.init_ns
+                elif getattr(sp, "wall", None) is None and sys.platform != "win32":
+                    self.identity.pidns = pidns_inode(os.getpid())
         except OSError as e:
             start = getattr(sp, "start_time", None)
             if start:
