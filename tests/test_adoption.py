@@ -61,7 +61,7 @@ class Victim:
         env = dict(os.environ, **{TOKEN_VAR: self.token})
         self.proc = subprocess.Popen(["sh", "-c", f'echo $$ > {d}/cgroup.procs && exec sleep 300'], env=env)
         assert wait_holders(self.token, 1) == [self.proc.pid]
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30    # a move waits for an RCU grace period: long on a loaded host
         while self.cgroup() != "/" + os.path.relpath(d, _mount()) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert self.alive(), "victim did not start in its cgroup"

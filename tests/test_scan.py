@@ -454,7 +454,7 @@ def long_cgroup():
     yield d, own.rstrip("/") + "/" + "/".join(names)
     # The test has reaped its child by now; the leaf empties once the task is
     # released, which may trail the wait by a moment.
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 20
     for m in reversed(made):
         while True:
             try:
@@ -568,7 +568,7 @@ def own_cgroup():
     except OSError as e:
         pytest.skip(f"cannot create a test cgroup: {e}")
     yield d, own.rstrip("/") + "/" + name
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 20
     for sub in sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [d]:
         while True:
             try:
