@@ -37,6 +37,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
 import zipfile
@@ -287,8 +288,11 @@ def run_suite(cache: pathlib.Path, py: pathlib.Path, pytest_args: list[str]) -> 
         raise LaneError("wine64 not found (Debian: apt-get install wine64; the loader is /usr/lib/wine/wine64)")
     prefix = cache / "prefix"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "DISPLAY"))}
+    # Wine's Unix side makes a wine-XXXXXX directory (its server socket) in
+    # TMPDIR and leaves it: give it one of the lane's own, removed at the end.
+    lane_tmp = tempfile.mkdtemp(prefix="contain-winlane-")
     env.update(WINEPREFIX=str(prefix), WINEDEBUG="-all", WINEDLLOVERRIDES="winemenubuilder.exe=d",
-               PYTHONUTF8="1")
+               PYTHONUTF8="1", TMPDIR=lane_tmp)
     lock = open(cache / "prefix.lock", "w")
     # One lane per prefix: `wineserver -k` at the end would end another's processes.
     fcntl.flock(lock, fcntl.LOCK_EX)
@@ -330,6 +334,7 @@ def run_suite(cache: pathlib.Path, py: pathlib.Path, pytest_args: list[str]) -> 
     finally:
         fcntl.flock(lock, fcntl.LOCK_UN)
         lock.close()
+        shutil.rmtree(lane_tmp, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
