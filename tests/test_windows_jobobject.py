@@ -176,7 +176,10 @@ def harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     fcntl.flock(lock, fcntl.LOCK_EX)   # one wineserver per prefix: serialise runs sharing it
     if not ready.exists() and prefix.exists():
         shutil.rmtree(prefix)           # a prefix whose first start was interrupted
-    env = dict(os.environ, WINEPREFIX=str(prefix), WINEDEBUG="-all", WINEDLLOVERRIDES="winemenubuilder.exe=d")
+    # TMPDIR: Wine's Unix side leaves a wine-XXXXXX server directory there
+    # (in the test's own directory, not in /tmp).
+    env = dict(os.environ, WINEPREFIX=str(prefix), WINEDEBUG="-all", WINEDLLOVERRIDES="winemenubuilder.exe=d",
+               TMPDIR=str(work))
     env.pop("DISPLAY", None)
     fresh = not ready.exists()
     try:
