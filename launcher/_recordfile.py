@@ -140,12 +140,20 @@ def _prepare_windows(path: str) -> RecordTarget:
     return RecordTarget(os.path.abspath(path), "winfile")
 
 
-def _stdio_match(st: os.stat_result) -> int:
-    """The fd (1 or 2) that is open on the same file as `st`, or -1."""
-    for fd in (1, 2):
+def _stdio_match(st: os.stat_result, path: str) -> int:
+    """The fd of ours that `path` names: 1 or 2 when open on the same file
+    as `st` (however named), or N for /dev/fd/N or /proc/self/fd/N (a
+    process substitution, `--record >(jq .)`, or a descriptor the caller
+    opened) when fd N is open on it; else -1. Those magic links read back
+    as `pipe:[...]`, not as paths, and are ours: they are written through."""
+    cands = [1, 2]
+    for pre in ("/dev/fd/", "/proc/self/fd/", f"/proc/{os.getpid()}/fd/"):
+        if path.startswith(pre) and path[len(pre):].isdigit():
+            cands.insert(0, int(path[len(pre):]))
+    for fd in cands:
         try:
             s = os.fstat(fd)
-        except OSError:
+        except (OSError, OverflowError):
             continue
         if (s.st_dev, s.st_ino) == (st.st_dev, st.st_ino):
             return fd
@@ -167,12 +175,16 @@ def prepare(path: str) -> RecordTarget:
     euid = os.geteuid()
     try:
         # Our own stdout or stderr, however named (/dev/stdout and /proc's
-        # magic links included): written through the fd we hold, so no link
-        # leads anywhere else.
-        std = _stdio_match(os.stat(path))
+        # magic links included), or a /dev/fd/N of ours: written through the
+        # fd we hold, so no link leads anywhere else.
+        std = _stdio_match(os.stat(path), path)
     except OSError:
         std = -1
     if std >= 0:
+        import fcntl
+
+        if fcntl.fcntl(std, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise UnsafePath(path, f"is our descriptor {std}, open only for reading", errno.EBADF)
         return RecordTarget(path, "stream", fd=_dup(std))
     dfd, name, target = _resolve(path, euid)
     try:

@@ -159,6 +159,29 @@ def test_process_substitution_reaches_the_worker(box, shell_env):
 
 
 @needs_bash
+def test_record_to_a_process_substitution_or_a_descriptor_of_ours(box, shell_env, tmp_path):
+    """`--record >(jq .)` and `--record /dev/fd/3`: /dev/fd/N reads back as
+    `pipe:[...]`, not a path; it is our own descriptor and is written
+    through (a read-only one is refused before anything runs)."""
+    out = tmp_path / "via-pipe.json"
+    p = subprocess.run([BASH, "-c", f"contain run -q --record >(cat > {out}) -- true; rc=$?; wait; exit $rc"],
+                       env=shell_env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    deadline = time.monotonic() + 10
+    while not (out.exists() and out.read_text().endswith("}\n")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert json.loads(out.read_text())["state"] == "REAPED"
+    fd3 = tmp_path / "fd3.json"
+    p = subprocess.run([BASH, "-c", f"contain run -q --record /dev/fd/3 -- true 3>{fd3}"], env=shell_env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and json.loads(fd3.read_text())["state"] == "REAPED", p.stderr
+    p = subprocess.run([BASH, "-c", "contain run -q --record /dev/fd/3 -- true 3</etc/hostname"], env=shell_env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 125 and "only for reading" in p.stderr, p.stderr
+    assert holders(box.token) == []
+
+
+@needs_bash
 def test_a_descriptor_the_caller_opened_reaches_the_worker(box, shell_env):
     with open("/etc/hostname") as f:
         want = f.read()
