@@ -284,6 +284,8 @@ def _final_unless_alive(d: RunDir, state: str) -> bool:
     """A final record whose owner let go is final unless what the run's tag
     names is alive (_tags.still_alive): then a worker wrote it, and the
     owner died before it could write its own."""
+    if state not in ("REAPED", "EXITED"):
+        return True                  # BREACHED says itself that a member lives (an escaper)
     from ._tags import still_alive
 
     alive = still_alive(d.path)

@@ -76,6 +76,11 @@ def publish(run: Run) -> StopRecord:
                 run.record_target_failed = True
                 run.facts.notes.append(f"record_file {e}")
                 rec = run.record_dict()
+                if durable and run.layout is not None:
+                    try:                      # record.json says it too
+                        run.layout.write_record(rec, durable=True)
+                    except OSError:
+                        pass                  # already said (not_saved) if it is the state directory too
     return StopRecord(rec)
 
 

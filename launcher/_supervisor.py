@@ -38,7 +38,7 @@ class Supervisor:
         self.grace = check_optional_seconds(grace, "grace")
         self._defaults = defaults
         self._lock = threading.Lock()
-        self._spawning = 0                         # spawns under way (close() waits for them)
+        self._spawning: dict[int, int] = {}        # thread ident -> spawns under way in it (close() waits)
         self._idle = threading.Condition(self._lock)
         self._runs: list[Run] = []                 # every run, from before it starts
         self._workers: dict[int, Worker] = {}      # id(run) -> its Worker
@@ -52,14 +52,17 @@ class Supervisor:
 
     def spawn(self, argv: Sequence[str], **kw: Any) -> Worker:
         """As `launcher.spawn`, owned by this supervisor."""
-        with self._lock:
-            # Counted under the lock that close() takes: a spawn either
-            # starts before close() takes its list (which waits for it) or
-            # is refused; never a run that close() did not see.
-            if self._closed:
-                raise RuntimeError("Supervisor is closed")
-            self._spawning += 1
+        me = threading.get_ident()
+        counted = False
         try:
+            with self._lock:
+                # Counted under the lock that close() takes: a spawn either
+                # starts before close() takes its list (which waits for it)
+                # or is refused; never a run that close() did not see.
+                if self._closed:
+                    raise RuntimeError("Supervisor is closed")
+                self._spawning[me] = self._spawning.get(me, 0) + 1
+                counted = True
             o = {"id": None, "grace": DEFAULT_GRACE, "timeout": None, "backend": "auto",
                  "stdin": None, "stdout": None, "stderr": None, **self._defaults, **kw}
             run, st = start_run(argv, id=o.pop("id"), grace=o.pop("grace"), timeout=o.pop("timeout"),
@@ -71,8 +74,13 @@ class Supervisor:
             return w
         finally:
             with self._lock:
-                self._spawning -= 1
-                self._idle.notify_all()
+                if counted:
+                    left = self._spawning.get(me, 1) - 1
+                    if left > 0:
+                        self._spawning[me] = left
+                    else:
+                        self._spawning.pop(me, None)
+                    self._idle.notify_all()
 
     def _track(self, run: Run) -> None:
         with self._lock:
@@ -93,7 +101,11 @@ class Supervisor:
         while True:
             try:
                 with self._lock:
-                    while self._spawning:            # another thread's spawn under way: it ends shortly
+                    # Another thread's spawn under way: it ends shortly. Not
+                    # this thread's own (close() from a signal handler that
+                    # interrupted a spawn here would wait for itself).
+                    me = threading.get_ident()
+                    while any(t != me for t in self._spawning):
                         self._idle.wait(1.0)
                     runs = list(self._runs)
                     workers = dict(self._workers)

@@ -149,10 +149,11 @@ def fill_view(d: RunDir, view: dict[str, Any], live: bool, summary: bool = False
         if rec["state"] in TERMINAL:
             if owner_of_ended:
                 view["owner_alive"] = d.owner()
-                if not summary and view["owner_alive"] is False:
+                if not summary and view["owner_alive"] is False and rec["state"] in ("REAPED", "EXITED"):
                     # One run's status: a final record whose owner is gone
                     # while what the tag names lives was not the owner's
                     # (_tags.still_alive; `contain wait` says "not final").
+                    # BREACHED already says a member lives (an escaper).
                     from ._tags import still_alive
 
                     alive = still_alive(d.path)

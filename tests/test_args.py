@@ -259,6 +259,10 @@ def test_record_file_follows_the_rules_of_record(contained, tmp_path):
     assert rec.state == "REAPED"
     said = [n for n in rec.to_dict()["notes"] if "record_file" in n]
     assert len(said) == 1 and "/dev/full" in said[0], rec.to_dict()["notes"]
+    import json as json_
+
+    with open(os.path.join(contained["state_dir"], "runs", rec.run_id, "record.json")) as f:
+        assert said[0] in json_.load(f)["notes"], "record.json does not say it"
     assert st_.S_ISCHR(os.stat("/dev/full").st_mode)
     out = tmp_path / "rec.json"
     rec = launcher.run(["true"], env=contained["env"], record_file=str(out))
