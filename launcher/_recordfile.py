@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 from . import _safefs as F
 from ._safefs import PersistError, UnsafePath
-from ._safepath import open_dir_trusted_links
+from ._safepath import link_trusted, open_dir_trusted_links
 
 
 class RecordTarget:
@@ -236,7 +236,7 @@ def _resolve(path: str, euid: int) -> tuple[int, str, os.stat_result | None]:
                                  errno.ELOOP)
             if lst is None or not stat.S_ISLNK(lst.st_mode):
                 return dfd, name, lst
-            if lst.st_uid not in (0, euid):
+            if not link_trusted(lst, os.fstat(dfd), euid):
                 raise UnsafePath(path, f"is a symlink owned by uid {lst.st_uid}: not followed", errno.ELOOP)
             link = os.readlink(name, dir_fd=dfd)
         except BaseException:

@@ -57,6 +57,16 @@ def open_ancestors(path: str) -> int:
     return fd
 
 
+def link_trusted(link: os.stat_result, parent: os.stat_result, euid: int) -> bool:
+    """Whether a symlink may be followed: it is root's or ours, or it sits in
+    a directory of root's or ours that nobody else may write (its owner
+    cannot re-point it there: replacing a link needs write access to the
+    directory). fs.protected_symlinks' idea, kept whatever the sysctl says."""
+    if link.st_uid in (0, euid):
+        return True
+    return parent.st_uid in (0, euid) and not parent.st_mode & 0o022
+
+
 def _trusted_realpath(path: str) -> str:
     """realpath(`path`), refusing a symlink of another user on the way
     (UnsafePath): its owner can re-point it at any time, at another of our
@@ -83,7 +93,7 @@ def _trusted_realpath(path: str) -> str:
             parts.extend(reversed(todo))
             break
         if stat.S_ISLNK(st.st_mode):
-            if st.st_uid not in (0, euid):
+            if not link_trusted(st, os.stat("/" + "/".join(parts)), euid):
                 raise UnsafePath(here, f"is a symlink owned by uid {st.st_uid}: not followed", errno.ELOOP)
             links += 1
             if links > 40:
@@ -116,7 +126,7 @@ def open_dir_trusted_links(path: str, shown: str) -> int:
             try:
                 st = os.stat(comp, dir_fd=fd, follow_symlinks=False)
                 if stat.S_ISLNK(st.st_mode):
-                    if st.st_uid not in (0, euid):
+                    if not link_trusted(st, os.fstat(fd), euid):
                         raise UnsafePath(shown, f"{here} is a symlink owned by uid {st.st_uid}: not followed",
                                          errno.ELOOP)
                     links += 1

@@ -309,6 +309,30 @@ def test_record_file_is_written(box, tmp_path):
     assert json.loads(out.read_text()) == box.record("x")
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a symlink owned by another uid)")
+def test_record_follows_another_users_link_only_where_nobody_else_can_repoint_it(box, tmp_path):
+    """A service user's link in a directory of root's that nobody else may
+    write (/var/lib/app -> ...) cannot be re-pointed by that user: followed.
+    The same link in a world-writable sticky directory could be: refused."""
+    target = tmp_path / "target"
+    target.mkdir()
+    safe = tmp_path / "safe"
+    safe.mkdir(mode=0o755)
+    (safe / "app").symlink_to(target)
+    os.lchown(safe / "app", 4243, 4243)
+    p = run_contain(box.env, "run", "--id", "x", "--record", str(safe / "app" / "rec.json"), "--", "true")
+    assert p.returncode == 0, p.stderr
+    assert json.loads((target / "rec.json").read_text())["state"] == "REAPED"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    (shared / "app").symlink_to(target)
+    os.lchown(shared / "app", 4243, 4243)
+    p = run_contain(box.env, "run", "--id", "y", "--record", str(shared / "app" / "rec2.json"), "--", "true")
+    assert p.returncode == 125 and "not followed" in p.stderr, p.stderr
+    assert not (target / "rec2.json").exists()
+
+
 def test_live_id_cannot_be_taken(box):
     with subprocess.Popen(contain_cmd("run", "--id", "x", "--", "sleep", "300"), env=box.env) as proc:
         # Two holders: the supervisor carries the token before it has claimed
