@@ -162,6 +162,19 @@ def _status(st: StateDir, e: Entry, now: float) -> str:
         os.close(fd)
 
 
+def _set_aside(st: StateDir, e: Entry) -> str | None:
+    """Rename an ended run out of sight (`.gc-<hex>`, which no reader lists)
+    before it is removed; the name it now has, or None if it could not be."""
+    if e.kind == "gc":
+        return e.name                     # set aside already (by a pass that crashed)
+    tmp = f".gc-{os.urandom(6).hex()}"
+    try:
+        os.rename(e.name, tmp, src_dir_fd=st.runs_fd, dst_dir_fd=st.runs_fd)
+    except OSError:
+        return None
+    return tmp
+
+
 def _remove(st: StateDir, chosen: list[Entry], now: float, result: GcResult) -> None:
     """Re-check each chosen entry under the claim lock, rename the ones still
     ended out of sight, then remove them."""
@@ -176,13 +189,10 @@ def _remove(st: StateDir, chosen: list[Entry], now: float, result: GcResult) -> 
                     else:
                         result.unreadable += 1
                     continue
-                tmp = e.name if e.kind == "gc" else f".gc-{os.urandom(6).hex()}"
-                if tmp != e.name:
-                    try:
-                        os.rename(e.name, tmp, src_dir_fd=st.runs_fd, dst_dir_fd=st.runs_fd)
-                    except OSError:
-                        result.failed.append(e.name)
-                        continue
+                tmp = _set_aside(st, e)
+                if tmp is None:
+                    result.failed.append(e.name)
+                    continue
                 doomed.append((e, tmp))
         finally:
             claim_unlock(guard)
@@ -248,13 +258,9 @@ def auto_prune(st: StateDir, keep: int, count: int | None) -> GcResult:
             break
         if examine(st, e, now) != "ended":
             continue
-        tmp = e.name if e.kind == "gc" else f".gc-{os.urandom(6).hex()}"
-        if tmp != e.name:
-            try:
-                os.rename(e.name, tmp, src_dir_fd=st.runs_fd, dst_dir_fd=st.runs_fd)
-            except OSError:
-                continue
-        doomed.append((e, tmp))
+        tmp = _set_aside(st, e)
+        if tmp is not None:
+            doomed.append((e, tmp))
     for e, tmp in doomed:
         try:
             F.remove_tree(st.runs_fd, tmp)

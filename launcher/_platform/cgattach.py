@@ -291,16 +291,11 @@ class Detached:
         return pidwall.UNLEAVABLE if self.wall is not None or self.wall_gone else None
 
     def walls(self) -> list[dict[str, Any]]:
+        from . import pidwall
+
         out: list[dict[str, Any]] = [{"kind": "cgroup", "path": self.path,
                                       "via": self.removed or f"not attached: {self.reason}"}]
-        if self.wall is not None:
-            out.append(self.wall.record())
-        elif self.wall_gone:
-            out.append({"kind": "pidns", "observed_empty": True,
-                        "via": "the init's pid no longer names it: it was reaped, so every member was gone"})
-        elif self.wall_unknown:
-            out.append({"kind": "pidns", "observed_empty": None, "via": "none", "detail": self.wall_unknown})
-        return out
+        return out + pidwall.wall_records(self.wall, self.wall_gone, self.wall_unknown)
 
     def owns(self, pid: int) -> bool:
         return False

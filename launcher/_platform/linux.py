@@ -181,14 +181,7 @@ class Container:
 
     def walls(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = [{"kind": "cgroup", "path": self.path, "via": "cgroup.events populated 0"}]
-        if self.wall is not None:
-            out.append(self.wall.record())
-        elif self.wall_gone:
-            out.append({"kind": "pidns", "observed_empty": True,
-                        "via": "the init's pid no longer names it: it was reaped, so every member was gone"})
-        elif self.wall_unknown:
-            out.append({"kind": "pidns", "observed_empty": None, "via": "none", "detail": self.wall_unknown})
-        return out
+        return out + pidwall.wall_records(self.wall, self.wall_gone, self.wall_unknown)
 
     def owns(self, pid: int) -> bool:
         return self.wall is not None and self.wall.owns(pid)

@@ -166,14 +166,7 @@ class Container:
         return pidwall.UNLEAVABLE if self.wall is not None or self.wall_gone else None
 
     def walls(self) -> list[dict[str, Any]]:
-        if self.wall is not None:
-            return [self.wall.record()]
-        if self.wall_gone:
-            return [{"kind": "pidns", "observed_empty": True,
-                     "via": "the init's pid no longer names it: it was reaped, so every member was gone"}]
-        if self.wall_unknown:
-            return [{"kind": "pidns", "observed_empty": None, "via": "none", "detail": self.wall_unknown}]
-        return []
+        return pidwall.wall_records(self.wall, self.wall_gone, self.wall_unknown)
 
     def owns(self, pid: int) -> bool:
         return self.wall is not None and self.wall.owns(pid)

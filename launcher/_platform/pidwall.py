@@ -156,6 +156,20 @@ class PidWall:
         self.init.close()
 
 
+def wall_records(wall: "PidWall | None", gone: bool, unknown: str | None) -> list[dict[str, Any]]:
+    """The `walls` entry of a container's PID-namespace wall: live, or as an
+    adopter found it (adopt(): its init already reaped, or why it cannot be
+    told); none when the run had no wall."""
+    if wall is not None:
+        return [wall.record()]
+    if gone:
+        return [{"kind": "pidns", "observed_empty": True,
+                 "via": "the init's pid no longer names it: it was reaped, so every member was gone"}]
+    if unknown:
+        return [{"kind": "pidns", "observed_empty": None, "via": "none", "detail": unknown}]
+    return []
+
+
 def adopt(desc: dict[str, Any]) -> tuple["PidWall | None", bool, str | None]:
     """Re-attach the wall of a run whose owner is gone, from what its owner
     tagged (describe()): (the wall, or None; True if its init is provably
