@@ -5,7 +5,7 @@ exactly one place on a host: the cgroup v2 hierarchy (when the parent's
 `cgroup.subtree_control` enables it) or one cgroup v1 hierarchy (a hybrid
 host, cgroup-v2.rst "Mixing v1 and v2"). This module finds, per controller,
 where the run can have it, makes the run's own v1 cgroups, writes the limits
-and reads them back, and hands the spawn the `cgroup.procs` fds its child
+and reads them back, and hands the spawn the `tasks` fds its child
 writes "0" to before exec (so the whole tree is inside from its first
 instruction). A limit that cannot be applied is refused, never dropped.
 

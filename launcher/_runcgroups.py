@@ -241,20 +241,29 @@ class RunCgroups:
     # -- the spawn ----------------------------------------------------------
 
     def join_fds(self) -> list[int]:
-        """One `cgroup.procs` fd per v1 cgroup of the run, opened O_WRONLY |
+        """One `tasks` fd per v1 cgroup of the run, opened O_WRONLY |
         O_CLOEXEC by this (privileged) process: the child writes "0" to each
         before exec, and since 5.16 the kernel checks a migration against the
         opener's credentials (the fix for CVE-2021-4197), so a child that has
-        already dropped privileges can still join. The caller passes them to
-        the spawn and calls `close_join_fds()` right after it."""
+        already dropped privileges can still join. `tasks`, not
+        `cgroup.procs`: the child is single-threaded, so moving its thread
+        moves the process, and a write of "0" to `tasks` (one thread, the
+        writer) skips the global cgroup_threadgroup_rwsem that a
+        `cgroup.procs` write takes (cgroup_procs_write_start, "If we migrate
+        a single thread ... we can skip the global lock", Linux 5.19). Taking
+        that lock first waits for an RCU grace period (rcu_sync_enter), 5 to
+        15 ms here on every move that follows a quiet spell: most of a
+        one-shot `contain run`'s cost on a hybrid host (docs/performance.md).
+        The caller passes them to the spawn and calls `close_join_fds()`
+        right after it."""
         self.close_join_fds()
         try:
             for name in sorted(self.v1):
-                self._fds.append(os.open(os.path.join(self.v1[name], "cgroup.procs"),
+                self._fds.append(os.open(os.path.join(self.v1[name], "tasks"),
                                          os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW))
         except OSError as e:
             self.close_join_fds()
-            raise ContainmentUnavailable(f"cannot open a cgroup.procs of {self.name}: {os.strerror(e.errno or 0)}") from e
+            raise ContainmentUnavailable(f"cannot open the tasks file of {self.name}: {os.strerror(e.errno or 0)}") from e
         return list(self._fds)
 
     def close_join_fds(self) -> None:

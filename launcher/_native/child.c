@@ -108,7 +108,9 @@ static int has_line(const char *text, size_t n, const char *line) {
 }
 
 /* Placement by the child itself: writing "0" to a cgroup.procs moves the
- * writer (cgroup_procs_write_start: pid 0 is current), with the permission
+ * writer (cgroup_procs_write_start: pid 0 is current), to a v1 `tasks` file
+ * the writing thread (the whole of this single-threaded child, without the
+ * global lock's RCU grace period: _runcgroups.join_fds), with the permission
  * of whoever opened the file (cgroup_procs_write_permission uses the
  * open-time f_cred). Then /proc/self/cgroup must name where it went: the
  * kernel's word, not ours, before anything of the worker runs. */

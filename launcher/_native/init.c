@@ -226,11 +226,11 @@ void ct_init_main(const struct ct_spawn_args *a, const struct ct_wall_args *w, i
         if (syscall(SYS_setgroups, 0, NULL) < 0) init_fail(sock, CT_STAGE_USERNS, errno);
         if (syscall(SYS_setresuid, 0, 0, 0) < 0) init_fail(sock, CT_STAGE_USERNS, errno);
     }
-    /* The v1 joins before the hold: the first move into a v1 cgroup waits
-     * for an RCU grace period (percpu_down_write of
-     * cgroup_threadgroup_rwsem; 8-20 ms here), which then runs while the
-     * supervisor describes this init. Nothing of the worker's runs before
-     * both are done. */
+    /* The v1 joins before the hold, through each cgroup's `tasks` file: this
+     * init is single-threaded, and a thread moving itself skips the global
+     * cgroup_threadgroup_rwsem whose first taking after a quiet spell waits
+     * for an RCU grace period (5-15 ms here; _runcgroups.join_fds). Nothing
+     * of the worker's runs before they are done. */
     if (a->njoin > 0 || a->ncg_expect > 0) {
         if ((rc = ct_child_join(a)) < 0) init_fail(sock, CT_STAGE_JOIN, -rc);
     }
