@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 from ._errors import ContainmentUnavailable
 from ._limits import LIMIT_CONTROLLER, Limits
 from ._policy import policy_env
-from ._procfs import parse_mountinfo
+from ._procfs import hierarchy_path, hierarchy_rel, mount_path, parse_mountinfo
 
 # Controllers a run may want: for a limit, or for the accounting alone.
 ACCOUNTING_CONTROLLERS = ("memory", "pids", "io")
@@ -70,16 +70,12 @@ class V1Hierarchy:
         return ",".join(sorted(self.controllers))
 
     def fs_path(self, cg_path: str) -> str:
-        rel = os.path.relpath(cg_path, self.root) if self.root != "/" else cg_path.lstrip("/")
-        if rel.startswith(".."):
+        if hierarchy_rel(cg_path, self.root).startswith(".."):
             raise ValueError(f"{cg_path} is outside the {self.name} mount at {self.mount}")
-        return os.path.normpath(os.path.join(self.mount, rel)) if rel not in ("", ".") else self.mount
+        return mount_path(cg_path, self.root, self.mount)
 
     def cg_path(self, fs_path: str) -> str:
-        rel = os.path.relpath(fs_path, self.mount)
-        if rel == ".":
-            return self.root
-        return os.path.normpath(os.path.join(self.root, rel))
+        return hierarchy_path(fs_path, self.mount, self.root)
 
     def __repr__(self) -> str:
         return f"V1Hierarchy({self.name!r}, {self.mount!r}, root={self.root!r})"

@@ -4,7 +4,8 @@
     /proc/<pid>/comm        read_comm
     /proc/<pid>/status      read_nspid (the NSpid line)
     /proc/<pid>/cgroup      parse_cgroups, cgroups_of (every hierarchy), parse_cgroup, cgroup_of (v2)
-    /proc/self/mountinfo    mounts
+    /proc/self/mountinfo    mounts; below, mount_path, hierarchy_path (a path
+                            through a mount, and back)
 
 Everything read here is input: a malformed line is a ValueError (or None
 where the caller asked for "unreadable means unknown"), never a guess. The C
@@ -13,6 +14,7 @@ two to the same answers.
 """
 from __future__ import annotations
 
+import posixpath
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import NamedTuple
@@ -162,3 +164,38 @@ def mounts() -> list[Mount]:
     """Every mount visible to this process. Raises OSError."""
     with open("/proc/self/mountinfo") as f:
         return parse_mountinfo(f.read())
+
+
+def below(path: str, top: str) -> str:
+    """`os.path.relpath(path, top)` for absolute paths, without its two
+    abspath calls where `path` is `top` or written plainly below it (the
+    common case: every cgroup path here is made by joining onto a mount)."""
+    if path == top:
+        return "."
+    prefix = top if top.endswith("/") else top + "/"
+    if (path.startswith(prefix) and "//" not in path and posixpath.normpath(path) == path
+            and (top == "/" or posixpath.normpath(top) == top)):
+        return path[len(prefix):]
+    return posixpath.relpath(path, top)
+
+
+def mount_path(cg_path: str, root: str, mount: str) -> str:
+    """Where the hierarchy path `cg_path` is seen through a mount of the
+    hierarchy's `root` at `mount` (mountinfo fields 4 and 5). A path outside
+    the mount's root comes out starting with ".." relative to it: callers
+    that must refuse that check `hierarchy_rel` first."""
+    rel = hierarchy_rel(cg_path, root)
+    return posixpath.normpath(posixpath.join(mount, rel)) if rel not in ("", ".") else mount
+
+
+def hierarchy_rel(cg_path: str, root: str) -> str:
+    return below(cg_path, root) if root != "/" else cg_path.lstrip("/")
+
+
+def hierarchy_path(fs_path: str, mount: str, root: str) -> str:
+    """The hierarchy path of `fs_path`, a path through the mount at `mount`
+    of the hierarchy's `root`: mount_path's inverse."""
+    rel = below(fs_path, mount)
+    if rel == ".":
+        return root
+    return posixpath.normpath(posixpath.join(root, rel))

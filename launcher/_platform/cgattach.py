@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 from .. import _tags
+from .._procfs import below
 from .cgroups import Hierarchy, dev_of as _dev, hierarchies
 
 _HEX = frozenset("0123456789abcdef")
@@ -79,7 +80,7 @@ class CgroupIdentity:
         if self.base != os.path.dirname(self.dir):
             raise ValueError(f"cgroup identity: {self.dir} is not directly below its base {self.base}")
         chain = d.get("chain")
-        comps = os.path.relpath(self.dir, self.mount).split(os.sep)
+        comps = below(self.dir, self.mount).split(os.sep)
         if (not isinstance(chain, list) or len(chain) != len(comps)
                 or not all(isinstance(x, int) and not isinstance(x, bool) for x in chain) or chain[-1] != self.ino):
             raise ValueError("cgroup identity: chain does not match the path")
@@ -119,7 +120,7 @@ def shape_problem(d: str, run_id: str, base: str | None) -> str | None:
         return "this process has no cgroup v2 base: it acts on no cgroup"
     if not d.startswith(base.rstrip("/") + "/"):
         return f"{d} is outside this process's cgroup base {base} (CONTAIN_CGROUP_BASE)"
-    comps = os.path.relpath(d, base).split(os.sep)
+    comps = below(d, base).split(os.sep)
     bad = [c for c in comps if leaf_run_id(c) is None]
     if bad:
         return f"{d}: {bad[0]!r} is not named like one of our cgroups (run-<id>-<8 hex>, sub-<id>-<8 hex>)"
@@ -149,7 +150,7 @@ def verify(ident: CgroupIdentity, *, run_id: str, base: str | None, run_key: str
     if not same_view or h is None:
         return _from_elsewhere(ident)
     p = ident.mount
-    for comp, ino in zip(os.path.relpath(ident.dir, ident.mount).split(os.sep), ident.chain):
+    for comp, ino in zip(below(ident.dir, ident.mount).split(os.sep), ident.chain):
         p = os.path.join(p, comp)
         try:
             st = os.stat(p, follow_symlinks=False)

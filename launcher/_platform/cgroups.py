@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 from .._errors import ContainmentUnavailable
 from .._policy import policy_env
-from .._procfs import cgroup_of, mounts
+from .._procfs import below, cgroup_of, hierarchy_path, mount_path, mounts
 
 
 if TYPE_CHECKING:
@@ -31,14 +31,10 @@ class Hierarchy(_HierarchyFields):
     __slots__ = ()
 
     def fs_path(self, cg_path: str) -> str:
-        rel = os.path.relpath(cg_path, self.root) if self.root != "/" else cg_path.lstrip("/")
-        return os.path.normpath(os.path.join(self.mount, rel)) if rel not in ("", ".") else self.mount
+        return mount_path(cg_path, self.root, self.mount)
 
     def cg_path(self, fs_path: str) -> str:
-        rel = os.path.relpath(fs_path, self.mount)
-        if rel == ".":
-            return self.root
-        return os.path.normpath(os.path.join(self.root, rel))
+        return hierarchy_path(fs_path, self.mount, self.root)
 
 
 def hierarchies() -> list[Hierarchy]:
@@ -83,7 +79,7 @@ def identify(h: Hierarchy, base: str, d: str) -> dict[str, Any]:
     `cgroup_identity`, and the run directory's tag), which an adopter
     verifies (cgattach.py): path, device, inode (the cgroup id), the mount
     it was made through, and the inode of each directory down to it."""
-    rel = os.path.relpath(d, h.mount)
+    rel = below(d, h.mount)
     chain = []
     p = h.mount
     for comp in rel.split(os.sep):
