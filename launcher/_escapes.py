@@ -22,9 +22,10 @@ from ._policy import policy_env
 from ._procfs import cgroup_of, read_stat
 from ._record import now_iso
 
-if sys.platform != "win32":    # the fork ledger (netlink): never loaded on Windows
-    from ._ledger import VIA, Ledger
-    from ._proccn import LedgerUnavailable
+if TYPE_CHECKING:
+    # The fork ledger (netlink) is imported where one is opened: never on
+    # Windows, and not on the run path of a walled or sealed run.
+    from ._ledger import Ledger
 
 
 def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float,
@@ -35,6 +36,8 @@ def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float
     become readable. Repeats while the ledger finds more (an escaper's own
     children). Returns one entry per escaper, `gone` True only when its exit
     was observed."""
+    from ._ledger import VIA
+
     known = known if known is not None else set()
     found: dict[tuple[int, int], dict[str, Any]] = {}
     fds: dict[int, tuple[int, int]] = {}
@@ -135,6 +138,9 @@ class EscapeWatch:
         if container.backend == "job-object":
             w.reason = "not watched: no fork ledger on Windows; the job says whether it can be left"
             return w
+        from ._ledger import Ledger
+        from ._proccn import LedgerUnavailable
+
         t0 = time.perf_counter()
         try:
             w.ledger = Ledger.open()
@@ -200,6 +206,8 @@ class EscapeWatch:
             if not detail.startswith("not watched"):
                 detail += ": a process that left the container would not be seen"
             return {"observed": None, "at": None, "via": "none", "detail": detail}
+        from ._ledger import VIA
+
         complete = self.ledger.complete()
         info = dict(self.ledger.summary(), ledger_start_ms=self.start_ms)
         if container.backend == "none":

@@ -20,6 +20,21 @@ if TYPE_CHECKING:
 
 _boot_id: str | None = None
 
+# Every worker this process spawned, as (pid, start time): a fork the fork
+# ledger sees reported as a child of this process is one of these, or it is
+# not ours to explain (_ledger.py). Kept for every spawn, ledger or not: a
+# later run's ledger must know the earlier runs' workers too.
+_our_spawns: set[tuple[int, int]] = set()
+
+
+def note_spawn(pid: int, start_time: int) -> None:
+    """Called right after each spawn of this process (any run)."""
+    _our_spawns.add((pid, start_time))
+
+
+def spawned_here(pid: int, start_time: int) -> bool:
+    return (pid, start_time) in _our_spawns
+
 
 def boot_id() -> str:
     global _boot_id

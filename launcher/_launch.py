@@ -32,8 +32,7 @@ from ._containers import make_container, spawn_request
 from ._errors import ContainmentUnavailable, LauncherError, SpawnFailed
 from ._layout import RunDir
 from ._escapes import EscapeWatch
-if sys.platform != "win32":    # the fork ledger (netlink): never loaded on Windows
-    from ._ledger import note_spawn
+from ._identity import note_spawn
 from ._options import user_account
 from ._record import not_measured
 

@@ -36,23 +36,13 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any, Callable
 
-from ._identity import boot_id
+from ._identity import boot_id, spawned_here
 from ._proccn import PROC_EVENT_FORK, events, listen
 from ._procfs import cgroup_of, read_stat
 
 
 VIA = "fork ledger (netlink process connector)"
 _COALESCE_S = 0.002
-
-# Every worker this process spawned, as (pid, start time): a fork reported as
-# a child of this process is one of these, or it is not ours to explain.
-_OUR_SPAWNS: set[tuple[int, int]] = set()
-
-
-def note_spawn(pid: int, start_time: int) -> None:
-    """Called right after each spawn of this process (any run)."""
-    _OUR_SPAWNS.add((pid, start_time))
-
 
 class Tracked:
     """One process the tree made: its identity and what the ledger saw."""
@@ -195,7 +185,7 @@ class Ledger:
             self._drain()
             todo, self._unresolved = self._unresolved, []
         for pid, start, parent, where in todo:
-            if start is not None and (pid, start) in _OUR_SPAWNS:
+            if start is not None and spawned_here(pid, start):
                 continue
             self.unattributed.append({"pid": pid, "reported_parent": parent, "seen_in": where,
                                       "start_time": start})
