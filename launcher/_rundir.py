@@ -247,6 +247,34 @@ class RunDirBase:
         finally:
             os.close(lock)
 
+    def owner_among(self, locked: frozenset[tuple[int, int, int]]) -> bool | None:
+        """owner() for a listing: whether the owner lock is among the files
+        `locked` names (_ofdlock.write_locked, read once for every run):
+        one lstat, through the directory `opened()` holds, where owner()
+        opens the lock; nothing at all when no OFD write lock is held
+        anywhere. None when that cannot be told."""
+        if not locked:
+            return False
+        with self._mu:
+            fd, own = self._fd, False
+            if fd < 0:
+                try:
+                    fd, own = self._open_fd(False), True
+                except (OSError, UnsafePath):
+                    return None
+            try:
+                st = os.stat("owner.lock", dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return False
+            except OSError:
+                return None
+            finally:
+                if own:
+                    os.close(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in locked
+
     def owner_alive(self) -> bool:
         """Whether some process holds the owner lock right now. When that
         cannot be told, True: nobody adopts or reuses a run on a guess."""
@@ -259,6 +287,13 @@ class RunDirBase:
         """A regular file of the run directory (or of cancellations/, with
         `sub`), at most `limit` bytes, or None when it does not exist.
         Raises UnsafePath (a link, not a regular file, too large), OSError."""
+        if not sub:
+            with self._mu:
+                if self._fd >= 0:     # held (owning, or `opened()` for a batch of reads): no dup
+                    try:
+                        return F.read_file(self._fd, name, f"{self.path}/{name}", limit)
+                    except FileNotFoundError:
+                        return None
         fd = self.cancellations_fd() if sub else self.dir_fd()
         try:
             return F.read_file(fd, name, f"{self.cancellations if sub else self.path}/{name}", limit)

@@ -111,17 +111,23 @@ def usage_now(info: RunInfo) -> dict[str, Any] | None:
 
 
 def live_view(d: RunDir, *, live: bool = True, summary: bool = False,
-              owner_of_ended: bool = True) -> dict[str, Any]:
+              owner_of_ended: bool = True,
+              locked: frozenset[tuple[int, int, int]] | None = None) -> dict[str, Any]:
     """What a reader can tell from the layout alone, plus (with `live`) the
     run's cgroup as it is now. `state` is the record's, or UNREADABLE with
     `unreadable` saying why; `owner_alive` is True, False or None (cannot
-    tell). Without `owner_of_ended`, an ended run's owner lock is not
-    looked at (`owner_alive` stays None): for a listing that will not show
-    it, a third of `ls`'s time over 10,000 ended runs."""
+    tell). Without `owner_of_ended`, an ended run's owner lock is looked up
+    in `locked` (_ofdlock.write_locked, read once by a listing: opening
+    every lock was a third of `ls`'s time over 10,000 ended runs), or not
+    at all without it (`owner_alive` stays None).
+
+    A final record whose owner still holds the lock is not final (the
+    owner's last moments, or a record forged by a worker that can write its
+    run directory): `not_final` says so and a listing shows the run."""
     view = empty_view(d)
     try:
         with d.opened():
-            return fill_view(d, view, live, summary, owner_of_ended)
+            return fill_view(d, view, live, summary, owner_of_ended, locked)
     except (OSError, UnsafePath) as e:
         view["unreadable"] = why(e)
         return view
@@ -136,7 +142,8 @@ def why(e: BaseException) -> str:
 
 
 def fill_view(d: RunDir, view: dict[str, Any], live: bool, summary: bool = False,
-              owner_of_ended: bool = True) -> dict[str, Any]:
+              owner_of_ended: bool = True,
+              locked: frozenset[tuple[int, int, int]] | None = None) -> dict[str, Any]:
     rec = d.load_record(summary=summary)
     if isinstance(rec, dict):
         view.update(run_uid=rec.get("run_uid"), state=rec["state"], outcome=rec.get("outcome"),
@@ -149,17 +156,23 @@ def fill_view(d: RunDir, view: dict[str, Any], live: bool, summary: bool = False
         if rec["state"] in TERMINAL:
             if owner_of_ended:
                 view["owner_alive"] = d.owner()
-                if not summary and view["owner_alive"] is False and rec["state"] in ("REAPED", "EXITED"):
-                    # One run's status: a final record whose owner is gone
-                    # while what the tag names lives was not the owner's
-                    # (_tags.still_alive; `contain wait` says "not final").
-                    # BREACHED already says a member lives (an escaper).
-                    from ._tags import still_alive
+            elif locked is not None:
+                view["owner_alive"] = d.owner_among(locked)
+            if view["owner_alive"] is True:
+                # The owner writes its last record, then lets go of the lock.
+                view["not_final"] = f"its record says {rec['state']} but its owner still holds the run"
+            elif (owner_of_ended and not summary and view["owner_alive"] is False
+                  and rec["state"] in ("REAPED", "EXITED")):
+                # One run's status: a final record whose owner is gone
+                # while what the tag names lives was not the owner's
+                # (_tags.still_alive; `contain wait` says "not final").
+                # BREACHED already says a member lives (an escaper).
+                from ._tags import still_alive
 
-                    alive = still_alive(d.path)
-                    if alive is not None:
-                        view["orphaned"] = True
-                        view["not_final"] = f"its record says {rec['state']} but {alive}"
+                alive = still_alive(d.path)
+                if alive is not None:
+                    view["orphaned"] = True
+                    view["not_final"] = f"its record says {rec['state']} but {alive}"
             return view
     owner = d.owner()
     view["owner_alive"] = owner

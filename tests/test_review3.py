@@ -8,6 +8,7 @@ workload's environment), never by asking contain.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -195,6 +196,33 @@ def test_worker_forging_a_reaped_record_does_not_end_contain_wait(box):
         _end(p, box, "fr")
     assert holders(box.token) == []
     assert box.record("fr")["outcome"] == "cancelled", "the owner's own record replaced the forgery"
+
+
+@needs_cgroup
+@pytest.mark.timeout(90)
+def test_worker_forging_a_reaped_record_is_still_listed_as_live_by_ls(box):
+    """The same forger, seen by `contain ls`: it read the record alone, so
+    the live run was hidden as ended (and `ls --all` said REAPED) while its
+    tree ran and its owner held the run. The owner's lock is the kernel's
+    word that the run is not over."""
+    p = _start_forger(box, "fl", "record")
+    try:
+        assert len(holders(box.token)) >= 2
+        ls = subprocess.run(contain_cmd("ls"), env=box.env, capture_output=True, text=True, timeout=30)
+        assert ls.returncode == 0, ls.stderr
+        rows = [line for line in ls.stdout.splitlines() if line.startswith("fl ")]
+        assert rows and "not final" in rows[0], ls.stdout
+        js = subprocess.run(contain_cmd("ls", "--json"), env=box.env, capture_output=True, text=True, timeout=30)
+        view = [v for v in json.loads(js.stdout) if v["id"] == "fl"]
+        assert view and view[0]["owner_alive"] is True and view[0]["not_final"], js.stdout
+        st = subprocess.run(contain_cmd("status", "fl"), env=box.env, capture_output=True, text=True, timeout=30)
+        assert "not final" in st.stdout, st.stdout
+    finally:
+        _end(p, box, "fl")
+    assert holders(box.token) == []
+    ls = subprocess.run(contain_cmd("ls", "--all"), env=box.env, capture_output=True, text=True, timeout=30)
+    row = [line for line in ls.stdout.splitlines() if line.startswith("fl ")]
+    assert row and "not final" not in row[0] and "REAPED" in row[0], ls.stdout
 
 
 @needs_cgroup
