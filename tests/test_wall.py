@@ -194,6 +194,57 @@ def test_worker_is_pid_2_and_sees_only_its_namespace() -> None:
     assert info is not None and info.si_code == os.CLD_EXITED and info.si_status == 0
 
 
+def _smaps_of(pid: int | str, addr: int) -> dict[str, int]:
+    """The kB fields of the mapping of `pid` that holds `addr` (proc(5))."""
+    out: dict[str, int] = {}
+    inside = False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split(" ", 1)[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                if inside:
+                    break
+                inside = lo <= addr < hi
+            elif inside and line.rstrip().endswith(" kB"):
+                k, v = line.split(":", 1)
+                out[k] = int(v.split()[0])
+    return out
+
+
+@needs_root
+def test_a_live_init_holds_none_of_a_large_caller_heap_copy_on_write() -> None:
+    """The init is a clone of the supervisor that never execs: it used to
+    keep every page of the caller's memory shared copy-on-write for the
+    run's whole life, so a library caller with a 64 MiB buffer had all of it
+    pinned twice (Shared_Dirty 64 MiB) and paid a page copy on each first
+    write. The init now copies its arguments and unmaps the rest."""
+    import ctypes
+
+    big = bytearray(64 << 20)
+    for i in range(0, len(big), 4096):
+        big[i] = 1
+    addr = ctypes.addressof((ctypes.c_char * 1).from_buffer(big))
+    assert _smaps_of("self", addr).get("Private_Dirty", 0) > 60 << 10   # the test is not void
+    r, w = os.pipe()
+    try:
+        with walled(["sh", "-c", "echo up; exec sleep 30"], stdio=(-1, w, -1), mount_proc=True) as sp:
+            os.close(w)
+            w = -1
+            assert _poll(r, 10) and os.read(r, 10) == b"up\n"     # the worker runs: its init has shed
+            mine = _smaps_of("self", addr)
+            assert mine.get("Shared_Dirty", 0) < 1024, mine
+            rss = int(_status(sp.init_pid)["VmRSS"].split()[0])
+            assert rss < 32 << 10, f"the init holds {rss} kB"
+            for i in range(0, len(big), 4096):
+                big[i] = 2
+            assert _smaps_of("self", addr).get("Private_Dirty", 0) > 60 << 10
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
 @needs_root
 def test_exit_status_and_whole_tree_cpu_come_from_the_init() -> None:
     script = "sh -c 'i=0; while [ $i -lt 30000 ]; do i=$((i+1)); done' & wait; exit 7"

@@ -18,9 +18,12 @@
  * its parent and for any other holder of a pidfd alike.
  *
  * The init (ct_init_main) never execs and never allocates:
- * - it names itself ct/init, and closes every descriptor
- *   the supervisor had except the few it needs (a library caller's pipes
- *   and locks must not stay open for the run's life);
+ * - it names itself ct/init, copies its arguments and unmaps the large
+ *   private mappings it inherited from the supervisor (shed.c: else every
+ *   page of a library caller's heap stays shared copy-on-write for the
+ *   run's life), and closes every descriptor the supervisor had except the
+ *   few it needs (a library caller's pipes and locks must not stay open for
+ *   the run's life);
  * - user namespace: SELF writes setgroups "deny" and "U U 1" maps for
  *   itself (user_namespaces(7): an unprivileged writer may map only its own
  *   ids, and gid_map only after setgroups is denied); MAP waits until the
@@ -81,14 +84,16 @@
  *     clone copies the caller's page tables: the init is a fork of a
  *     Python process), its own set-up takes 14 us, the worker's vfork and
  *     exec 130 us, the clean-up 50 us, and the supervisor wakes up about
- *     0.2 ms after EXEC was sent. While the init lives, the supervisor
- *     pays a copy-on-write fault the first time it writes each page it still
- *     shares with it: writing 32 MiB took 23 ms instead of 0.6 ms.
+ *     0.2 ms after EXEC was sent. While the init lived with the pages it
+ *     inherited, the supervisor paid a copy-on-write fault the first time it
+ *     wrote each page it still shared with it: writing 32 MiB took 23 ms
+ *     instead of 0.6 ms (shed.c now unmaps them).
  */
 #include "init.h"
 #include "child.h"
 #include "clone.h"
 #include "fds.h"
+#include "shed.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -208,6 +213,10 @@ void ct_init_main(const struct ct_spawn_args *a, const struct ct_wall_args *w, i
      * each message is a wake-up of the supervisor. */
     prctl(PR_SET_NAME, CT_INIT_NAME, 0, 0, 0);
     if (w->die_with_parent) prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
+    /* Then let go of the supervisor's memory: from here on the init and its
+     * worker use only the copy of their arguments (shed.c). */
+    int unmapped = 0;
+    if ((rc = ct_shed(&a, &w, &unmapped)) < 0) init_send(sock, CT_EV_NOTE, CT_NOTE_SHED, -rc, 0, 0, 0, 0, -1);
     int extra[2] = {sock, sync_rd};
     if ((rc = close_all_but(a, extra, sync_rd >= 0 ? 2 : 1)) < 0) init_fail(sock, CT_STAGE_INIT, -rc);
 

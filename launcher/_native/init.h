@@ -31,6 +31,7 @@ enum {
     CT_NOTE_MOUNT_PRIVATE = 1,  /* mounts could not be made private: no /proc of our own */
     CT_NOTE_MOUNT_PROC = 2,     /* a fresh /proc could not be mounted */
     CT_NOTE_DEVNULL = 3,        /* the init could not point its own stdio at /dev/null */
+    CT_NOTE_SHED = 4,           /* the init kept the supervisor's memory (copy-on-write until it ends) */
 };
 
 /* The init's comm from its first instruction of ours on. */

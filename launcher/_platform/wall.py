@@ -88,6 +88,8 @@ _NOTES = {
     lib.CT_NOTE_MOUNT_PRIVATE: "mounts could not be made private (no /proc of the namespace's own)",
     lib.CT_NOTE_MOUNT_PROC: "a /proc of the namespace could not be mounted",
     lib.CT_NOTE_DEVNULL: "the init could not point its stdio at /dev/null",
+    lib.CT_NOTE_SHED: ("the init could not let go of the supervisor's memory (shared copy-on-write "
+                       "until the run ends)"),
 }
 
 

@@ -1,0 +1,13 @@
+#ifndef CT_SHED_H
+#define CT_SHED_H
+#include "init.h"
+#include "spawn.h"
+
+/* Used by the wall's init only (not exported to Python): copy *a and *w,
+ * with everything they point to, into a fresh mapping and point them at
+ * the copy, then unmap the large private anonymous mappings inherited from
+ * the supervisor (shed.c says which and why). Returns 0, or -errno: then
+ * nothing was unmapped, and *a, *w are unchanged or point at a complete
+ * copy. *n_unmapped: how many mappings went. */
+int ct_shed(const struct ct_spawn_args **a, const struct ct_wall_args **w, int *n_unmapped);
+#endif
