@@ -20,7 +20,8 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
-TARGET = 1.5   # issue 5: at most 1.5x posix_spawn + waitpid of /bin/true
+TARGET = 3.0   # issue 10: at most 3x posix_spawn + waitpid of /bin/true (issue 5 had asked 1.5x, before the wall,
+#                the run cgroups and the verified run directory)
 
 
 def run(repeats: int = 200, cgroup_base: str | None = None) -> dict[str, Any]:
