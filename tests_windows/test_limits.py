@@ -38,6 +38,7 @@ WINE = _census.wine_version()
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONTAIN = [sys.executable, os.path.join(HERE, "_contain.py")]
 MB = 1 << 20
+ERROR_ACCESS_DENIED = 5
 
 LIMITS = {
     "memory": Limits(memory_max=64 * MB),
@@ -97,8 +98,28 @@ def test_limit_is_read_back_or_the_job_is_refused(which: str) -> None:
             assert applied["value"] == 3 and applied["read_back"]["ActiveProcessLimit"] == 3
         else:
             assert applied["read_back"]["CpuRate"] == applied["cpu_rate"] >= 1
-        # The kept handle still cannot change them (the limits guard).
-        assert c.guard.get("obtainable") == [], c.guard
+        # The kept handle cannot lift them (the limits guard).
+        from launcher._native import lib
+
+        assert lib.ct_job_set_limits(c.job, 0, 0) == ERROR_ACCESS_DENIED
+    finally:
+        c.remove()
+
+
+def test_the_kept_handle_cannot_set_or_lift_a_limit() -> None:
+    """A worker that steals the owner's handle (it can: same user) gets no
+    more than JOB_OBJECT_SET_ATTRIBUTES-less access, so it cannot write the
+    extended limits (rewriting them without JOB_MEMORY would lift a memory
+    limit) nor the CPU rate: the limits are written before ct_job_restrict."""
+    from launcher._native import lib
+
+    c = windows.Container.create(f"kept-{os.getpid()}")
+    try:
+        assert lib.ct_job_set_limits(c.job, 0, 0) == ERROR_ACCESS_DENIED
+        assert lib.ct_job_set_limits(c.job, 1 << 40, 1 << 20) == ERROR_ACCESS_DENIED
+        rc = lib.ct_job_set_cpu_rate(c.job, 10000)
+        # Wine refuses the class itself (87) before looking at the handle.
+        assert rc == ERROR_ACCESS_DENIED or (WINE is not None and rc == 87), rc
     finally:
         c.remove()
 
