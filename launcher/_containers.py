@@ -35,7 +35,9 @@ def make_container(run_id: str, opts: Options) -> Any:
             raise ContainmentUnavailable("Job Objects exist only on Windows")
         from ._platform import windows
 
-        return windows.Container.create(run_id)
+        # A job's limits are written as it is made, while its handle can
+        # still set them (winlimits.py); RunUsage records them.
+        return windows.Container.create(run_id, getattr(opts, "limits", None))
     weaker = None
     if backend in ("auto", "cgroup2"):
         from ._platform import linux

@@ -44,10 +44,11 @@ class RunUsage:
         from ._errors import ContainmentUnavailable
 
         if container.backend == "job-object":
-            # Windows: no cgroups; the job's own accounting (winacct.py).
-            if self.limits:
-                raise ContainmentUnavailable("limits (--memory-max, --pids-max, --cpu-max) are not built for "
-                                             "Job Objects yet")
+            # Windows: no cgroups; the job's own accounting (winacct.py) and
+            # limits, written and read back as the job was made (winlimits.py).
+            if self.limits and getattr(container, "job_limits", None) is None:
+                raise ContainmentUnavailable("limits (--memory-max, --pids-max, --cpu-max) were asked, but the "
+                                             "Job Object was made without them")
             self.problem = "no cgroups on Windows: the Job Object's own accounting is read"
             return
         from ._runcgroups import RunCgroups
@@ -144,6 +145,12 @@ class RunUsage:
         if self.cgroups is not None:
             facts.limits = dict(self.cgroups.limits_record(), hit=hits)
             facts.cgroup_v1 = self.cgroups.describe()
+        elif container is not None and container.backend == "job-object" and hasattr(container, "limits_record"):
+            # The job's own read-back, `hit` from the port's limit messages.
+            job_limits = container.limits_record()
+            if job_limits is not None:
+                facts.limits = job_limits
+                hits = job_limits["hit"]
         steps = ((facts.layers.get("signal_sent") or {}).get("detail") or {})
         killed = any(s.get("kind") == "kill" and s.get("observed")
                      for s in (steps.get("steps") or [] if isinstance(steps, dict) else []))

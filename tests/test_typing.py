@@ -21,13 +21,15 @@ def test_mypy_passes() -> None:
 # `sys.platform != "win32"` guard as unreachable and checks none of it.
 WINDOWS_FILES = ["launcher/_platform/windows.py", "launcher/_platform/winsync.py", "launcher/_platform/winfs.py",
                  "launcher/_platform/winproc.py", "launcher/_platform/winacct.py", "launcher/_platform/winhost.py",
+                 "launcher/_platform/winlimits.py",
                  "launcher/_platform/winlayout.py", "launcher/_platform/winstate.py",
                  "launcher/_platform/windoctor.py", "launcher/_platform/exits.py", "launcher/_platform/__init__.py",
                  "launcher/_identity.py", "launcher/_stdio.py", "launcher/_aio.py", "launcher/_native/build.py",
                  "tools/winbuild.py",
                  "tests_windows/_census.py", "tests_windows/_child.py", "tests_windows/_job.py",
                  "tests_windows/_contain.py", "tests_windows/test_job.py", "tests_windows/test_waiter.py",
-                 "tests_windows/test_files.py", "tests_windows/test_run.py", "tests_windows/test_library.py"]
+                 "tests_windows/test_files.py", "tests_windows/test_run.py", "tests_windows/test_library.py",
+                 "tests_windows/test_limits.py"]
 
 
 def test_mypy_passes_for_windows() -> None:

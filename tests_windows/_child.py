@@ -290,6 +290,30 @@ def role_alloc(mb: str) -> int:
     return 0
 
 
+def role_try_spawn(d: str, tag: str) -> int:
+    """Try to start one child (a marked sleeper); say whether it was made."""
+    _census.mark(d, tag)
+    try:
+        p = start(me("sleep", d, f"{tag}-child"))
+        result(d, tag, f"created {p.pid}")
+    except OSError as e:
+        result(d, tag, f"refused {getattr(e, 'winerror', None)} {e}")
+    return 0
+
+
+def role_try_alloc(d: str, tag: str, mb: str) -> int:
+    """Try to commit and touch `mb` MiB; say whether it could."""
+    _census.mark(d, tag)
+    try:
+        b = bytearray(int(mb) << 20)
+        for i in range(0, len(b), 4096):
+            b[i] = 1
+        result(d, tag, f"allocated {len(b)}")
+    except MemoryError:
+        result(d, tag, "refused MemoryError")
+    return 0
+
+
 ROLES = {n[5:]: f for n, f in list(globals().items()) if n.startswith("role_")}
 
 if __name__ == "__main__":

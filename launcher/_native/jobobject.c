@@ -31,6 +31,10 @@
 #define CT_JOB_KEPT_ACCESS \
     (JOB_OBJECT_QUERY | JOB_OBJECT_TERMINATE | JOB_OBJECT_ASSIGN_PROCESS | SYNCHRONIZE | READ_CONTROL)
 
+/* The limit flags every job of ours carries (ct_job_create); writing the
+ * resource limits (ct_job_set_limits) keeps them. */
+#define CT_JOB_BASE_LIMITS (JOB_OBJECT_LIMIT_KILL_ON_JOB_CLOSE | JOB_OBJECT_LIMIT_DIE_ON_UNHANDLED_EXCEPTION)
+
 /* Re-query ActiveProcesses at least this often even if no message comes. */
 #define CT_JOB_REQUERY_MS 100
 
@@ -73,8 +77,7 @@ int ct_job_create(uintptr_t *job) {
     }
     if (j == NULL) return e;
     ZeroMemory(&li, sizeof li);
-    li.BasicLimitInformation.LimitFlags =
-        JOB_OBJECT_LIMIT_KILL_ON_JOB_CLOSE | JOB_OBJECT_LIMIT_DIE_ON_UNHANDLED_EXCEPTION;
+    li.BasicLimitInformation.LimitFlags = CT_JOB_BASE_LIMITS;
     if (!SetInformationJobObject(j, JobObjectExtendedLimitInformation, &li, sizeof li)) {
         e = last_error();
         CloseHandle(j);
@@ -289,6 +292,8 @@ static void count_message(struct ct_job_wait_result *r, DWORD msg) {
     case JOB_OBJECT_MSG_EXIT_PROCESS: r->exits++; break;
     case JOB_OBJECT_MSG_ABNORMAL_EXIT_PROCESS: r->abnormal_exits++; break;
     case JOB_OBJECT_MSG_ACTIVE_PROCESS_ZERO: r->port_zero = 1; break;
+    case JOB_OBJECT_MSG_JOB_MEMORY_LIMIT: r->memory_limit++; break;
+    case JOB_OBJECT_MSG_ACTIVE_PROCESS_LIMIT: r->process_limit++; break;
     default: break;
     }
 }
@@ -359,4 +364,66 @@ int ct_job_memory(uintptr_t job, uint64_t *peak_job, uint64_t *peak_process) {
     *peak_job = (uint64_t)li.PeakJobMemoryUsed;
     *peak_process = (uint64_t)li.PeakProcessMemoryUsed;
     return 0;
+}
+
+/* The resource limits (the record's `limits`), written with the handle
+ * ct_job_create returned, before ct_job_restrict takes SET_ATTRIBUTES
+ * away and before anything is assigned. The whole extended class is
+ * written: CT_JOB_BASE_LIMITS, plus JOB_MEMORY when job_memory != 0 and
+ * ACTIVE_PROCESS when active_processes != 0. Not read-modify-write: a
+ * query that zero-fills (Wine) would otherwise drop KILL_ON_JOB_CLOSE. */
+int ct_job_set_limits(uintptr_t job, uint64_t job_memory, uint32_t active_processes) {
+    JOBOBJECT_EXTENDED_LIMIT_INFORMATION li;
+    ZeroMemory(&li, sizeof li);
+    li.BasicLimitInformation.LimitFlags = CT_JOB_BASE_LIMITS;
+    if (job_memory) {
+        li.BasicLimitInformation.LimitFlags |= JOB_OBJECT_LIMIT_JOB_MEMORY;
+        li.JobMemoryLimit = (SIZE_T)job_memory;
+    }
+    if (active_processes) {
+        li.BasicLimitInformation.LimitFlags |= JOB_OBJECT_LIMIT_ACTIVE_PROCESS;
+        li.BasicLimitInformation.ActiveProcessLimit = active_processes;
+    }
+    return SetInformationJobObject((HANDLE)job, JobObjectExtendedLimitInformation, &li, sizeof li) ? 0
+                                                                                                   : last_error();
+}
+
+int ct_job_read_limits(uintptr_t job, struct ct_job_limit_values *out) {
+    JOBOBJECT_EXTENDED_LIMIT_INFORMATION li;
+    memset(out, 0, sizeof *out);
+    if (!QueryInformationJobObject((HANDLE)job, JobObjectExtendedLimitInformation, &li, sizeof li, NULL))
+        return last_error();
+    out->flags = li.BasicLimitInformation.LimitFlags;
+    out->active_process_limit = li.BasicLimitInformation.ActiveProcessLimit;
+    out->job_memory_limit = (uint64_t)li.JobMemoryLimit;
+    out->process_memory_limit = (uint64_t)li.ProcessMemoryLimit;
+    return 0;
+}
+
+/* A hard cap on the job's CPU: `rate` in 1/100 of a percent of all the
+ * machine's processors (1..10000), JOB_OBJECT_CPU_RATE_CONTROL_ENABLE |
+ * HARD_CAP (Windows 8 and later). */
+int ct_job_set_cpu_rate(uintptr_t job, uint32_t rate) {
+    JOBOBJECT_CPU_RATE_CONTROL_INFORMATION ci;
+    ZeroMemory(&ci, sizeof ci);
+    ci.ControlFlags = JOB_OBJECT_CPU_RATE_CONTROL_ENABLE | JOB_OBJECT_CPU_RATE_CONTROL_HARD_CAP;
+    ci.CpuRate = rate;
+    return SetInformationJobObject((HANDLE)job, JobObjectCpuRateControlInformation, &ci, sizeof ci) ? 0
+                                                                                                    : last_error();
+}
+
+int ct_job_read_cpu_rate(uintptr_t job, uint32_t *control_flags, uint32_t *rate) {
+    JOBOBJECT_CPU_RATE_CONTROL_INFORMATION ci;
+    *control_flags = *rate = 0;
+    if (!QueryInformationJobObject((HANDLE)job, JobObjectCpuRateControlInformation, &ci, sizeof ci, NULL))
+        return last_error();
+    *control_flags = ci.ControlFlags;
+    *rate = ci.CpuRate;
+    return 0;
+}
+
+/* The processors CpuRate is a share of: every active one, in every group. */
+int ct_job_cpu_count(uint32_t *n) {
+    *n = GetActiveProcessorCount(ALL_PROCESSOR_GROUPS);
+    return *n ? 0 : last_error();
 }

@@ -24,6 +24,16 @@ struct ct_job_wait_result {
     uint32_t exits;            /* JOB_OBJECT_MSG_EXIT_PROCESS */
     uint32_t abnormal_exits;   /* JOB_OBJECT_MSG_ABNORMAL_EXIT_PROCESS */
     uint32_t queries;          /* QueryInformationJobObject calls made */
+    uint32_t memory_limit;     /* JOB_OBJECT_MSG_JOB_MEMORY_LIMIT */
+    uint32_t process_limit;    /* JOB_OBJECT_MSG_ACTIVE_PROCESS_LIMIT */
+};
+
+/* The extended limits as QueryInformationJobObject reads them back. */
+struct ct_job_limit_values {
+    uint32_t flags;                 /* LimitFlags */
+    uint32_t active_process_limit;  /* ActiveProcessLimit */
+    uint64_t job_memory_limit;      /* JobMemoryLimit, bytes of commit */
+    uint64_t process_memory_limit;  /* ProcessMemoryLimit */
 };
 
 /* A job that kills its tree when its last handle closes and allows no
@@ -51,4 +61,14 @@ int ct_job_wait_empty(uintptr_t job, uintptr_t port, uint32_t timeout_ms, struct
 int ct_job_terminate(uintptr_t job, uint32_t exit_code);
 int ct_job_close_take(uintptr_t handle);
 int ct_job_memory(uintptr_t job, uint64_t *peak_job, uint64_t *peak_process);
+/* The resource limits, with the handle ct_job_create returned (before
+ * ct_job_restrict): the base flags plus JOB_MEMORY (job_memory != 0) and
+ * ACTIVE_PROCESS (active_processes != 0). */
+int ct_job_set_limits(uintptr_t job, uint64_t job_memory, uint32_t active_processes);
+int ct_job_read_limits(uintptr_t job, struct ct_job_limit_values *out);
+/* JOB_OBJECT_CPU_RATE_CONTROL_ENABLE | HARD_CAP, `rate` in 1/100 % of all CPUs. */
+int ct_job_set_cpu_rate(uintptr_t job, uint32_t rate);
+int ct_job_read_cpu_rate(uintptr_t job, uint32_t *control_flags, uint32_t *rate);
+/* GetActiveProcessorCount(ALL_PROCESSOR_GROUPS). */
+int ct_job_cpu_count(uint32_t *n);
 #endif

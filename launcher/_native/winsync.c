@@ -63,6 +63,8 @@ static void count(struct ct_sync_wait_result *r, const OVERLAPPED_ENTRY *e, uint
         case JOB_OBJECT_MSG_EXIT_PROCESS: r->job_exit_process++; break;
         case JOB_OBJECT_MSG_ABNORMAL_EXIT_PROCESS: r->job_abnormal_exit++; break;
         case JOB_OBJECT_MSG_ACTIVE_PROCESS_ZERO: r->job_active_zero++; break;
+        case JOB_OBJECT_MSG_JOB_MEMORY_LIMIT: r->job_memory_limit++; break;
+        case JOB_OBJECT_MSG_ACTIVE_PROCESS_LIMIT: r->job_process_limit++; break;
         default: break;
         }
         return;

@@ -36,6 +36,8 @@ struct ct_sync_wait_result {
     uint32_t ctrls;
     uint32_t last_ctrl;         /* CTRL_C_EVENT 0, CTRL_BREAK_EVENT 1, CTRL_CLOSE_EVENT 2, ... */
     uint32_t other;
+    uint32_t job_memory_limit;  /* JOB_OBJECT_MSG_JOB_MEMORY_LIMIT: an allocation failed at the job's limit */
+    uint32_t job_process_limit; /* JOB_OBJECT_MSG_ACTIVE_PROCESS_LIMIT: a process refused at the job's limit */
 };
 
 int ct_sync_port_create(uintptr_t *port);

@@ -8,6 +8,8 @@
   used, and, when this process runs in a job itself, whether that job lets
   ours nest (a job that forbids it refuses the assignment: debugpy#545);
 - the job this process runs in, if any, and its limits;
+- each resource limit (`--memory-max`, `--pids-max`, `--cpu-max`) written on a
+  job of its own and read back as a run does it (winlimits.py), or why not;
 - whether this process has a console (the polite CTRL_BREAK_EVENT travels
   through one).
 """
@@ -98,6 +100,24 @@ def _spawn_probe() -> dict[str, Any]:
         c.remove()
 
 
+def _limits_probe() -> dict[str, Any]:
+    """Each limit on a job of its own, as `contain run` would apply it."""
+    from .._errors import ContainmentUnavailable
+    from .._limits import Limits, parse_cpu_max
+    from . import windows
+
+    out: dict[str, Any] = {}
+    for flag, lim in (("--memory-max", Limits(memory_max=256 << 20)), ("--pids-max", Limits(pids_max=64)),
+                      ("--cpu-max", Limits(cpu_max=parse_cpu_max("1")))):
+        try:
+            windows.Container.create("doctor-limits", lim).remove()
+        except ContainmentUnavailable as e:
+            out[flag] = {"ok": False, "error": e.reason}
+        else:
+            out[flag] = {"ok": True, "via": "job-object, read back"}
+    return out
+
+
 def capabilities() -> dict[str, Any]:
     """What `contain doctor` reports on Windows (also `launcher.capabilities()`)."""
     from . import winproc
@@ -112,6 +132,7 @@ def capabilities() -> dict[str, Any]:
     spawn = _probe(_spawn_probe)
     caps["job_object"] = spawn
     caps["own_job"] = _probe(_own_job)
+    caps["limits"] = _probe(_limits_probe)
     console, why = winproc.console_pids()
     caps["console"] = {"ok": console is not None, "error": why}
     guard = spawn.get("guard") or {}
@@ -151,9 +172,17 @@ def next_steps(caps: dict[str, Any]) -> list[str]:
     if not caps["console"]["ok"]:
         steps.append("no console: the polite CTRL_BREAK_EVENT cannot be delivered, so every stop is the kill "
                      "after --grace (TerminateJobObject)")
+    refused = [f for f, v in (caps.get("limits") or {}).items() if isinstance(v, dict) and v.get("ok") is False]
+    if refused:
+        first = caps["limits"][refused[0]].get("error") or ""
+        if len(first) > 200:
+            first = first[:200] + "..."
+        steps.append(f"{', '.join(refused)}: refused here (a run asking for one exits 125, it never runs "
+                     f"unlimited): {first}")
     if caps.get("wine"):
         steps.append(f"Wine {caps['wine']}: job CPU times and peak memory read 0 (recorded as not measured), "
-                     "and CTRL_BREAK_EVENT is not implemented (docs/windows.md)")
+                     "CTRL_BREAK_EVENT is not implemented, and the job's memory, process and CPU limits are "
+                     "neither kept nor enforced (docs/windows.md)")
     if not steps:
         steps.append("nothing to do: this host gives the strongest container contain knows on Windows")
     return steps
@@ -169,6 +198,12 @@ def render(caps: dict[str, Any]) -> str:
                  f"{', '.join(guard.get('obtainable') or []) or 'nothing'}")
     lines.append("  own job         " + ("none" if not own.get("in_job") else own.get("limit_flags", "?")))
     lines.append(f"  console         {'yes' if caps['console']['ok'] else 'no'}")
+    lim = caps.get("limits") or {}
+    if lim.get("error"):
+        lines.append(f"  limits          unknown: {lim['error']}")
+    else:
+        lines.append("  limits          " + ", ".join(f"{f} {'yes' if v.get('ok') else 'no'}" for f, v in lim.items()
+                                                     if isinstance(v, dict)))
     lines.append("")
     for m in caps["modes"]:
         lines.append(f"{m['mode']}: {'available' if m['available'] else 'unavailable'}"

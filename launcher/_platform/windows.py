@@ -29,10 +29,12 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any
 
+    from .._limits import Limits
+    from .winlimits import JobLimits
     from .winproc import SpawnRequestLike
 
 from .._errors import ContainmentUnavailable
-from . import winacct, winproc
+from . import winacct, winlimits, winproc
 from .winproc import Request as Request, Spawned as Spawned, environment_block as environment_block
 from .winsync import check as _check, error as _error, require_windows
 
@@ -77,11 +79,15 @@ class Container:
         self.last_terminate: dict[str, Any] | None = None
         self.waiter: Any = None   # the owner loop's Waiter on our port (winhost.Wakeups), closed first
         self.guard: dict[str, Any] = {}   # how the job is kept from being told to allow breakaway
+        self.job_limits: JobLimits | None = None   # the limits written and read back (winlimits.py)
         self._worker_times: dict[str, int] | None = None
         self._wait: Any = None
 
     @classmethod
-    def create(cls, run_id: str) -> "Container":
+    def create(cls, run_id: str, limits: Limits | None = None) -> "Container":
+        """`limits` (--memory-max, --pids-max, --cpu-max) are written and
+        read back here, while the handle can still set them and nothing is
+        in the job (winlimits.py); ContainmentUnavailable if one is refused."""
         require_windows("Job Objects")
         from .._native import ffi, lib
 
@@ -93,15 +99,23 @@ class Container:
         # The port must be associated before the worker is assigned, or its
         # NEW_PROCESS message is never posted.
         port = ffi.new("uintptr_t*")
-        rc = lib.ct_job_port_create(job[0], port)
-        if rc == 0:
-            rc = lib.ct_job_restrict(job)
+        applied, rc = None, -1
+        try:
+            rc = lib.ct_job_port_create(job[0], port)
+            if rc == 0 and limits:
+                # Before ct_job_restrict: the kept handle cannot set them.
+                applied = winlimits.apply(int(job[0]), limits, f"anonymous job of run {run_id}")
+            if rc == 0:
+                rc = lib.ct_job_restrict(job)
+        finally:
+            if rc != 0 or (limits and applied is None):
+                lib.ct_job_close_take(job[0])
+                if port[0]:
+                    lib.ct_job_close_take(port[0])
         if rc != 0:
-            lib.ct_job_close_take(job[0])
-            if port[0]:
-                lib.ct_job_close_take(port[0])
             raise ContainmentUnavailable(f"completion port / restricted job handle: {_error(rc, 'job')}")
         c = cls(run_id, int(job[0]), int(port[0]), key)
+        c.job_limits = applied
         c._wait = ffi.new("struct ct_job_wait_result*")
         c.guard = c._probe()
         return c
@@ -286,6 +300,24 @@ class Container:
         """Whole-tree CPU and peak memory, `null` with the reason where the
         job's numbers cannot be a measurement (winacct.py)."""
         return winacct.accounting(self)
+
+    def limit_messages(self) -> dict[str, int]:
+        """The port's limit messages over the run, as counted by whoever
+        drained it (the owner's Waiter, ct_job_wait_empty)."""
+        out = {"job_memory_limit": 0, "job_process_limit": 0}
+        if self.waiter is not None:
+            for k in out:
+                out[k] += int(self.waiter.seen.get(k, 0))
+        if self._wait is not None:
+            out["job_memory_limit"] += int(self._wait.memory_limit)
+            out["job_process_limit"] += int(self._wait.process_limit)
+        return out
+
+    def limits_record(self) -> dict[str, Any] | None:
+        """The record's `limits` when limits were asked, else None."""
+        if self.job_limits is None:
+            return None
+        return self.job_limits.record(self.limit_messages())
 
     def cpu_stat(self) -> dict[str, int] | None:
         """The job's CPU totals where accounting() finds them plausible, else None."""

@@ -57,6 +57,8 @@ _SPAWN_ERRNO = {
     740: errno.EACCES,    # ERROR_ELEVATION_REQUIRED
 }
 _ERROR_DIRECTORY = 267    # the working directory is not one: the spawn's, not the command's
+# The job's limits (or the host) had no room for the worker: not the command's fault.
+_ERROR_QUOTA = {8: "ERROR_NOT_ENOUGH_MEMORY", 1455: "ERROR_COMMITMENT_LIMIT", 1816: "ERROR_NOT_ENOUGH_QUOTA"}
 
 
 class Request:
@@ -167,6 +169,10 @@ def _raise_spawn(rc: int, r: Any, req: SpawnRequestLike) -> None:
     if r.stage == lib.CT_JOB_STAGE_CREATE and rc == _ERROR_DIRECTORY:
         raise SpawnFailed(f"{what}: working directory {req.cwd!r}: {err}", errno=errno.ENOTDIR,
                           stage="chdir", path=what) from err
+    if r.stage == lib.CT_JOB_STAGE_CREATE and rc in _ERROR_QUOTA:
+        raise SpawnFailed(f"{what}: no room for the worker ({_ERROR_QUOTA[rc]}: the job's --memory-max or "
+                          f"--pids-max, or the host's memory): {err}", errno=errno.ENOMEM, stage="limits",
+                          path=what) from err
     if r.stage == lib.CT_JOB_STAGE_CREATE:
         code = _SPAWN_ERRNO.get(rc, errno.EINVAL)
         if code == errno.ENOENT and os.path.isdir(what):

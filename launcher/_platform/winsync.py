@@ -44,7 +44,8 @@ SE_KERNEL_OBJECT = 6
 _NAME_PART = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 _COUNTERS = ("packets", "job_messages", "job_new_process", "job_exit_process", "job_abnormal_exit",
-             "job_active_zero", "process_exits", "events", "wakes", "ctrls", "other")
+             "job_active_zero", "process_exits", "events", "wakes", "ctrls", "other", "job_memory_limit",
+             "job_process_limit")
 
 
 def require_windows(what: str = "this") -> None:
