@@ -275,4 +275,7 @@ def spawn_request(argv: list[str], opts: Options, container: Any, run_id: str,
     req = posix.SpawnRequest(argv, env=env, cwd=opts.cwd, stdio=opts.stdio, new_pgroup=opts.new_pgroup,
                              uid=uid, gid=gid, groups=groups, pass_fds=opts.pass_fds)
     container.prepare(req, opts)
+    if run_dir is not None and req.mount_proc and getattr(container, "hides_state_dir", False):
+        # <state>/runs/<id>: the whole state directory, every run of the user's.
+        req.hide = os.path.dirname(os.path.dirname(run_dir))
     return req

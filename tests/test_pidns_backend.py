@@ -95,15 +95,20 @@ def test_explicit_pidns_backend_refuses_a_seal(user):
 
 
 def test_a_worker_that_can_write_the_state_directory_is_not_called_sealed(user):
-    """The worker runs as the caller's uid, which owns the state directory:
-    it can rewrite what the supervisor reads (it does, here), so the record
-    must say sealed false, naming the directory, whichever way the state
-    directory was chosen (CONTAIN_STATE_DIR, not an option)."""
+    """The worker runs as the caller's uid, which owns the state directory
+    and everything else of the caller's (it writes the caller's home, here).
+    The state directory itself is out of its reach (an empty tmpfs over it
+    in the run's mount namespace: what it writes there goes nowhere), but a
+    uid that may write it is no seal: the record must say sealed false,
+    naming why, whichever way the state directory was chosen
+    (CONTAIN_STATE_DIR, not an option)."""
     uid, token, home = user
     state = os.path.join(home, "state")
-    rc, rec = _run(uid, token, home, "--", "sh", "-c", f'touch "{state}/written-by-the-worker"')
+    rc, rec = _run(uid, token, home, "--", "sh", "-c",
+                   f'touch "{home}/written-by-the-worker" && touch "{state}/written-by-the-worker"')
     assert rc == 0
-    assert os.path.exists(os.path.join(state, "written-by-the-worker")), "the test is void: nothing was written"
+    assert os.path.exists(os.path.join(home, "written-by-the-worker")), "the test is void: nothing was written"
+    assert not os.path.exists(os.path.join(state, "written-by-the-worker")), "the worker reached the state directory"
     c = rec["containment"]
     assert c["sealed"] is False, c
     assert c["sealed_reason"], c
@@ -154,12 +159,14 @@ def test_orphaned_run_is_stopped_by_cancel_not_left_running(user):
     assert rec["evidence"]["signal_sent"]["observed"] is True
 
 
-# The worker (the run's own uid, behind the wall) rewrites the run's tag so
-# that its wall's init names a process of the same user outside the wall,
-# which it could never signal itself; then it says so and waits.
+# The run's own uid rewrites the run's tag so that its wall's init names a
+# process of the same user outside the wall. (The worker did this itself; it
+# can no longer reach its run directory, so a process of the same user
+# outside the run does it here.)
 TAG_FORGER = """\
 import json, os, time
 rd = os.environ["CONTAIN_RUN_DIR"]
+deadline = time.monotonic() + 20
 while True:
     try:
         tag = json.loads(os.getxattr(rd, "user.contain.run"))
@@ -167,20 +174,20 @@ while True:
             break
     except OSError:
         pass
+    assert time.monotonic() < deadline, "no tag"
     time.sleep(0.01)
 tag["wall"]["init"] = json.loads(os.environ["VICTIM"])
 os.setxattr(rd, "user.contain.run", json.dumps(tag).encode())
 open(os.environ["FORGED"], "w").close()
-os.execvp("sleep", ["sleep", "300"])
 """
 
 
 def test_worker_forging_its_wall_init_cannot_make_cancel_kill_a_process_outside(user):
-    """A worker can write its run directory's `user.` tag (same uid), but
-    behind the wall it cannot reach the user's other processes. Naming one
-    of them as the wall's init must not turn `contain cancel` into the
-    weapon: the adopter acts only on a process that is pid 1 of the
-    recorded PID namespace; anything else is UNCONFIRMED, never signalled."""
+    """The run's uid can write its run directory's `user.` tag. Naming one
+    of the user's other processes as the wall's init must not turn
+    `contain cancel` into the weapon: the adopter acts only on a process
+    that is pid 1 of the recorded PID namespace; anything else is
+    UNCONFIRMED, never signalled."""
     import signal
     import subprocess
     import time
@@ -206,12 +213,11 @@ def test_worker_forging_its_wall_init_cannot_make_cancel_kill_a_process_outside(
                        VICTIM=json.dumps({"pid": victim.pid, "start_time": start}), **{TOKEN_VAR: token})
         sup = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",
                                 SYS_PY, "-m", "launcher", "run", "-q", "--id", "f", "--grace", "0.3", "--",
-                                SYS_PY, "-c", TAG_FORGER], env=env, stderr=subprocess.DEVNULL, cwd="/")
+                                "sleep", "300"], env=env, stderr=subprocess.DEVNULL, cwd="/")
         try:
-            deadline = time.monotonic() + 20
-            while not os.path.exists(forged):
-                assert time.monotonic() < deadline and sup.poll() is None, "the worker did not forge its tag"
-                time.sleep(0.02)
+            forger = as_uid(uid, [SYS_PY, "-c", TAG_FORGER],
+                            env=dict(env, CONTAIN_RUN_DIR=os.path.join(home, "state", "runs", "f")))
+            assert forger.returncode == 0 and os.path.exists(forged), forger.stderr
         finally:
             sup.send_signal(signal.SIGKILL)
             sup.wait(10)

@@ -47,11 +47,26 @@ class Victim:
         return subprocess.Popen(_as(self.uid, SYS_PY, "-m", "launcher", *args), env=self.env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/")
 
+    def run_dir(self, run_id: str) -> str:
+        return os.path.join(self.env["XDG_RUNTIME_DIR"], "contain", "runs", run_id)
+
+    def forge(self, run_id: str, script: str, *args: str) -> str:
+        """Run `script` as this user, outside the run (the run's own worker
+        cannot reach its run directory: the init hides the state directory
+        from it), with CONTAIN_RUN_DIR naming the run's directory."""
+        p = subprocess.run(_as(self.uid, SYS_PY, "-c", script, *args), capture_output=True, text=True,
+                           env=dict(self.env, CONTAIN_RUN_DIR=self.run_dir(run_id)), cwd="/", timeout=30)
+        assert p.returncode == 0, p.stderr
+        return p.stdout.strip()
+
+
+# The worker of these runs: a child, and itself, alive until killed.
+_LIVE = ["sh", "-c", "sleep 300 & echo up; exec sleep 300"]
+
 
 _FORGE_TERMINAL = r"""
-import json, os, subprocess, sys, time
+import json, os, sys
 d = os.environ["CONTAIN_RUN_DIR"]
-kid = subprocess.Popen(["sleep", "300"])
 path = os.path.join(d, "record.json")
 rec = json.load(open(path))
 rec.update(state=sys.argv[1], outcome="exited", exit_code=0, signal=None)
@@ -60,6 +75,13 @@ with open(tmp, "w") as f:
     f.write(json.dumps(rec))
 os.rename(tmp, path)
 print("forged", flush=True)
+"""
+
+# The same, by a worker that can write its run directory (root, not
+# sealed), which then goes on with a child.
+_FORGE_TERMINAL_AND_STAY = _FORGE_TERMINAL + r"""
+import subprocess, time
+kid = subprocess.Popen(["sleep", "300"])
 time.sleep(300)
 """
 
@@ -68,20 +90,23 @@ time.sleep(300)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("state", ["REAPED", "EXITED"])
 def test_own_worker_forging_a_terminal_record_then_orphaned_is_still_stopped_by_cancel(state):
-    """An unprivileged user's run (the pidns backend: the worker is the same
-    uid, so it can write its run directory) rewrites record.json to say the
-    run ended, and goes on with a child. Its supervisor then dies (killed
-    here). `contain cancel --wait` adopted the orphan, took the forged record
-    as the previous owner's last word, answered `not_live` and stopped
-    nothing; `contain wait` then said REAPED, exit 0, with the whole tree
-    alive, for ever: the run was lost."""
+    """An unprivileged user's run (the pidns backend) whose record.json is
+    rewritten, by the same uid, to say the run ended, while the tree goes
+    on. Its supervisor then dies (killed here). `contain cancel --wait`
+    adopted the orphan, took the forged record as the previous owner's last
+    word, answered `not_live` and stopped nothing; `contain wait` then said
+    REAPED, exit 0, with the whole tree alive, for ever: the run was lost.
+    (The forger was the run's own worker; it can no longer reach its run
+    directory, test_own_worker_cannot_reach_the_state_directory, so here it
+    is the same user outside the run.)"""
     victim, = spare_uids(1)
     with Shared() as sh:
         v = Victim(sh, victim)
-        p = v.start("run", "-q", "--backend", "pidns", "--id", "fg", "--", SYS_PY, "-c", _FORGE_TERMINAL, state)
+        p = v.start("run", "-q", "--backend", "pidns", "--id", "fg", "--", *_LIVE)
         try:
             line = readline_within(p.stdout, 30)
-            assert line.strip() == b"forged", (line, p.poll(), p.stderr.read() if p.poll() is not None else b"")
+            assert line.strip() == b"up", (line, p.poll(), p.stderr.read() if p.poll() is not None else b"")
+            assert v.forge("fg", _FORGE_TERMINAL, state) == "forged"
             assert len(holders(v.token)) >= 2
             os.kill(p.pid, signal.SIGKILL)          # the supervisor dies (an OOM kill, a lost session)
             p.wait(10)
@@ -111,7 +136,8 @@ def test_root_worker_forging_a_reaped_record_then_orphaned_is_still_stopped_by_c
     """The same under root on cgroup2 (a root worker, not sealed, writes its
     run directory): once the supervisor died, cancel adopted, believed the
     forged REAPED and left the populated cgroup running."""
-    p = subprocess.Popen(contain_cmd("run", "-q", "--id", "rf", "--", sys.executable, "-c", _FORGE_TERMINAL, "REAPED"),
+    p = subprocess.Popen(contain_cmd("run", "-q", "--id", "rf", "--", sys.executable, "-c", _FORGE_TERMINAL_AND_STAY,
+                                     "REAPED"),
                          env=box.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         line = readline_within(p.stdout, 30)
@@ -142,10 +168,11 @@ def test_own_worker_forging_a_reaped_record_then_orphaned_does_not_end_contain_w
     victim, = spare_uids(1)
     with Shared() as sh:
         v = Victim(sh, victim)
-        p = v.start("run", "-q", "--backend", "pidns", "--id", "fw", "--", SYS_PY, "-c", _FORGE_TERMINAL, "REAPED")
+        p = v.start("run", "-q", "--backend", "pidns", "--id", "fw", "--", *_LIVE)
         try:
             line = readline_within(p.stdout, 30)
-            assert line.strip() == b"forged", (line, p.poll())
+            assert line.strip() == b"up", (line, p.poll())
+            assert v.forge("fw", _FORGE_TERMINAL, "REAPED") == "forged"
             os.kill(p.pid, signal.SIGKILL)
             p.wait(10)
             w = v.contain("wait", "fw", timeout=30)
@@ -267,31 +294,30 @@ _NAME_ANOTHER_RUNS_INIT = r"""
 import os, sys, time
 d = os.environ["CONTAIN_RUN_DIR"]
 other = os.path.join(os.path.dirname(d), sys.argv[1])
-tag = os.getxattr(other, "user.contain.run")
-import json
-mine = json.loads(os.getxattr(d, "user.contain.run"))
-mine["wall"] = json.loads(tag)["wall"]        # the other run's init: pid 1 of its namespace
-os.setxattr(d, "user.contain.run", json.dumps(mine).encode())
-print("forged", flush=True)
+try:
+    tag = os.getxattr(other, "user.contain.run")
+    import json
+    mine = json.loads(os.getxattr(d, "user.contain.run"))
+    mine["wall"] = json.loads(tag)["wall"]        # the other run's init: pid 1 of its namespace
+    os.setxattr(d, "user.contain.run", json.dumps(mine).encode())
+    print("forged", flush=True)
+except OSError as e:
+    print("blocked", e.errno, flush=True)
 time.sleep(300)
 """
 
 
 @needs_users
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="an unprivileged run's tag is a user. xattr its own worker can rewrite: naming "
-                   "another run's init (pid 1 of its namespace) passes pidwall.adopt. Binding the init to its run "
-                   "directory is not enough (the worker can also rename run directories: swapping runs/A and runs/B "
-                   "made both deaf to cancel); the fix is that the worker cannot write the state directory: hide it "
-                   "in the run's mount namespace (the init mounts over it; the pidns worker has no capability to "
-                   "unmount), which is also what `sealed` needs; a design decision for the lead (nested runs)")
 def test_own_worker_naming_another_runs_init_in_its_tag_cannot_make_cancel_kill_that_run():
     """Two runs of one unprivileged user (pidns backend). Run A's worker,
-    walled in its own PID namespace, cannot signal run B. It copies B's wall
+    walled in its own PID namespace, cannot signal run B. It copied B's wall
     (its init's pid and start time, B's namespace) into A's own `user.` tag;
-    A's supervisor then dies. The user's `contain cancel A` adopted, took
+    A's supervisor then died. The user's `contain cancel A` adopted, took
     B's init for A's (it is pid 1 of the namespace the tag names), killed
-    run B's whole tree, and said A was REAPED with A's tree alive."""
+    run B's whole tree, and said A was REAPED with A's tree alive. The
+    worker can no longer reach any run directory: the init covers the state
+    directory in the run's mount namespace."""
     victim, = spare_uids(1)
     with Shared() as sh:
         v = Victim(sh, victim)
@@ -310,7 +336,7 @@ def test_own_worker_naming_another_runs_init_in_its_tag_cannot_make_cancel_kill_
             a = v.start("run", "-q", "--backend", "pidns", "--id", "a", "--", SYS_PY, "-c",
                         _NAME_ANOTHER_RUNS_INIT, "b")
             line = readline_within(a.stdout, 30)
-            assert line.strip() == b"forged", (line, a.poll())
+            assert line.startswith(b"blocked"), (line, a.poll())
             os.kill(a.pid, signal.SIGKILL)
             a.wait(10)
             c = v.contain("cancel", "a", "--grace", "0", "--wait", "--json", timeout=60)
@@ -351,32 +377,32 @@ def test_newline_and_escape_in_argv_cannot_forge_ls_rows_or_reach_the_terminal(b
 
 
 _FIFOS_FOR_RUN_FILES = r"""
-import os, subprocess, time
+import os
 d = os.environ["CONTAIN_RUN_DIR"]
-kid = subprocess.Popen(["sleep", "300"])
 for name in ("run.json", "record.json"):
     os.unlink(os.path.join(d, name))
     os.mkfifo(os.path.join(d, name), 0o600)
 print("replaced", flush=True)
-time.sleep(300)
 """
 
 
 @needs_users
 @pytest.mark.timeout(120)
 def test_own_worker_replacing_run_json_with_a_fifo_cannot_make_its_run_deaf_to_cancel():
-    """An unprivileged user's worker replaces its run.json and record.json
-    with FIFOs. `contain cancel --wait` could not read the run uid, sent a
-    request without one, which the owner rejected; it then waited for ever
-    (the owner holds the run as long as the worker lives): the run was
+    """An unprivileged user's run.json and record.json replaced with FIFOs
+    (by its worker then; the worker cannot reach them now, so by the same
+    user outside). `contain cancel --wait` could not read the run uid, sent
+    a request without one, which the owner rejected; it then waited for
+    ever (the owner holds the run as long as the worker lives): the run was
     deaf to cancel and the user's cancel hung."""
     victim, = spare_uids(1)
     with Shared() as sh:
         v = Victim(sh, victim)
-        p = v.start("run", "-q", "--backend", "pidns", "--id", "ff", "--", SYS_PY, "-c", _FIFOS_FOR_RUN_FILES)
+        p = v.start("run", "-q", "--backend", "pidns", "--id", "ff", "--", *_LIVE)
         try:
             line = readline_within(p.stdout, 30)
-            assert line.strip() == b"replaced", (line, p.poll())
+            assert line.strip() == b"up", (line, p.poll())
+            assert v.forge("ff", _FIFOS_FOR_RUN_FILES) == "replaced"
             try:
                 c = v.contain("cancel", "ff", "--grace", "0", "--wait", timeout=10)
             except subprocess.TimeoutExpired:
@@ -388,4 +414,54 @@ def test_own_worker_replacing_run_json_with_a_fifo_cannot_make_its_run_deaf_to_c
                 p.kill()
                 p.wait(10)
             kill_holders(v.token)
+        assert holders(v.token) == []
+
+
+_REACH_FOR_THE_STATE_DIR = r"""
+import json, os
+d = os.environ["CONTAIN_RUN_DIR"]
+state = os.path.dirname(os.path.dirname(d))
+seen = {}
+for what, f in (("record", lambda: open(os.path.join(d, "record.json")).read()),
+                ("tag", lambda: os.getxattr(d, "user.contain.run")),
+                ("runs", lambda: os.listdir(os.path.join(state, "runs"))),
+                ("write", lambda: open(os.path.join(d, "record.json"), "w").write("{}"))):
+    try:
+        f()
+        seen[what] = "ok"
+    except OSError as e:
+        seen[what] = e.errno
+seen["state_dir"] = os.listdir(state)
+print(json.dumps(seen), flush=True)
+"""
+
+
+@needs_users
+@pytest.mark.timeout(120)
+def test_own_worker_cannot_reach_the_state_directory():
+    """Behind a user namespace of the caller's own uid (the pidns backend)
+    the worker is the owner of the state directory: it could rewrite its own
+    record, run.json and tag, and every other run's of the same user. The
+    init now mounts an empty tmpfs over the state directory in the run's
+    mount namespace, which the worker (no capabilities) cannot unmount."""
+    victim, = spare_uids(1)
+    with Shared() as sh:
+        v = Victim(sh, victim)
+        p = v.start("run", "-q", "--backend", "pidns", "--id", "sd", "--", SYS_PY, "-c", _REACH_FOR_THE_STATE_DIR)
+        try:
+            out, err = p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+            kill_holders(v.token)
+        assert p.returncode == 0, err
+        seen = json.loads(out)
+        assert "ok" not in seen.values() and seen["state_dir"] == [], seen
+        w = v.contain("wait", "sd", "--json", timeout=30)
+        rec = json.loads(w.stdout)
+        assert rec["state"] == "REAPED", rec["state"]
+        wall, = rec["containment"]["walls"]
+        assert wall["state_dir"]["hidden"] is True and wall["state_dir"]["path"] == os.path.dirname(
+            os.path.dirname(v.run_dir("sd"))), wall
         assert holders(v.token) == []

@@ -266,8 +266,20 @@ void ct_init_main(const struct ct_spawn_args *a, const struct ct_wall_args *w, i
          * back into the host's mount namespace. */
         if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) {
             init_send(sock, CT_EV_NOTE, CT_NOTE_MOUNT_PRIVATE, errno, 0, 0, 0, 0, -1);
-        } else if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0) {
-            init_send(sock, CT_EV_NOTE, CT_NOTE_MOUNT_PROC, errno, 0, 0, 0, 0, -1);
+            if (w->hide) init_send(sock, CT_EV_NOTE, CT_NOTE_HIDE, errno, 0, 0, 0, 0, -1);
+        } else {
+            if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+                init_send(sock, CT_EV_NOTE, CT_NOTE_MOUNT_PROC, errno, 0, 0, 0, 0, -1);
+            /* The state directory, out of the worker's reach: an empty tmpfs
+             * over it, in this (now private) mount namespace only. The worker
+             * runs without capabilities and cannot unmount it, nor can it in
+             * a namespace of its own (the mount is locked there:
+             * copy_mnt_ns -> lock_mnt_tree). Only behind a user namespace of
+             * the caller's own uid, whose worker would otherwise own the state
+             * directory (wall.py decides). */
+            if (w->hide && mount("tmpfs", w->hide, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                                 "mode=0700,size=64m") < 0)
+                init_send(sock, CT_EV_NOTE, CT_NOTE_HIDE, errno, 0, 0, 0, 0, -1);
         }
     }
 

@@ -32,6 +32,7 @@ enum {
     CT_NOTE_MOUNT_PROC = 2,     /* a fresh /proc could not be mounted */
     CT_NOTE_DEVNULL = 3,        /* the init could not point its own stdio at /dev/null */
     CT_NOTE_SHED = 4,           /* the init kept the supervisor's memory (copy-on-write until it ends) */
+    CT_NOTE_HIDE = 5,           /* the directory to hide could not be covered: the worker can reach it */
 };
 
 /* The init's comm from its first instruction of ours on. */
@@ -47,6 +48,8 @@ struct ct_wall_args {
     int die_with_parent;   /* PR_SET_PDEATHSIG(SIGKILL) on the init (dies with the calling thread) */
     int hold;              /* the init waits for the caller's go (ct_wall_result.go_fd) before it does
                               anything for the worker: the caller describes the init durably first */
+    const char *hide;      /* with mount_proc: a directory the worker must not reach (the state
+                              directory): an empty tmpfs of the init's is mounted over it */
 };
 
 struct ct_init_msg {

@@ -95,6 +95,7 @@ static void copy_args(struct arena *ar, const struct ct_spawn_args *a, const str
     char **shell_argv = put_strv(ar, (const char *const *)a->shell_argv, -1);
     const char *uid_map = put_str(ar, w->uid_map);
     const char *gid_map = put_str(ar, w->gid_map);
+    const char *hide = put_str(ar, w->hide);
     if (!ar->base) return;
     na->paths = paths;
     na->argv = argv;
@@ -109,6 +110,7 @@ static void copy_args(struct arena *ar, const struct ct_spawn_args *a, const str
     na->shell_argv = shell_argv;
     nw->uid_map = uid_map;
     nw->gid_map = gid_map;
+    nw->hide = hide;
     *ao = na;
     *wo = nw;
 }

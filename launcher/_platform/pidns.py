@@ -57,6 +57,13 @@ class Container:
         self.wall_gone = False           # adopted: the init's identity names no process (the namespace is empty)
         self.wall_unknown: str | None = None  # adopted: why whether it is empty cannot be told
 
+    @property
+    def hides_state_dir(self) -> bool:
+        """Behind a user namespace of the caller's own uid the worker would
+        own the state directory (every run of this user's): the init covers
+        it in the run's mount namespace (SpawnRequest.hide, init.c)."""
+        return self.userns == "self"
+
     @classmethod
     def adopt(cls, run_id: str, desc: Any) -> "Container":
         """The container of a run whose owner is gone: its wall re-attached
@@ -96,6 +103,7 @@ class Container:
             raise ContainmentUnavailable(self._seal_error)
         sp = posix.spawn(req)
         self.wall = pidwall.PidWall.of(sp, self.userns)
+        self.wall.state_dir = posix.hidden_dir(req, sp.events)
         if self.wall.inode is not None:
             self.path = f"pid:[{self.wall.inode}]"
         return sp

@@ -95,6 +95,7 @@ class PidWall:
         return w
 
     init_identity: dict[str, Any] | None = None
+    state_dir: dict[str, Any] | None = None     # posix.hidden_dir: the state directory out of the worker's reach
 
     def describe(self) -> dict[str, Any]:
         """What run.json records, for an adopter: the init's identity and
@@ -142,7 +143,8 @@ class PidWall:
                 "user_namespace": self.userns,
                 "observed_empty": True if reaped is not None else False,
                 "at": now_iso(reaped) if reaped is not None else None, "via": PROOF,
-                "notes": self.init.notes or None}
+                "notes": self.init.notes or None,
+                **({"state_dir": self.state_dir} if self.state_dir is not None else {})}
 
     def cpu(self) -> dict[str, int] | None:
         """Whole-tree CPU from the init's rusage (it reaps every member)."""

@@ -129,7 +129,8 @@ def inherited_fds() -> list[int]:
 class SpawnRequest:
     __slots__ = ("argv", "env", "cwd", "stdio", "new_pgroup", "new_session", "uid", "gid",
                  "groups", "drop_caps", "no_new_privs", "keep_ignored", "pass_fds", "shell", "clear_caps",
-                 "pidns", "userns", "uid_map", "gid_map", "mount_proc", "die_with_parent", "join_fds", "on_init")
+                 "pidns", "userns", "uid_map", "gid_map", "mount_proc", "die_with_parent", "join_fds", "on_init",
+                 "hide")
 
     def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
                  stdio: tuple[int, int, int] = (-1, -1, -1), new_pgroup: bool = False,
@@ -180,6 +181,10 @@ class SpawnRequest:
         self.gid_map = gid_map
         self.mount_proc = mount_proc
         self.die_with_parent = die_with_parent
+        # With mount_proc: a directory the worker must not reach (the state
+        # directory of a run whose worker has the caller's own uid): the
+        # init mounts an empty tmpfs over it in the run's mount namespace.
+        self.hide: str | None = None
         # More cgroup.procs fds the child (or the wall's init) joins before
         # the worker's first instruction: the run's v1 cgroups (_usage.py).
         self.join_fds: list[int] = []

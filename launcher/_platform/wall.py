@@ -90,6 +90,7 @@ _NOTES = {
     lib.CT_NOTE_DEVNULL: "the init could not point its stdio at /dev/null",
     lib.CT_NOTE_SHED: ("the init could not let go of the supervisor's memory (shared copy-on-write "
                        "until the run ends)"),
+    lib.CT_NOTE_HIDE: "the state directory could not be hidden from the worker (it can write its run directory)",
 }
 
 
@@ -223,6 +224,19 @@ def reap_init(pidfd: int) -> os.waitid_result | None:
         return None
 
 
+def hidden_dir(req: SpawnRequest, events: Sequence[InitEvent]) -> dict[str, Any] | None:
+    """What became of the directory the request asked the init to hide
+    (SpawnRequest.hide): covered, or not with the init's reason. None if
+    none was asked for."""
+    if req.hide is None:
+        return None
+    failed = [e for e in events if isinstance(e, InitNote) and e.what == lib.CT_NOTE_HIDE]
+    if failed:
+        return {"path": req.hide, "hidden": False, "detail": failed[0].text}
+    return {"path": req.hide, "hidden": True,
+            "via": "an empty tmpfs over it in the run's mount namespace, which the worker cannot unmount"}
+
+
 def wall_via(req: SpawnRequest, into_cgroup: bool = False) -> str:
     flags = ["CLONE_NEWPID"] + (["CLONE_NEWUSER"] if req.userns else []) + \
         (["CLONE_NEWNS"] if req.mount_proc else []) + (["CLONE_INTO_CGROUP"] if into_cgroup else [])
@@ -244,6 +258,10 @@ def spawn_wall(req: SpawnRequest, cgroup_fd: int = -1, join_fds: Sequence[int] =
             keep.append(c)
             setattr(w, name, c)
     w.mount_proc = int(req.mount_proc)
+    if req.hide is not None and req.mount_proc:
+        c = ffi.new("char[]", os.fsencode(req.hide))
+        keep.append(c)
+        w.hide = c
     w.die_with_parent = int(req.die_with_parent)
     w.hold = int(req.on_init is not None)
     r = ffi.new("struct ct_wall_result*")
