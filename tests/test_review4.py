@@ -464,4 +464,10 @@ def test_own_worker_cannot_reach_the_state_directory():
         wall, = rec["containment"]["walls"]
         assert wall["state_dir"]["hidden"] is True and wall["state_dir"]["path"] == os.path.dirname(
             os.path.dirname(v.run_dir("sd"))), wall
+        # Started from inside the state directory: its working directory
+        # would still name the directory under the tmpfs.
+        inside = subprocess.run(_as(victim, SYS_PY, "-m", "launcher", "run", "-q", "--backend", "pidns", "--id",
+                                    "cw", "--", "ls", "-A", "."), env=v.env, capture_output=True, text=True,
+                                timeout=60, cwd=os.path.dirname(v.run_dir("sd")))
+        assert inside.returncode == 0 and inside.stdout.split() == [], (inside.stdout, inside.stderr)
         assert holders(v.token) == []

@@ -278,8 +278,17 @@ void ct_init_main(const struct ct_spawn_args *a, const struct ct_wall_args *w, i
              * the caller's own uid, whose worker would otherwise own the state
              * directory (wall.py decides). */
             if (w->hide && mount("tmpfs", w->hide, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                                 "mode=0700,size=64m") < 0)
+                                 "mode=0700,size=64m") < 0) {
                 init_send(sock, CT_EV_NOTE, CT_NOTE_HIDE, errno, 0, 0, 0, 0, -1);
+            } else if (w->hide) {
+                /* A working directory inside it still names the directory
+                 * under the tmpfs: the worker starts in the tmpfs instead. */
+                char cwd[4096];
+                size_t hl = strlen(w->hide);
+                if (getcwd(cwd, sizeof cwd) && strncmp(cwd, w->hide, hl) == 0 && (cwd[hl] == '/' || !cwd[hl]) &&
+                    chdir(w->hide) < 0)
+                    init_send(sock, CT_EV_NOTE, CT_NOTE_HIDE, errno, 0, 0, 0, 0, -1);
+            }
         }
     }
 
