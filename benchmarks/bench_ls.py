@@ -39,7 +39,9 @@ def _template(state: str, env: dict[str, str]) -> dict[str, bytes]:
         raise RuntimeError(f"template run failed: {p.stderr}")
     d = os.path.join(state, "runs", "template")
     files = {}
-    for name in ("run.json", "record.json", "journal.ndjson", "owner.lock"):
+    for name in ("run.json", "record.json", "journal.ndjson", "owner.lock", "summary.json"):
+        if name == "summary.json" and not os.path.exists(os.path.join(d, name)):
+            continue                      # a checkout that writes none
         with open(os.path.join(d, name), "rb") as f:
             files[name] = f.read()
     shutil.rmtree(d)
@@ -50,6 +52,7 @@ def populate(state: str, n: int, files: dict[str, bytes]) -> None:
     runs = os.path.join(state, "runs")
     rec = json.loads(files["record.json"])
     info = json.loads(files["run.json"])
+    summary = json.loads(files["summary.json"]) if "summary.json" in files else None
     for i in range(n):
         rid = f"20261201-{i:06d}-{os.urandom(3).hex()}"
         uid = os.urandom(8).hex()
@@ -66,6 +69,13 @@ def populate(state: str, n: int, files: dict[str, bytes]) -> None:
             fd = os.open(os.path.join(d, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             os.write(fd, data)
             os.close(fd)
+        if summary is not None:
+            # As the owner writes it after each record: the listing's
+            # fields, and which record.json it was made from.
+            st = os.stat(os.path.join(d, "record.json"))
+            summary.update(run_id=rid, run_uid=uid, of=[st.st_ino, st.st_size, st.st_mtime_ns])
+            with open(os.path.join(d, "summary.json"), "wb") as f:
+                f.write((json.dumps(summary) + "\n").encode())
 
 
 def _time(argv: list[str], env: dict[str, str], cwd: str) -> tuple[float, int]:

@@ -4,6 +4,8 @@ what happened to it, or cancel it after a reconnect.
     <state>/runs/<id>/run.json                    who and what (written once per run uid)
     <state>/runs/<id>/journal.ndjson              transitions, appended (diagnostic)
     <state>/runs/<id>/record.json                 the stop record (atomic)
+    <state>/runs/<id>/summary.json                what `ls` shows of it, and which record.json it
+                                                  was made from (a hint, read only while it names it)
     <state>/runs/<id>/owner.lock                  OFD write lock held by the owner for its lifetime
     <state>/runs/<id>/cancellations/requests.ndjson   one line per cancel request (the inbox)
     <state>/runs/<id>/cancellations/wake          FIFO the owner reads; a requester pokes it
@@ -56,8 +58,8 @@ from ._ofdlock import take_lock
 from ._record import now_iso
 from ._requests import InboxRead, op_filename
 from ._rundir import RunDirBase, check_id
-from ._runfiles import (MAX_RECORD, MAX_RUN_INFO, RunInfo, Unreadable, encode, loads, parse_record,
-                        parse_run_info)
+from ._runfiles import (MAX_RECORD, MAX_RUN_INFO, MAX_SUMMARY, SUMMARY, RunInfo, Unreadable, encode, loads,
+                        parse_record, parse_run_info, record_summary)
 from ._safefs import PersistError, UnsafePath
 from ._state import LIVE_STATES
 from ._statedir import FILE_MODE, RUN_DIR_MODE, StateDir, StateDirError, claim_lock, claim_unlock, location
@@ -241,15 +243,46 @@ class RunDir(RunDirBase):
         data = rec if isinstance(rec, bytes) else encode(rec)     # compact: the C encoder (pretty is --record's)
         fd = self.dir_fd(write=True)
         try:
-            F.replace_file(fd, "record.json", data, self.file("record.json"), mode=FILE_MODE, durable=durable)
+            st = F.replace_file(fd, "record.json", data, self.file("record.json"), mode=FILE_MODE, durable=durable)
+            if isinstance(rec, dict):
+                # What `ls` shows of it, beside it (a hint: never fsynced,
+                # believed only while it names this very record.json).
+                try:
+                    F.replace_file(fd, SUMMARY, encode(record_summary(rec, st)), self.file(SUMMARY), mode=FILE_MODE)
+                except OSError:
+                    pass              # an old summary names an old record: not believed
         finally:
             os.close(fd)
         self.poke_waiters()
 
     def load_record(self, *, summary: bool = False) -> dict[str, Any] | Unreadable | None:
         """record.json, checked: the record, Unreadable (with why), or None.
-        `summary`: only the fields a listing shows are checked (ls)."""
+        `summary`: only the fields a listing shows, and from summary.json
+        when that names the record.json there now (its inode, size and
+        mtime): `ls` reads 400 bytes instead of 7 KB for each run."""
+        if summary:
+            got = self._load_summary()
+            if got is not None:
+                return got
         return self._load("record.json", MAX_RECORD, lambda o: parse_record(o, self.id, summary=summary))
+
+    def _load_summary(self) -> dict[str, Any] | None:
+        """summary.json if it is the summary of the record.json there now,
+        checked as a record's summary fields are; else None (read the record)."""
+        try:
+            st = self.stat_file("record.json")
+            data = self.read_bytes(SUMMARY, MAX_SUMMARY)
+            if st is None or data is None or (st.st_mode & 0o170000) != 0o100000:    # a regular record.json
+                return None
+            obj = loads(data, SUMMARY)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(obj, dict) or obj.pop("of", None) != [st.st_ino, st.st_size, st.st_mtime_ns]:
+            return None
+        try:
+            return parse_record(obj, self.id, summary=True)
+        except ValueError:
+            return None
 
     def read_record(self) -> dict[str, Any] | None:
         rec = self.load_record()

@@ -247,6 +247,22 @@ class RunDirBase:
         finally:
             os.close(lock)
 
+    def stat_file(self, name: str) -> os.stat_result | None:
+        """lstat of `name` in the run directory (through the held directory
+        when there is one), None if it does not exist. Raises OSError,
+        UnsafePath."""
+        with self._mu:
+            fd, own = self._fd, False
+            if fd < 0:
+                fd, own = self._open_fd(False), True
+            try:
+                return os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return None
+            finally:
+                if own:
+                    os.close(fd)
+
     def owner_among(self, locked: frozenset[tuple[int, int, int]]) -> bool | None:
         """owner() for a listing: whether the owner lock is among the files
         `locked` names (_ofdlock.write_locked, read once for every run):

@@ -35,6 +35,16 @@ from ._state import TERMINAL_STATES, Effect, Outcome, State
 # (the default 8 MiB stack) made its run unadoptable.
 MAX_RECORD = 40 << 20
 MAX_RUN_INFO = MAX_RECORD
+
+# summary.json: what a listing shows of record.json, and which record.json
+# it was made from ("of": its inode, size and mtime in ns). Written after
+# each record by its writer; believed only while it names the record.json
+# there (_layout.RunDir.load_record), so a stale or missing one costs a
+# full read, never a wrong line.
+SUMMARY = "summary.json"
+MAX_SUMMARY = 1 << 20
+SUMMARY_FIELDS = ("run_id", "run_uid", "state", "outcome", "exit_code", "signal", "argv", "identity", "timings",
+                  "cpu")
 MAX_ACK = 1 << 20
 # One inbox line (a request the requester may write: see append_request).
 MAX_LINE = 4096
@@ -244,6 +254,15 @@ def _evidence(v: Any, what: str) -> None:
         via = ev.get("via")
         if via is not None and type(via) is not str:
             raise ValueError(f"{what}: evidence layer {str(layer)[:40]!r}: via is not a string")
+
+
+def record_summary(rec: dict[str, Any], st: Any) -> dict[str, Any]:
+    """summary.json for record `rec`, written as the file `st` (an os.stat_result)."""
+    out: dict[str, Any] = {"of": [st.st_ino, st.st_size, st.st_mtime_ns]}
+    for key in SUMMARY_FIELDS:
+        if key in rec:
+            out[key] = rec[key]
+    return out
 
 
 def parse_record(obj: Any, expect_id: str | None = None, *, summary: bool = False) -> dict[str, Any]:

@@ -229,13 +229,14 @@ def temp_name(name: str) -> str:
 
 
 def replace_file(dir_fd: int, name: str, data: bytes, path: str, *, mode: int = 0o600,
-                 durable: bool = False) -> None:
+                 durable: bool = False) -> os.stat_result:
     """Replace `name` in `dir_fd` with `data`, atomically: a temp file with
     a random name, created O_EXCL|O_NOFOLLOW in the same directory, written
     completely (short writes looped, the size checked), fsynced when
     `durable`, then renamed over `name`. Readers see the old file or the new
-    one. Raises PersistError; the old file is then untouched and the temp
-    file removed."""
+    one. Returns the new file's stat (the rename keeps its inode, size and
+    mtime). Raises PersistError; the old file is then untouched and the
+    temp file removed."""
     tmp = temp_name(name)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
@@ -247,7 +248,8 @@ def replace_file(dir_fd: int, name: str, data: bytes, path: str, *, mode: int = 
         try:
             os.fchmod(fd, mode)
             write_all(fd, data)
-            if os.fstat(fd).st_size != len(data):
+            st = os.fstat(fd)
+            if st.st_size != len(data):
                 raise OSError(errno.EIO, "file size differs from what was written")
             if durable:
                 step = "fsync"
@@ -267,6 +269,7 @@ def replace_file(dir_fd: int, name: str, data: bytes, path: str, *, mode: int = 
             sync(dir_fd)
         except OSError as e:
             raise persist_error(e, "fsync of the directory", path) from None
+    return st
 
 
 def open_append(dir_fd: int, name: str, path: str, *, mode: int = 0o600) -> tuple[int, bool]:

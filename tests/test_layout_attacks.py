@@ -742,6 +742,38 @@ def test_an_unknown_user_is_refused_before_anything_is_made(box):
 # -- 8. readers are robust ---------------------------------------------------------------
 
 @needs_cgroup
+def test_summary_that_does_not_name_the_record_beside_it_is_not_believed(box):
+    """`ls` reads each run's summary.json (what it shows of record.json) and
+    believes it only while it names the record.json there now (inode, size,
+    mtime): a record rewritten in any way, even to the same length with its
+    old mtime put back, is read whole again, and a summary copied from
+    another run says nothing."""
+    for rid in ("a", "b", "c"):
+        assert run_contain(box.env, "run", "--id", rid, "--", "true").returncode == 0
+    runs = os.path.join(box.state_dir, "runs")
+    rec_a, sum_a = (os.path.join(runs, "a", n) for n in ("record.json", "summary.json"))
+    with open(sum_a) as f:
+        summary = json.load(f)
+    st = os.stat(rec_a)
+    assert summary["of"] == [st.st_ino, st.st_size, st.st_mtime_ns] and summary["state"] == "REAPED", summary
+    # Same length, same inode, mtime put back: the summary still names it,
+    # so `ls` shows what the owner wrote; status reads the record itself.
+    with open(rec_a, "r+b") as f:
+        f.write(b"x" * st.st_size)
+    os.utime(rec_a, ns=(st.st_atime_ns, st.st_mtime_ns))
+    # Another length: the summary no longer names it.
+    with open(os.path.join(runs, "b", "record.json"), "wb") as f:
+        f.write(b'"x"')
+    shutil.copy(sum_a, os.path.join(runs, "c", "summary.json"))       # run a's summary in run c
+    views = {v["id"]: v for v in json.loads(run_contain(box.env, "ls", "--all", "--json").stdout)}
+    assert views["a"]["state"] == "REAPED"
+    assert views["b"]["state"] == "UNREADABLE", views["b"]
+    assert views["c"]["state"] == "REAPED" and views["c"]["run_uid"] == box.record("c")["run_uid"], views["c"]
+    s = run_contain(box.env, "status", "a", timeout=20)
+    assert "UNREADABLE" in s.stdout, s.stdout
+
+
+@needs_cgroup
 def test_corrupt_record_shows_unreadable(box):
     for rid in ("good", "str", "torn", "norid", "runjson", "fifo"):
         assert run_contain(box.env, "run", "--id", rid, "--", "true").returncode == 0
