@@ -1,0 +1,118 @@
+"""Adversarial review 5: contract conformance of the commands' answers
+(exit statuses, --json output) when a root worker makes the stop fail or
+damages what it can reach.
+
+Each test is named after the attack and failed on the code it was written
+against. Survival is decided by the test's own /proc scan (a token in the
+workload's environment), never by asking contain.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from _proc import contain_cmd, holders, host_pid, run_contain, wait_holders
+from conftest import needs_cgroup
+from test_cancel import _v1_freezer
+from test_review2 import _remove_v1_of
+
+pytestmark = needs_cgroup
+
+
+def _wait_file(path: str, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(path) as f:
+                text = f.read()
+            if text.endswith("\n"):
+                return text
+        except FileNotFoundError:
+            pass
+        assert time.monotonic() < deadline, f"{path} was never written"
+        time.sleep(0.01)
+
+
+def _thaw_and_remove(freezer: str) -> None:
+    try:
+        with open(os.path.join(freezer, "freezer.state"), "w") as f:
+            f.write("THAWED")
+    except OSError:
+        pass
+    for _ in range(200):
+        try:
+            os.rmdir(freezer)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(_v1_freezer() is None, reason="needs a cgroup v1 freezer (hybrid host) to hold a "
+                    "process through SIGKILL")
+def test_worker_leaving_a_frozen_child_makes_cancel_wait_exit_1_not_0(box, tmp_path):
+    # The worker exits on its own and leaves a child the v1 freezer holds:
+    # the stop after its exit cannot be confirmed (UNCONFIRMED, exit 125).
+    # A retry with `cancel --wait` while the child is still frozen is not
+    # confirmed either; "1: the operation did not hold (e.g. UNCONFIRMED)".
+    # It exited 0 (effect not_live, state UNCONFIRMED) as if it had held.
+    pidfile = tmp_path / "pid"
+    freezer = os.path.join(_v1_freezer(), f"contain-review5-{os.getpid()}-{box.token}")
+    os.mkdir(freezer)
+    proc = subprocess.Popen(contain_cmd("run", "--id", "fz", "--grace", "0", "--kill-timeout", "0.5", "--",
+                                        "sh", "-c", f"sleep 300 & echo $! > {pidfile}; read x; exit 0"),
+                            env=box.env, stdin=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert len(wait_holders(box.token, 2)) >= 2, "workload did not start"
+        sleeper = host_pid(box.token, int(_wait_file(str(pidfile)).strip()))
+        assert sleeper is not None, "the sleep of this test's workload was not found"
+        with open(os.path.join(freezer, "cgroup.procs"), "w") as f:
+            f.write(str(sleeper))              # a process this test started
+        with open(os.path.join(freezer, "freezer.state"), "w") as f:
+            f.write("FROZEN")
+        # (not communicate(): the frozen sleep holds the stderr pipe open)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()                     # the worker exits 0 on its own
+        proc.wait(60)
+        assert proc.returncode == 125
+        assert box.record("fz")["state"] == "UNCONFIRMED"
+        assert holders(box.token), "the frozen process is still there"
+
+        p = run_contain(box.env, "cancel", "fz", "--op-id", "retry", "--wait", "--json", timeout=60)
+        assert "Traceback" not in p.stderr, p.stderr
+        ack = json.loads(p.stdout)
+        assert holders(box.token), "the frozen process is still there"
+        assert ack["state"] not in ("REAPED", "EXITED"), ack
+        assert p.returncode == 1, (p.returncode, ack)
+
+        _thaw_and_remove(freezer)
+        p = run_contain(box.env, "cancel", "fz", "--op-id", "last", "--wait", "--json", timeout=60)
+        assert json.loads(p.stdout)["state"] == "REAPED" and p.returncode == 0, (p.returncode, p.stdout)
+        assert holders(box.token) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        _thaw_and_remove(freezer)
+        _remove_v1_of("fz")
+
+
+def test_script_reading_the_effect_of_a_cancel_of_no_such_run_gets_unknown(box):
+    # "unknown (no such run, ...)": `contain cancel nope --json | jq .effect`
+    # read an empty stdout (only a line on stderr), exit 3.
+    for extra in ((), ("--op-id", "op1"), ("--wait",)):
+        p = run_contain(box.env, "cancel", "nope", "--json", *extra)
+        assert p.returncode == 3 and "Traceback" not in p.stderr, p.stderr
+        ack = json.loads(p.stdout)
+        assert ack["effect"] == "unknown" and ack["run_id"] == "nope" and ack["state"] is None, ack
+        assert ack["op_id"] == (extra[1] if extra[:1] == ("--op-id",) else None), ack
+    assert not os.path.exists(os.path.join(box.state_dir, "runs", "nope"))
+    p = run_contain(box.env, "cancel", "nope")
+    assert p.returncode == 3 and p.stdout == "", p.stdout
+
