@@ -131,6 +131,13 @@ def _trust_the_tag(facts: RunEvidence, att: AttachResult) -> None:
     if att.sealed is not None and facts.sealed[0] and not att.sealed:
         facts.notes.append("record.json says sealed, the run's tag does not: not sealed")
         facts.sealed = (False, "the seal is not vouched for by the run's tag")
+    if not facts.sealed[0] and not facts.sealed[1]:
+        # No record said why (the owner died before its first one, or a
+        # worker rewrote it): `sealed` false always comes with its reason.
+        facts.sealed = (False, "not known to be sealed: no record of the owner says why, and the seal "
+                        "is not vouched for by the run's tag" if not att.sealed else
+                        "not known to be sealed: the run's tag names a seal, but no record of the owner "
+                        "describes it")
 
 
 def adopt(layout: RunDir) -> Run:

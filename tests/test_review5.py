@@ -116,3 +116,27 @@ def test_script_reading_the_effect_of_a_cancel_of_no_such_run_gets_unknown(box):
     p = run_contain(box.env, "cancel", "nope")
     assert p.returncode == 3 and p.stdout == "", p.stdout
 
+
+@pytest.mark.timeout(60)
+def test_root_worker_killing_its_supervisor_and_removing_the_record_leaves_no_reasonless_seal(box):
+    # The owner dies before (or its first record is removed after) the
+    # record says why the run is not sealed; the adopter's record said
+    # `sealed: false, sealed_reason: null` ("else false with sealed_reason").
+    script = ('kill -9 $PPID; rm -f "$CONTAIN_RUN_DIR/record.json"; exec sleep 300')
+    p = subprocess.Popen(contain_cmd("run", "--id", "ks", "--no-pidns", "--grace", "0", "--", "sh", "-c", script),
+                         env=box.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert p.wait(30) == -9
+        assert wait_holders(box.token, 1), "the worker is not there"
+        c = run_contain(box.env, "cancel", "ks", "--wait", "--json", timeout=30)
+        assert "Traceback" not in c.stderr, c.stderr
+        assert holders(box.token) == []
+        rec = box.record("ks")
+        assert rec["containment"]["sealed"] is False
+        assert isinstance(rec["containment"]["sealed_reason"], str) and rec["containment"]["sealed_reason"], rec[
+            "containment"]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        _remove_v1_of("ks")
