@@ -140,3 +140,34 @@ def test_root_worker_killing_its_supervisor_and_removing_the_record_leaves_no_re
             p.kill()
             p.wait(10)
         _remove_v1_of("ks")
+
+
+@pytest.mark.timeout(90)
+def test_root_worker_scrambling_run_json_then_orphaned_is_still_stopped_by_cancel(box, tmp_path):
+    # An unsealed root worker rewrites what it can reach (run.json and
+    # record.json) and its supervisor dies: `contain cancel` answered "run.json
+    # unreadable" (exit 1) for ever and the tree lived on. The adopter acts on
+    # the owner's tag, never on run.json, so the tag is enough to stop it.
+    done = tmp_path / "scrambled"
+    script = ('sleep 0.5; cd "$CONTAIN_RUN_DIR" && echo junk > run.json && echo junk > record.json; '
+              f'setsid sleep 300 & echo ok > {done}; exec sleep 300')
+    p = subprocess.Popen(contain_cmd("run", "--id", "sc", "--", "sh", "-c", script),
+                         env=box.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_file(str(done))
+        assert len(wait_holders(box.token, 2)) >= 2, "workload did not start"
+        p.kill()                                  # the supervisor dies (SIGKILL)
+        p.wait(10)
+        assert len(holders(box.token)) >= 2, "the tree went with its supervisor"
+        c = run_contain(box.env, "cancel", "sc", "--grace", "0", "--wait", "--json", timeout=60)
+        assert "Traceback" not in c.stderr, c.stderr
+        assert holders(box.token) == [], (c.returncode, c.stderr)
+        assert c.returncode == 0, (c.returncode, c.stdout, c.stderr)
+        assert json.loads(c.stdout)["effect"] == "cancelled"
+        rec = box.record("sc")
+        assert rec["state"] == "REAPED" and rec["outcome"] == "cancelled", rec["state"]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        _remove_v1_of("sc")
