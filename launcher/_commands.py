@@ -179,6 +179,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     state = view["state"]
     if state == UNREADABLE:
         add(f"  state      UNREADABLE: {view['unreadable']}")
+        if view["orphaned"]:
+            add(f"             orphaned: {view.get('not_final')} and its supervisor is gone; "
+                f"`contain cancel {d.id}` adopts and stops it")
     elif view.get("not_final") and view["owner_alive"] is True:
         add(f"  state      {state}? not final: {view['not_final']} (a record is final once its owner "
             f"lets go; `contain wait {d.id}` waits for that)")

@@ -192,6 +192,16 @@ def fill_view(d: RunDir, view: dict[str, Any], live: bool, summary: bool = False
                                                               if owner is False else "cannot be read")
         else:
             view["state"] = "RUNNING"       # being born, or an orphan before its first record
+    if view["state"] == UNREADABLE and owner is False:
+        # Files a worker scrambled, and its owner gone: if what the tag names
+        # lives, this is a live orphan (cancel adopts it from the tag), not
+        # only an unreadable directory.
+        from ._tags import still_alive
+
+        alive = still_alive(d.path)
+        if alive is not None:
+            view["orphaned"] = True
+            view["not_final"] = f"its files are unreadable but {alive}"
     if view["state"] in ("RUNNING", "UNCONFIRMED"):
         view["orphaned"] = owner is False
         if live and isinstance(info, RunInfo) and info.backend == "cgroup2":

@@ -159,6 +159,9 @@ def test_root_worker_scrambling_run_json_then_orphaned_is_still_stopped_by_cance
         p.kill()                                  # the supervisor dies (SIGKILL)
         p.wait(10)
         assert len(holders(box.token)) >= 2, "the tree went with its supervisor"
+        # "ls shows it as orphaned" (it said UNREADABLE only)
+        ls = run_contain(box.env, "ls", "--json")
+        assert [v["orphaned"] for v in json.loads(ls.stdout) if v["id"] == "sc"] == [True], ls.stdout
         c = run_contain(box.env, "cancel", "sc", "--grace", "0", "--wait", "--json", timeout=60)
         assert "Traceback" not in c.stderr, c.stderr
         assert holders(box.token) == [], (c.returncode, c.stderr)
