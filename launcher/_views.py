@@ -325,7 +325,15 @@ def _metric(m: Any, fmt: Any) -> str | None:
         return None
     if m.get("value") is None:
         return f"unknown ({cut(str(m.get('reason') or 'not read'), 60)})"
-    return fmt(m["value"])
+    return _shown(fmt, m["value"])
+
+
+def _shown(fmt: Any, v: Any) -> str:
+    """A metric's value through `fmt` when it is a number; anything else (a
+    record a worker rewrote) as plain text, never a traceback."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return cut(render(v), 40)
+    return str(fmt(v))
 
 
 _COST = (("cpu", "cpu_usec", lambda v: f"{v / 1e6:.2f} s"),
@@ -351,7 +359,7 @@ def cost_lines(record: dict[str, Any]) -> list[str]:
                 if m.get("value") is None:
                     missing.append(label)
                 else:
-                    parts.append(f"{label} {fmt(m['value'])}")
+                    parts.append(f"{label} {_shown(fmt, m['value'])}")
         if parts or missing:
             out.append("  cost       " + ", ".join(parts)
                        + (f"; not measured: {', '.join(missing)} (why: --json)" if missing else ""))

@@ -174,3 +174,47 @@ def test_root_worker_scrambling_run_json_then_orphaned_is_still_stopped_by_cance
             p.kill()
             p.wait(10)
         _remove_v1_of("sc")
+
+
+_FORGE_ACCOUNTING = r"""
+import json, os, time
+d = os.environ["CONTAIN_RUN_DIR"]
+for _ in range(500):
+    try:
+        rec = json.load(open(os.path.join(d, "record.json")))
+        break
+    except (OSError, ValueError):
+        time.sleep(0.02)
+rec["accounting"] = {"cpu_usec": {"value": "lots", "source": "me"}, "wall_s": {"value": "long", "source": "me"},
+                     "memory_peak_bytes": {"value": [1], "source": "me"}}
+tmp = os.path.join(d, ".forged.tmp")
+with open(tmp, "w") as f:
+    f.write(json.dumps(rec))
+os.rename(tmp, os.path.join(d, "record.json"))
+print("forged", flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_root_worker_rewriting_its_record_accounting_cannot_make_status_print_a_traceback(box):
+    # "No command prints a Python traceback for bad input": a string where
+    # the record has a number made `contain status` die in its cost line.
+    import sys
+
+    p = subprocess.Popen(contain_cmd("run", "--id", "fa", "--", sys.executable, "-c", _FORGE_ACCOUNTING),
+                         env=box.env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        from _proc import readline_within
+
+        assert readline_within(p.stdout, 30) == b"forged\n"
+        s = run_contain(box.env, "status", "fa", timeout=30)
+        assert "Traceback" not in s.stderr, s.stderr
+        assert s.returncode == 0 and "lots" in s.stdout, (s.returncode, s.stdout)
+    finally:
+        run_contain(box.env, "cancel", "fa", "--grace", "0", "--wait", timeout=30)
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+        _remove_v1_of("fa")
+    assert holders(box.token) == []
