@@ -56,7 +56,7 @@ def _thaw_and_remove(freezer: str) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(_v1_freezer() is None, reason="needs a cgroup v1 freezer (hybrid host) to hold a "
                     "process through SIGKILL")
-def test_worker_leaving_a_frozen_child_makes_cancel_wait_exit_1_not_0(box, tmp_path):
+def test_worker_leaving_a_frozen_child_makes_cancel_wait_exit_1_and_no_wall_claim_empty(box, tmp_path):
     # The worker exits on its own and leaves a child the v1 freezer holds:
     # the stop after its exit cannot be confirmed (UNCONFIRMED, exit 125).
     # A retry with `cancel --wait` while the child is still frozen is not
@@ -81,8 +81,14 @@ def test_worker_leaving_a_frozen_child_makes_cancel_wait_exit_1_not_0(box, tmp_p
         proc.stdin.flush()                     # the worker exits 0 on its own
         proc.wait(60)
         assert proc.returncode == 125
-        assert box.record("fz")["state"] == "UNCONFIRMED"
+        rec = box.record("fz")
+        assert rec["state"] == "UNCONFIRMED"
         assert holders(box.token), "the frozen process is still there"
+        # "walls: each container ... and how it was observed empty": the
+        # cgroup's entry said "via cgroup.events populated 0" while it held
+        # the frozen member (container_empty false).
+        cg = [w for w in rec["containment"]["walls"] if w["kind"] == "cgroup"]
+        assert cg and cg[0]["observed_empty"] is not True and "populated 0" not in cg[0]["via"], cg
 
         p = run_contain(box.env, "cancel", "fz", "--op-id", "retry", "--wait", "--json", timeout=60)
         assert "Traceback" not in p.stderr, p.stderr
