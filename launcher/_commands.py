@@ -372,7 +372,10 @@ def cmd_wait(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(record)
     else:
-        print(f"run {d.id}: {record.get('state') or UNREADABLE}  outcome {record.get('outcome') or '-'}  "
+        # No record.json at all is a run before its first record (or whose
+        # owner died before writing it), not an unreadable one.
+        shown = record.get("state") or (UNREADABLE if isinstance(rec, Unreadable) else "RUNNING")
+        print(f"run {d.id}: {shown}  outcome {record.get('outcome') or '-'}  "
               f"exit {exit_text(record)}")
     if getattr(args, "redispatch", False):
         # What a scheduler asks before the next attempt in the same workspace:

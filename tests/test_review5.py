@@ -134,6 +134,10 @@ def test_root_worker_killing_its_supervisor_and_removing_the_record_leaves_no_re
     try:
         assert p.wait(30) == -9
         assert wait_holders(box.token, 1), "the worker is not there"
+        # `contain wait` of that orphan said "UNREADABLE": there is no record
+        # yet, and nothing unreadable; it is a RUNNING run without an owner.
+        w = run_contain(box.env, "wait", "ks", timeout=30)
+        assert w.returncode == 1 and "RUNNING" in w.stdout and "UNREADABLE" not in w.stdout, (w.stdout, w.stderr)
         c = run_contain(box.env, "cancel", "ks", "--wait", "--json", timeout=30)
         assert "Traceback" not in c.stderr, c.stderr
         assert holders(box.token) == []
