@@ -228,3 +228,37 @@ def test_root_worker_rewriting_its_record_accounting_cannot_make_status_print_a_
         p.wait(10)
         _remove_v1_of("fa")
     assert holders(box.token) == []
+
+
+@pytest.mark.timeout(90)
+def test_root_worker_removing_its_cancellations_cannot_make_itself_uncancellable(box, tmp_path):
+    # One `rm -rf "$CONTAIN_RUN_DIR/cancellations"` by an unsealed root worker:
+    # `contain cancel` and `contain status` said "no run" (exit 3) while `ls`
+    # listed it RUNNING, and the owner kept reading a directory nobody could
+    # reach any more. Both while its owner lives and once it is gone.
+    done = tmp_path / "removed"
+    for run_id, orphan in (("rc", False), ("ro", True)):
+        script = f'rm -rf "$CONTAIN_RUN_DIR/cancellations" && echo ok > {done}-{run_id}; exec sleep 300'
+        p = subprocess.Popen(contain_cmd("run", "--id", run_id, "--", "sh", "-c", script),
+                             env=box.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            _wait_file(f"{done}-{run_id}")
+            assert wait_holders(box.token, 1), "workload did not start"
+            if orphan:
+                p.kill()
+                p.wait(10)
+            s = run_contain(box.env, "status", run_id, timeout=30)
+            assert s.returncode == 0 and "Traceback" not in s.stderr, (s.returncode, s.stderr)
+            c = run_contain(box.env, "cancel", run_id, "--grace", "0", "--wait", "--json", timeout=60)
+            assert "Traceback" not in c.stderr, c.stderr
+            assert c.returncode == 0, (run_id, c.returncode, c.stdout, c.stderr)
+            assert json.loads(c.stdout)["effect"] == "cancelled"
+            if not orphan:
+                assert p.wait(30) == 143, p.returncode    # (the supervisor carries the token too)
+            assert holders(box.token) == []
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+            _remove_v1_of(run_id)
+
