@@ -262,3 +262,23 @@ def test_root_worker_removing_its_cancellations_cannot_make_itself_uncancellable
                 p.wait(10)
             _remove_v1_of(run_id)
 
+
+@pytest.mark.timeout(60)
+def test_caller_shell_standing_in_the_workspace_does_not_hold_it_for_ever(box, tmp_path):
+    # `cd ws && contain run --workspace . -- make`: the caller's own shell has
+    # its cwd there, so workspace_quiescent (and redispatch_eligible) was
+    # false for every run started that way. An open file of the caller's
+    # still counts: it can write.
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    cmd = " ".join(contain_cmd("run", "--id", "{id}", "--workspace", ".", "--", "true"))
+    sh = f'cd {ws} && {cmd.format(id="w1")} && exec 3>{ws}/log && {cmd.format(id="w2")}'
+    p = subprocess.run(["sh", "-c", sh], env=box.env, capture_output=True, text=True, timeout=50, cwd="/")
+    assert p.returncode == 0, p.stderr
+    quiet = box.record("w1")["evidence"]["workspace_quiescent"]
+    assert quiet["observed"] is True, quiet
+    assert box.record("w1")["evidence"]["redispatch_eligible"]["observed"] is True
+    held = box.record("w2")["evidence"]["workspace_quiescent"]
+    assert held["observed"] is False and [h["how"] for h in held["detail"]["held_by"]] == ["fd 3"], held
+    _remove_v1_of("w1")
+    _remove_v1_of("w2")
