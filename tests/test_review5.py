@@ -282,3 +282,20 @@ def test_caller_shell_standing_in_the_workspace_does_not_hold_it_for_ever(box, t
     assert held["observed"] is False and [h["how"] for h in held["detail"]["held_by"]] == ["fd 3"], held
     _remove_v1_of("w1")
     _remove_v1_of("w2")
+
+
+@pytest.mark.timeout(60)
+def test_environment_naming_a_plain_directory_as_the_lead_cgroup_is_no_traceback(box, tmp_path):
+    # CONTAIN_RUN_CGROUP is what a run hands its worker for nested runs; the
+    # worker's own environment is input. A plain writable directory there
+    # made `contain run` die with a StopIteration traceback.
+    fake = tmp_path / "not-a-cgroup"
+    fake.mkdir()
+    env = dict(box.env, CONTAIN_RUN_CGROUP=str(fake))
+    p = run_contain(env, "run", "--id", "pe", "--record", "-", "--", "true", timeout=30)
+    assert "Traceback" not in p.stderr, p.stderr
+    assert p.returncode == 0, p.stderr
+    rec = json.loads(p.stdout)
+    assert rec["state"] == "REAPED" and not rec["containment"]["path"].startswith(str(fake)), rec["containment"]
+    assert os.listdir(fake) == []
+    _remove_v1_of("pe")

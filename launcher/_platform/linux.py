@@ -71,7 +71,9 @@ class Container:
                parent_dir: str | None = None) -> "Container":
         made: list[str] = []      # base directories this run made (removed with it)
         if parent_dir is not None:
-            h = next(x for x in hierarchies() if parent_dir.startswith(x.mount))
+            h = next((x for x in hierarchies() if parent_dir.startswith(x.mount.rstrip("/") + "/")), None)
+            if h is None:
+                raise ContainmentUnavailable(f"{parent_dir} is not in a cgroup v2 hierarchy")
             base = parent_dir
         else:
             h, base = resolve_base(env, made)
