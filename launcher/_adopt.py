@@ -51,17 +51,37 @@ def _bounded(value: Any, default: float, limit: float, name: str, notes: list[st
     return default
 
 
-def _adopt(layout: RunDir, vouched: str | None = None) -> tuple[Run, AttachResult]:
+def _run_info(layout: RunDir, rec: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """run.json, or, when a worker that can write the run directory made it
+    unreadable, what the owner's tag says (the only thing an adopter acts
+    on anyway): a run whose owner is gone must still be stoppable. Without
+    a tag there is nothing trustworthy to act on (LauncherError)."""
     info = layout.read_run()
-    if not isinstance(info, dict) or not isinstance(info.get("argv"), list):
+    if isinstance(info, dict) and isinstance(info.get("argv"), list):
+        return info
+    facts, source = trusted_facts(layout.path, {}, acting=True)
+    if facts is None or source != "tag":
         raise LauncherError(f"run {layout.id}: run.json unreadable")
+    notes.append("run.json unreadable: adopted from the run's tag (the run's own v1 cgroups, if any, "
+                 "are not known and are left)")
+    argv = rec.get("argv")
+    return {"run_id": layout.id, "run_uid": facts.get("run_uid"), "backend": facts.get("backend"),
+            "argv": argv if isinstance(argv, list) and argv else ["?"], "cgroup_identity": facts.get("cgroup"),
+            "worker": facts.get("worker"), "boot_id": facts.get("boot_id"), "wall": facts.get("wall"),
+            "pgid": facts.get("pgid")}
+
+
+def _adopt(layout: RunDir, vouched: str | None = None) -> tuple[Run, AttachResult]:
     rec = layout.read_record() or {}
+    early: list[str] = []
+    info = _run_info(layout, rec, early)
     att = attach_container(layout.path, layout.id, info)
     forged = _terminal_but_held(rec, att)
     if forged is not None:
         rec = {}
     facts = RunEvidence.from_record(rec)
     facts.notes.append(f"adopted by pid {os.getpid()} after the owner was gone")
+    facts.notes.extend(early)
     if forged is not None:
         facts.notes.append(forged)
     facts.notes.extend(n for n in att.notes if n)
@@ -131,6 +151,13 @@ def _trust_the_tag(facts: RunEvidence, att: AttachResult) -> None:
     if att.sealed is not None and facts.sealed[0] and not att.sealed:
         facts.notes.append("record.json says sealed, the run's tag does not: not sealed")
         facts.sealed = (False, "the seal is not vouched for by the run's tag")
+    if not facts.sealed[0] and not facts.sealed[1]:
+        # No record said why (the owner died before its first one, or a
+        # worker rewrote it): `sealed` false always comes with its reason.
+        facts.sealed = (False, "not known to be sealed: no record of the owner says why, and the seal "
+                        "is not vouched for by the run's tag" if not att.sealed else
+                        "not known to be sealed: the run's tag names a seal, but no record of the owner "
+                        "describes it")
 
 
 def adopt(layout: RunDir) -> Run:

@@ -179,6 +179,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     state = view["state"]
     if state == UNREADABLE:
         add(f"  state      UNREADABLE: {view['unreadable']}")
+        if view["orphaned"]:
+            add(f"             orphaned: {view.get('not_final')} and its supervisor is gone; "
+                f"`contain cancel {d.id}` adopts and stops it")
     elif view.get("not_final") and view["owner_alive"] is True:
         add(f"  state      {state}? not final: {view['not_final']} (a record is final once its owner "
             f"lets go; `contain wait {d.id}` waits for that)")
@@ -243,6 +246,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _no_such_run(args: argparse.Namespace, why: str) -> int:
+    """No such run: 3, and with --json still the operation's record, effect
+    `unknown` (the contract's answer for "no such run"), so that a script
+    reading the effect gets one rather than an empty stdout."""
+    _err(why)
+    if args.json:
+        _print_json({"op_id": args.op_id, "run_id": args.id, "effect": "unknown", "state": None,
+                     "detail": why})
+    return EXIT_NOT_FOUND
+
+
 def cmd_cancel(args: argparse.Namespace) -> int:
     from ._cancel import cancel
     from ._layout import StateDir
@@ -253,8 +267,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     try:
         StateDir.open(None, write=True).close()
     except FileNotFoundError:
-        _err(f"no run {args.id!r}: there is no state directory yet")
-        return EXIT_NOT_FOUND
+        return _no_such_run(args, f"no run {args.id!r}: there is no state directory yet")
     except UnsafePath as e:
         _err(f"cancel: {e}")
         return EXIT_CONTAIN_FAILED
@@ -262,8 +275,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         ack = cancel(args.id, op_id=args.op_id, grace=args.grace, run_uid=args.run_uid, wait=args.wait,
                      timeout=args.timeout)
     except RunNotFound as e:
-        _err(str(e))
-        return EXIT_NOT_FOUND
+        return _no_such_run(args, str(e))
     except (RunConflict, ValueError) as e:
         _err(f"cancel: {e}")
         return EXIT_USAGE
@@ -284,6 +296,10 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         return EXIT_DID_NOT_HOLD
     if args.wait and effect == "cancel_requested":
         return EXIT_DID_NOT_HOLD          # the stop was issued but not proven (UNCONFIRMED)
+    if d.get("state") in ("UNCONFIRMED", "BREACHED"):
+        # Whatever the effect (a retry of a run that ended on its own reads
+        # not_live), the answer is a stop that did not hold.
+        return EXIT_DID_NOT_HOLD
     return EXIT_OK
 
 
@@ -356,7 +372,10 @@ def cmd_wait(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(record)
     else:
-        print(f"run {d.id}: {record.get('state') or UNREADABLE}  outcome {record.get('outcome') or '-'}  "
+        # No record.json at all is a run before its first record (or whose
+        # owner died before writing it), not an unreadable one.
+        shown = record.get("state") or (UNREADABLE if isinstance(rec, Unreadable) else "RUNNING")
+        print(f"run {d.id}: {shown}  outcome {record.get('outcome') or '-'}  "
               f"exit {exit_text(record)}")
     if getattr(args, "redispatch", False):
         # What a scheduler asks before the next attempt in the same workspace:

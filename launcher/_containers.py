@@ -81,9 +81,17 @@ def inherited_parent(env: Any) -> str | None:
     """A run started from inside another run goes beside that run's worker
     (a nested run), so cancelling the lead stops it too."""
     d = policy_env(_nested.ENV_CGROUP, env)
-    if d and os.path.isdir(d) and os.access(d, os.W_OK):
+    if d and os.path.isdir(d) and os.access(d, os.W_OK) and _in_cgroup2(str(d)):
         return str(d)
     return None
+
+
+def _in_cgroup2(path: str) -> bool:
+    """Whether `path` is below a cgroup2 mount (a worker's environment may
+    name any directory: /etc made `contain run` die with a traceback)."""
+    from ._platform.cgroups import hierarchies
+
+    return any(path.startswith(h.mount.rstrip("/") + "/") for h in hierarchies())
 
 
 class AttachResult:

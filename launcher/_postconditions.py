@@ -116,12 +116,15 @@ def workspace_quiescent(path: str, window: float = 0.2) -> dict[str, Any]:
     holders: list[dict[str, Any]] = []
     denied = 0
     me = str(os.getpid())
+    callers = _ancestors()
     prefix = real.rstrip("/") + "/"
     for pid in os.listdir("/proc"):
         if not pid.isdigit() or pid == me:
             continue
         try:
             for how, target in _links(pid):
+                if how in ("cwd", "root") and pid in callers:
+                    continue    # `cd ws && contain run --workspace .`: the caller's shell stands there
                 if target == real or target.startswith(prefix):
                     holders.append({"pid": int(pid), "how": how, "path": target})
         except PermissionError:
@@ -136,6 +139,23 @@ def workspace_quiescent(path: str, window: float = 0.2) -> dict[str, Any]:
     if denied:
         return evidence(None, via, f"{denied} process(es) could not be inspected")
     return evidence(True, via, {"window_s": window})
+
+
+def _ancestors() -> set[str]:
+    """The pids above this process (its caller, the caller's shell, ...):
+    their working directory is where the run was started from, not a hold
+    of the run's. Their open files still count."""
+    from ._procfs import read_stat
+
+    out: set[str] = set()
+    pid = os.getppid()
+    while pid > 1 and str(pid) not in out and len(out) < 64:
+        out.add(str(pid))
+        st = read_stat(pid)
+        if st is None:
+            break
+        pid = st[1]
+    return out
 
 
 def _watch_tree(root: str, limit: int = 2000) -> int | None:

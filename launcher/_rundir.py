@@ -30,6 +30,17 @@ from ._safefs import UnsafePath
 from ._statedir import FILE_MODE, RUN_DIR_MODE, StateDir, location
 
 
+def _any_of(dir_fd: int, names: tuple[str, ...]) -> bool:
+    """Whether any of `names` is in `dir_fd` (not followed)."""
+    for name in names:
+        try:
+            os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            return True
+        except OSError:
+            continue
+    return False
+
+
 def check_id(run_id: str) -> str:
     if not isinstance(run_id, str) or not ID_RE.match(run_id):
         raise ValueError(f"invalid run id {run_id!r}: use letters, digits, '.', '_' or '-' (at most 100)")
@@ -82,7 +93,11 @@ class RunDirBase:
                 # A claimed directory is a run being born: findable before run.json.
                 os.close(F.open_private_dir(fd, "cancellations", d.cancellations, owners=st.owners))
             except FileNotFoundError:
-                raise RunNotFound(f"no run {run_id!r} in {os.path.join(st.path, 'runs')}") from None
+                # ... and a run whose worker removed its cancellations/ (one
+                # that can write the run directory) is still a run, not "no
+                # such run": its cancel makes the directory again.
+                if not _any_of(fd, ("run.json", "owner.lock", "record.json")):
+                    raise RunNotFound(f"no run {run_id!r} in {os.path.join(st.path, 'runs')}") from None
             finally:
                 os.close(fd)
         return d
@@ -133,6 +148,14 @@ class RunDirBase:
         `create`). Raises like dir_fd."""
         with self._mu:
             if self._cfd >= 0:
+                if os.fstat(self._cfd).st_nlink == 0 and self._fd >= 0:
+                    # Removed under its owner (by a worker that can write the
+                    # run directory): requesters write to the path, so the
+                    # owner follows the path again, made anew if missing.
+                    cfd = F.open_private_dir(self._fd, "cancellations", self.cancellations,
+                                             owners=(os.geteuid(),), create_mode=RUN_DIR_MODE)
+                    os.close(self._cfd)
+                    self._cfd = cfd
                 return os.dup(self._cfd)
         fd = self.dir_fd(write)
         try:

@@ -192,6 +192,16 @@ def fill_view(d: RunDir, view: dict[str, Any], live: bool, summary: bool = False
                                                               if owner is False else "cannot be read")
         else:
             view["state"] = "RUNNING"       # being born, or an orphan before its first record
+    if view["state"] == UNREADABLE and owner is False:
+        # Files a worker scrambled, and its owner gone: if what the tag names
+        # lives, this is a live orphan (cancel adopts it from the tag), not
+        # only an unreadable directory.
+        from ._tags import still_alive
+
+        alive = still_alive(d.path)
+        if alive is not None:
+            view["orphaned"] = True
+            view["not_final"] = f"its files are unreadable but {alive}"
     if view["state"] in ("RUNNING", "UNCONFIRMED"):
         view["orphaned"] = owner is False
         if live and isinstance(info, RunInfo) and info.backend == "cgroup2":
@@ -315,7 +325,15 @@ def _metric(m: Any, fmt: Any) -> str | None:
         return None
     if m.get("value") is None:
         return f"unknown ({cut(str(m.get('reason') or 'not read'), 60)})"
-    return fmt(m["value"])
+    return _shown(fmt, m["value"])
+
+
+def _shown(fmt: Any, v: Any) -> str:
+    """A metric's value through `fmt` when it is a number; anything else (a
+    record a worker rewrote) as plain text, never a traceback."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return cut(render(v), 40)
+    return str(fmt(v))
 
 
 _COST = (("cpu", "cpu_usec", lambda v: f"{v / 1e6:.2f} s"),
@@ -341,7 +359,7 @@ def cost_lines(record: dict[str, Any]) -> list[str]:
                 if m.get("value") is None:
                     missing.append(label)
                 else:
-                    parts.append(f"{label} {fmt(m['value'])}")
+                    parts.append(f"{label} {_shown(fmt, m['value'])}")
         if parts or missing:
             out.append("  cost       " + ", ".join(parts)
                        + (f"; not measured: {', '.join(missing)} (why: --json)" if missing else ""))

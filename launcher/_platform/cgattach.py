@@ -295,6 +295,7 @@ class Detached:
         from . import pidwall
 
         out: list[dict[str, Any]] = [{"kind": "cgroup", "path": self.path,
+                                      "observed_empty": True if self.removed else None,
                                       "via": self.removed or f"not attached: {self.reason}"}]
         return out + pidwall.wall_records(self.wall, self.wall_gone, self.wall_unknown)
 

@@ -64,13 +64,16 @@ class Container:
         self.also_killed: str | None = None     # what else the last kill did (the wall's init)
         self.wall_gone = False                  # adopted: the wall's init was already reaped
         self.wall_unknown: str | None = None    # adopted: why the wall cannot be observed
+        self.seen_empty: bool | None = None     # what cgroup.events said when last read (None: never read)
 
     @classmethod
     def create(cls, run_id: str, env: dict[str, str] | os._Environ[str] = os.environ,
                parent_dir: str | None = None) -> "Container":
         made: list[str] = []      # base directories this run made (removed with it)
         if parent_dir is not None:
-            h = next(x for x in hierarchies() if parent_dir.startswith(x.mount))
+            h = next((x for x in hierarchies() if parent_dir.startswith(x.mount.rstrip("/") + "/")), None)
+            if h is None:
+                raise ContainmentUnavailable(f"{parent_dir} is not in a cgroup v2 hierarchy")
             base = parent_dir
         else:
             h, base = resolve_base(env, made)
@@ -180,7 +183,17 @@ class Container:
         return pidwall.UNLEAVABLE if self.wall is not None or self.wall_gone else None
 
     def walls(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = [{"kind": "cgroup", "path": self.path, "via": "cgroup.events populated 0"}]
+        # How it was observed empty, only if it was: an UNCONFIRMED stop's
+        # cgroup said populated 1 (or was never read), never "populated 0".
+        if self.seen_empty is None and self._events_fd >= 0 and self.wall is not None:
+            try:
+                self.seen_empty = b"populated 0" in os.pread(self._events_fd, 4096, 0)
+            except OSError:
+                pass
+        seen = self.seen_empty
+        out: list[dict[str, Any]] = [{"kind": "cgroup", "path": self.path, "observed_empty": seen,
+                                      "via": "cgroup.events populated 0" if seen else
+                                      "cgroup.events populated 1" if seen is False else "not read"}]
         return out + pidwall.wall_records(self.wall, self.wall_gone, self.wall_unknown)
 
     def owns(self, pid: int) -> bool:
@@ -303,7 +316,8 @@ class Container:
         data = os.pread(self._events_fd, 4096, 0)
         for line in data.split(b"\n"):
             if line.startswith(b"populated "):
-                return line[10:].strip() != b"0"
+                self.seen_empty = line[10:].strip() == b"0"
+                return not self.seen_empty
         raise OSError(errno.EIO, "cgroup.events has no populated line")
 
     def wait_change(self, timeout: float) -> None:
