@@ -170,7 +170,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         info = d.load_run()
     record = rec if isinstance(rec, dict) else None
     if args.json:
-        _print_json({"record": record, "live": view, "cancellations": acks,
+        # The run's state at the top (what a script reads first), then the
+        # record as written, what is seen now, and the operations.
+        _print_json({"run_id": d.id, "state": view["state"], "outcome": view["outcome"],
+                     "exit_code": view["exit_code"], "signal": view["signal"],
+                     "final": view["state"] in TERMINAL and not view.get("not_final"),
+                     "record": record, "live": view, "cancellations": acks,
                      "unreadable": rec.reason if isinstance(rec, Unreadable) else None})
         return EXIT_OK
     out: list[str] = []

@@ -6,7 +6,13 @@ import os
 
 
 class LauncherError(Exception):
-    """Base of every error `launcher` raises on purpose."""
+    """Base of every error `launcher` raises on purpose. One raised by a
+    run that had started (a failed spawn, a container refused after the
+    claim) carries that run's final record as `record` and its id as
+    `run_id` (None before any run existed)."""
+
+    record: object = None
+    run_id: str | None = None
 
 
 class SpawnFailed(LauncherError):

@@ -18,6 +18,7 @@ from typing import IO, Any, Callable, Sequence
 
 from . import _stdio
 from ._args import check_optional_seconds, wait_event
+from ._errors import LauncherError
 from ._layout import op_id_or_new
 from ._record import CancelRecord, StopRecord, now_iso
 from ._adopt import finish_nested
@@ -70,7 +71,10 @@ def start_run(argv: Sequence[str], *, id: str | None, grace: float, timeout: flo
             track(run)
         run.start()
         st.spawned()
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, LauncherError) and run is not None and run.finished():
+            # Its final record (outcome spawn_failed) goes with the error.
+            e.record, e.run_id = run.record(), run.id
         st.abort()
         if run is not None:
             abandon(run)    # an interrupt after the spawn: nothing owns the worker yet, so stop it here

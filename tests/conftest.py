@@ -314,20 +314,58 @@ CGROUP_SKIP = _cgroup_reason()
 needs_cgroup = pytest.mark.skipif(CGROUP_SKIP is not None, reason=CGROUP_SKIP or "")
 
 
+def v1_mounts() -> list[str]:
+    """Where each cgroup v1 hierarchy is mounted here (mountinfo)."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            if right.split(" ", 1)[0] == "cgroup":
+                out.append(left.split()[4])
+    return out
+
+
+def remove_v1_tree(cg_path: str, timeout: float = 10.0) -> None:
+    """rmdir, bottom up, the v1 cgroup `cg_path` (a base this test made) in
+    every v1 hierarchy; its members were the test's, killed already."""
+    for mnt in v1_mounts():
+        top = os.path.join(mnt, cg_path.lstrip("/"))
+        if not os.path.isdir(top):
+            continue
+        for d, _subdirs, _files in sorted(os.walk(top, topdown=False), key=lambda t: -len(t[0])):
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    os.rmdir(d)
+                    break
+                except OSError as e:
+                    if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.01)
+
+
 class Box:
-    """One test's world: its own state dir, its own cgroup base (created and
-    removed by the test), and a token in every workload's environment."""
+    """One test's world: its own state dir, its own cgroup base in v2 and in
+    every v1 hierarchy (created and removed by the test), and a token in
+    every workload's environment."""
 
     def __init__(self, tmp_path) -> None:
         self.token = new_token()
         self.state_dir = str(tmp_path / "state")
         mnt = cgroup2_mount()
-        self.base = os.path.join(mnt, f"contain-test-{secrets.token_hex(4)}") if mnt else None
+        tag = secrets.token_hex(4)
+        self.base = os.path.join(mnt, f"contain-test-{tag}") if mnt else None
+        # The run's own v1 cgroups (memory, pids on a hybrid host) under a
+        # base of this test's too, not root's shared /contain: a run the
+        # test leaves to an adopter that rightly refuses to remove them (a
+        # forged description) would leave them there for ever.
+        self.v1_base = f"/contain-test-{tag}"
         self.env = dict(os.environ)
         self.env.update({
             "CONTAIN_STATE_DIR": self.state_dir,
             TOKEN_VAR: self.token,
             "PYTHONPATH": ROOT + os.pathsep + self.env.get("PYTHONPATH", ""),
+            "CONTAIN_CGROUP_V1_BASE": self.v1_base,
         })
         if self.base:
             self.env["CONTAIN_CGROUP_BASE"] = self.base
@@ -354,6 +392,7 @@ def box(tmp_path, monkeypatch):
     # The library under test reads these from the environment too.
     monkeypatch.setenv("CONTAIN_STATE_DIR", b.state_dir)
     monkeypatch.setenv(TOKEN_VAR, b.token)
+    monkeypatch.setenv("CONTAIN_CGROUP_V1_BASE", b.v1_base)
     if b.base:
         monkeypatch.setenv("CONTAIN_CGROUP_BASE", b.base)
     monkeypatch.delenv("CONTAIN_BACKEND", raising=False)
@@ -364,6 +403,7 @@ def box(tmp_path, monkeypatch):
         kill_holders(b.token)
         if b.base:
             remove_cgroup_tree(b.base)
+        remove_v1_tree(b.v1_base)
 
 
 @pytest.fixture

@@ -407,6 +407,10 @@ def test_own_worker_replacing_run_json_with_a_fifo_cannot_make_its_run_deaf_to_c
                 c = v.contain("cancel", "ff", "--grace", "0", "--wait", timeout=10)
             except subprocess.TimeoutExpired:
                 pytest.fail("contain cancel --wait hung: the run did not stop")
+            try:
+                p.wait(30)            # the supervisor (it carries the token too) may still be exiting
+            except subprocess.TimeoutExpired:
+                pass
             still = holders(v.token)
             assert still == [], f"cancel exited {c.returncode} ({c.stdout.strip()} {c.stderr.strip()}) with {still} alive"
         finally:

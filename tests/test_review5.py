@@ -299,3 +299,31 @@ def test_environment_naming_a_plain_directory_as_the_lead_cgroup_is_no_traceback
     assert rec["state"] == "REAPED" and not rec["containment"]["path"].startswith(str(fake)), rec["containment"]
     assert os.listdir(fake) == []
     _remove_v1_of("pe")
+
+
+def test_script_reading_status_json_finds_the_state_at_the_top(box):
+    """`status --json` wrapped everything ({"record": ..., "live": ...}): a
+    script reading `state` as every other command's JSON has it found none.
+    The run's state, outcome, exit status and whether it is final now sit at
+    the top, beside the record as written."""
+    assert run_contain(box.env, "run", "-q", "--id", "top", "--", "sh", "-c", "exit 3").returncode == 3
+    st = json.loads(run_contain(box.env, "status", "top", "--json").stdout)
+    assert (st["run_id"], st["state"], st["outcome"], st["exit_code"], st["signal"], st["final"]) == \
+        ("top", "REAPED", "exited", 3, None, True), st
+    assert st["record"]["state"] == "REAPED" and st["live"]["state"] == "REAPED"
+
+
+def test_library_caller_of_a_missing_program_gets_the_spawn_failed_record_with_the_error(box):
+    """launcher.run(["/nonexistent"]) raises SpawnFailed (as subprocess
+    raises FileNotFoundError), and the run's final record, outcome
+    spawn_failed, was only in the run directory: the caller had no id to
+    find it by. The error now carries it."""
+    import launcher
+
+    with pytest.raises(launcher.SpawnFailed) as ei:
+        launcher.run(["/nonexistent/program"], state_dir=box.state_dir)
+    e = ei.value
+    assert e.exit_code == 127 and e.run_id and e.record is not None, (e.run_id, e.record)
+    assert e.record.outcome == "spawn_failed" and e.record.run_id == e.run_id
+    assert box.record(e.run_id)["outcome"] == "spawn_failed"
+    assert holders(box.token) == []
