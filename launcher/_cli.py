@@ -207,6 +207,16 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
     except OSError as e:
         _say(f"run: --record {e}")
         return EXIT_CONTAIN_FAILED
+    if args.stats_json:
+        # Checked as --record is: a run whose stats line could not be kept
+        # is refused before anything runs (and then appended at the end).
+        from ._stats import check_stats
+
+        try:
+            check_stats(args.stats_json)
+        except OSError as e:
+            _say(f"run: --stats-json {args.stats_json}: {e.strerror or e}")
+            return EXIT_CONTAIN_FAILED
 
     # Signals cancel the run; they are turned into wake-ups of the owner
     # loop, which records the intent durably before anything is signalled

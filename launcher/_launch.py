@@ -50,6 +50,13 @@ def start(run: Run) -> None:
         from ._recordfile import prepare   # lazy: only runs that asked for it
 
         run.record_target = prepare(run.opts.record_file)   # refused (OSError) as --record is: before the claim
+    if run.opts.stats_json:
+        from ._stats import check_stats
+
+        try:
+            check_stats(run.opts.stats_json)                 # the same: before anything is made
+        except OSError as e:
+            raise OSError(e.errno, f"stats_json {run.opts.stats_json}: {e.strerror or e}") from None
     try:
         run.attach(RunDir.claim(run.id, run.opts.state_dir))
     except BaseException:

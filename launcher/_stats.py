@@ -73,13 +73,12 @@ def stats_line(rec: Mapping[str, Any]) -> str:
     return json.dumps(out, separators=(",", ":"), sort_keys=False)
 
 
-def append_stats(path: str, line: str) -> None:
-    """Append one line with a single write(2) on an O_APPEND descriptor (so
-    lines from concurrent runs do not interleave inside a line on a local
-    file system). The path is untrusted, like --record: never follows a
+def _open_stats(path: str, *, create: bool) -> int | None:
+    """The --stats-json file opened O_APPEND (made 0644 with `create`), or,
+    without `create`, None when it does not exist yet and its directory
+    may be written. The path is untrusted, like --record: never follows a
     symlink in its last component, never opens a FIFO or device (O_NONBLOCK
-    at open, then a regular-file check), creates the file 0644. Raises
-    OSError, which the caller reports (stderr and the exit status)."""
+    at open, then a regular-file check). Raises OSError."""
     from ._safepath import open_dir_trusted_links
 
     parent, name = os.path.split(path)
@@ -97,15 +96,41 @@ def append_stats(path: str, line: str) -> None:
                 # our controlling terminal, a watchdog would arm).
                 raise OSError(21 if stat.S_ISDIR(st0.st_mode) else 22, "not a regular file")
         except FileNotFoundError:
-            pass
-        fd = os.open(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-                     | os.O_NOCTTY, 0o644, dir_fd=dfd)
+            if not create:
+                if not os.access(".", os.W_OK | os.X_OK, dir_fd=dfd):
+                    raise OSError(13, "its directory is not writable") from None
+                return None
+        fd = os.open(name, os.O_WRONLY | os.O_APPEND | (os.O_CREAT if create else 0) | os.O_NOFOLLOW | os.O_CLOEXEC
+                     | os.O_NONBLOCK | os.O_NOCTTY, 0o644, dir_fd=dfd)
     finally:
         os.close(dfd)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise OSError(21 if stat.S_ISDIR(st.st_mode) else 22, "not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_stats(path: str) -> None:
+    """Before the run: whether append_stats could write `path`, creating
+    nothing (a run that cannot keep its stats line is refused up front, as
+    --record is). Raises OSError."""
+    fd = _open_stats(path, create=False)
+    if fd is not None:
+        os.close(fd)
+
+
+def append_stats(path: str, line: str) -> None:
+    """Append one line with a single write(2) on an O_APPEND descriptor (so
+    lines from concurrent runs do not interleave inside a line on a local
+    file system), creating the file 0644 (_open_stats says what is refused).
+    Raises OSError, which the caller reports (stderr and the exit status)."""
+    fd = _open_stats(path, create=True)
+    assert fd is not None
+    try:
         os.set_blocking(fd, True)
         data = (line.rstrip("\n") + "\n").encode()
         n = os.write(fd, data)

@@ -272,17 +272,24 @@ def test_record_file_follows_the_rules_of_record(contained, tmp_path):
 
 
 def test_a_stats_json_that_cannot_be_written_is_said_in_the_library_record(contained, tmp_path):
-    """The CLI says it on stderr (and exits 125); a library caller has no
-    stderr to read: the record's notes say it, once, and the run is still
-    REAPED."""
+    """A stats path that cannot be written is refused before anything runs
+    (OSError, as record_file= is). One that stops being writable during the
+    run (here the worker makes a directory of it): the CLI says it on stderr
+    (and exits 125); a library caller has no stderr to read: the record's
+    notes say it, once, and the run is still REAPED."""
     import launcher
 
     d = tmp_path / "stats-dir"
     d.mkdir()
-    rec = launcher.run(["true"], env=contained["env"], stats_json=str(d))    # a directory: refused
+    marker = tmp_path / "ran"
+    with pytest.raises(OSError) as ei:                 # a directory: refused up front
+        launcher.run(["touch", str(marker)], env=contained["env"], stats_json=str(d))
+    assert "stats_json" in str(ei.value) and not marker.exists()
+    later = tmp_path / "becomes-a-dir"
+    rec = launcher.run(["mkdir", str(later)], env=contained["env"], stats_json=str(later))
     assert rec.state == "REAPED"
     said = [n for n in rec.to_dict()["notes"] if "--stats-json" in n]
-    assert len(said) == 1 and str(d) in said[0], rec.to_dict()["notes"]
+    assert len(said) == 1 and str(later) in said[0], rec.to_dict()["notes"]
     good = tmp_path / "stats.ndjson"
     rec = launcher.run(["true"], env=contained["env"], stats_json=str(good))
     assert not [n for n in rec.to_dict()["notes"] if "--stats-json" in n]

@@ -46,6 +46,24 @@ def test_a_clean_run_records_its_cost_and_may_be_redispatched(box, tmp_path):
     assert holders(box.token) == []
 
 
+def test_a_stats_json_another_user_could_choose_is_refused_before_the_worker_runs(box, tmp_path):
+    """--stats-json was checked only when the run ended: pointed at a link
+    in a directory anyone may write (another user's, standing in here), the
+    worker ran to the end and only then did contain exit 125. It is
+    refused up front now, as --record is: nothing runs."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    (shared / "stats.ndjson").symlink_to("/etc/passwd")
+    marker = tmp_path / "ran"
+    p = run_contain(box.env, "run", "--id", "sj", "--stats-json", str(shared / "stats.ndjson"), "--",
+                    "touch", str(marker))
+    assert p.returncode == 125 and "--stats-json" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not marker.exists(), "the worker ran"
+    assert not os.path.exists(os.path.join(box.state_dir, "runs", "sj")), "a run was claimed"
+    assert holders(box.token) == []
+
+
 @pytest.mark.skipif(not _v1("pids"), reason="no pids controller on this host (neither v2 delegated nor v1)")
 def test_a_fork_bomb_is_stopped_by_pids_max(box):
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
