@@ -168,7 +168,7 @@ class AsyncWorker(RunHandle):
         await self._ended.wait()
         if self._error is not None:
             raise self._error
-        return self._run.record()
+        return self.record()
 
     async def cancel(self, *, op_id: str | None = None, grace: float | None = None) -> CancelRecord:
         """Request a stop; this operation's acknowledgement (effect

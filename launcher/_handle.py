@@ -8,6 +8,7 @@ from typing import Any
 from ._cancel import cancel
 from ._record import CancelRecord, StopRecord, now_iso
 from ._run import Run
+from ._state import TERMINAL_STATES
 
 
 class RunHandle:
@@ -31,8 +32,19 @@ class RunHandle:
         return self._run.layout.path
 
     def record(self) -> StopRecord:
-        """The current stop record (final once the run has ended)."""
-        return self._run.record()
+        """The current stop record (final once the run has ended). An owner
+        loop that ended without a terminal state (UNCONFIRMED after its
+        retries) has let go of the run: a later stop (a cancel, from here or
+        any process, adopts it) may have ended it since, and then its record
+        is what the run directory holds, once nobody owns the run."""
+        rec = self._run.record()
+        d = self._run.layout
+        if rec.terminal or not self._run.finished() or d is None:
+            return rec
+        latest = d.load_record()
+        if isinstance(latest, dict) and latest["state"] in TERMINAL_STATES and d.owner() is False:
+            return StopRecord(latest)
+        return rec
 
     def cancel_record(self, op_id: str) -> CancelRecord | None:
         """The acknowledgement of operation `op_id`, as stored."""

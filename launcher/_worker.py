@@ -138,7 +138,7 @@ class Worker(RunHandle):
             raise TimeoutError(f"run {self.id} still running after {timeout} s")
         if self._error is not None:
             raise self._error
-        return self._run.record()
+        return self.record()
 
     def cancel(self, *, op_id: str | None = None, grace: float | None = None) -> CancelRecord:
         """Request a stop; returns this operation's acknowledgement at once

@@ -327,3 +327,36 @@ def test_library_caller_of_a_missing_program_gets_the_spawn_failed_record_with_t
     assert e.record.outcome == "spawn_failed" and e.record.run_id == e.run_id
     assert box.record(e.run_id)["outcome"] == "spawn_failed"
     assert holders(box.token) == []
+
+
+def test_library_caller_sees_the_record_of_a_retry_that_ended_its_unconfirmed_run(box, tmp_path):
+    """A library run whose stop could not be confirmed (a child the v1
+    freezer holds) ends its owner loop UNCONFIRMED and lets go of the run.
+    A later `w.cancel()`, once the child can die, adopts it and ends it
+    REAPED (record.json says so), but `w.record()` and `w.wait()` kept
+    returning the old UNCONFIRMED record for ever."""
+    import launcher
+
+    pidfile = tmp_path / "pid"
+    freezer = os.path.join(_v1_freezer(), f"contain-review5-lib-{os.getpid()}-{box.token}")
+    os.mkdir(freezer)
+    try:
+        w = launcher.spawn(["sh", "-c", f"sleep 300 & echo $! > {pidfile}; exec sleep 300"], id="lf",
+                           grace=0, kill_timeout=0.5, state_dir=box.state_dir)
+        sleeper = host_pid(box.token, int(_wait_file(str(pidfile)).strip()))
+        assert sleeper is not None, "the sleep of this test's workload was not found"
+        with open(os.path.join(freezer, "cgroup.procs"), "w") as f:
+            f.write(str(sleeper))              # a process this test started
+        with open(os.path.join(freezer, "freezer.state"), "w") as f:
+            f.write("FROZEN")
+        w.cancel(op_id="first")
+        rec = w.wait(timeout=60)
+        assert rec.state == "UNCONFIRMED", rec.state
+        _thaw_and_remove(freezer)
+        ack = w.cancel(op_id="retry")
+        assert ack.to_dict().get("state") == "REAPED" or box.record("lf")["state"] == "REAPED", ack.to_dict()
+        assert holders(box.token) == []
+        assert w.record().state == "REAPED" and w.wait(timeout=5).state == "REAPED", w.record().state
+    finally:
+        _thaw_and_remove(freezer)
+        _remove_v1_of("lf")
