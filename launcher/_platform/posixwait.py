@@ -227,6 +227,15 @@ class Init:
                 _pid, self.status, self.rusage = os.wait4(self.pid, os.WNOHANG)
             except ChildProcessError:
                 self.notes.append("the init was reaped by another waiter of this process")
+        else:
+            try:
+                # Adopted, and our own child after all (a library run whose
+                # owner loop gave up UNCONFIRMED, stopped later from the same
+                # process): reaped by its pidfd, which names this very
+                # process, rather than left a zombie of ours for ever.
+                os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG)
+            except OSError:
+                pass              # another process's child (ECHILD): its parent reaps it
         return True
 
     def signal(self, sig: int) -> None:
