@@ -2,7 +2,8 @@
 
 Anchored on GNU `timeout` and `docker run`'s signal proxy:
 
-- SIGINT, SIGTERM and SIGHUP cancel the run. The handler only queues the
+- SIGINT, SIGTERM, SIGHUP and SIGQUIT (a terminal's Ctrl-\\, which GNU
+  `timeout` forwards too) cancel the run. The handler only queues the
   signal for the owner loop (`Run.deliver_signal`), which makes the intent
   durable and then sends the tree *that* signal first (then `cgroup.kill`
   after the grace). A second one during the stop ends the grace at once.
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
     from ._run import Run
 
-CANCEL_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+CANCEL_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, n))
 
 
 class SignalProxy:
@@ -98,6 +99,15 @@ def die_by(signum: int) -> None:
         pass
     if sys.platform == "win32":
         return                # no dying by a signal on Windows: the caller exits 128 + signum
+    if signum == getattr(signal, "SIGQUIT", None):
+        # Its default action dumps core: a core of the supervisor, after a
+        # stop that went as asked, is litter in the caller's directory.
+        import resource
+
+        try:
+            resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+        except (OSError, ValueError):
+            pass
     signal.signal(signum, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
     os.kill(os.getpid(), signum)

@@ -100,7 +100,7 @@ TRAPPER = textwrap.dedent("""
         with open(out, "w") as f:
             f.write(signal.Signals(n).name + "\\n")
         os._exit(0)
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(s, got)
     with open(out + ".ready", "w") as f:
         f.write("ready\\n")
@@ -110,7 +110,7 @@ TRAPPER = textwrap.dedent("""
 
 # -- the signal is sent first, and contain dies by it ---------------------------------
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT])
 def test_signal_to_contain_is_sent_to_the_tree_first_and_contain_dies_by_it(box, tmp_path, sig):
     got = str(tmp_path / "got")
     proc = start(box, "s", "--grace", "5", "--", PY, "-c", TRAPPER, got)
