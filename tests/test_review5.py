@@ -19,22 +19,20 @@ from _proc import contain_cmd, holders, host_pid, run_contain, wait_holders
 from conftest import needs_cgroup
 from test_cancel import _v1_freezer
 from test_review2 import _remove_v1_of
+from test_signals import wait_for_file
 
 pytestmark = needs_cgroup
 
 
-def _wait_file(path: str, timeout: float = 10.0) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with open(path) as f:
-                text = f.read()
-            if text.endswith("\n"):
-                return text
-        except FileNotFoundError:
-            pass
-        assert time.monotonic() < deadline, f"{path} was never written"
-        time.sleep(0.01)
+def _freeze_the_sleep(freezer: str, pidfile: str, token: str) -> None:
+    """Put the workload's `sleep` (its pid written to `pidfile`; a process
+    this test started) into the v1 freezer cgroup `freezer`, frozen."""
+    sleeper = host_pid(token, int(wait_for_file(pidfile).strip()))
+    assert sleeper is not None, "the sleep of this test's workload was not found"
+    with open(os.path.join(freezer, "cgroup.procs"), "w") as f:
+        f.write(str(sleeper))
+    with open(os.path.join(freezer, "freezer.state"), "w") as f:
+        f.write("FROZEN")
 
 
 def _thaw_and_remove(freezer: str) -> None:
@@ -70,12 +68,7 @@ def test_worker_leaving_a_frozen_child_makes_cancel_wait_exit_1_and_no_wall_clai
                             env=box.env, stdin=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert len(wait_holders(box.token, 2)) >= 2, "workload did not start"
-        sleeper = host_pid(box.token, int(_wait_file(str(pidfile)).strip()))
-        assert sleeper is not None, "the sleep of this test's workload was not found"
-        with open(os.path.join(freezer, "cgroup.procs"), "w") as f:
-            f.write(str(sleeper))              # a process this test started
-        with open(os.path.join(freezer, "freezer.state"), "w") as f:
-            f.write("FROZEN")
+        _freeze_the_sleep(freezer, str(pidfile), box.token)
         # (not communicate(): the frozen sleep holds the stderr pipe open)
         proc.stdin.write("go\n")
         proc.stdin.flush()                     # the worker exits 0 on its own
@@ -164,7 +157,7 @@ def test_root_worker_scrambling_run_json_then_orphaned_is_still_stopped_by_cance
     p = subprocess.Popen(contain_cmd("run", "--id", "sc", "--", "sh", "-c", script),
                          env=box.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_file(str(done))
+        wait_for_file(str(done))
         assert len(wait_holders(box.token, 2)) >= 2, "workload did not start"
         p.kill()                                  # the supervisor dies (SIGKILL)
         p.wait(10)
@@ -242,7 +235,7 @@ def test_root_worker_removing_its_cancellations_cannot_make_itself_uncancellable
         p = subprocess.Popen(contain_cmd("run", "--id", run_id, "--", "sh", "-c", script),
                              env=box.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            _wait_file(f"{done}-{run_id}")
+            wait_for_file(f"{done}-{run_id}")
             assert wait_holders(box.token, 1), "workload did not start"
             if orphan:
                 p.kill()
@@ -343,12 +336,7 @@ def test_library_caller_sees_the_record_of_a_retry_that_ended_its_unconfirmed_ru
     try:
         w = launcher.spawn(["sh", "-c", f"sleep 300 & echo $! > {pidfile}; exec sleep 300"], id="lf",
                            grace=0, kill_timeout=0.5, state_dir=box.state_dir)
-        sleeper = host_pid(box.token, int(_wait_file(str(pidfile)).strip()))
-        assert sleeper is not None, "the sleep of this test's workload was not found"
-        with open(os.path.join(freezer, "cgroup.procs"), "w") as f:
-            f.write(str(sleeper))              # a process this test started
-        with open(os.path.join(freezer, "freezer.state"), "w") as f:
-            f.write("FROZEN")
+        _freeze_the_sleep(freezer, str(pidfile), box.token)
         w.cancel(op_id="first")
         rec = w.wait(timeout=60)
         assert rec.state == "UNCONFIRMED", rec.state
