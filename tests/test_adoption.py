@@ -59,18 +59,36 @@ class Victim:
         self.token = new_token()
         os.mkdir(d)
         env = dict(os.environ, **{TOKEN_VAR: self.token})
-        self.proc = subprocess.Popen(["sh", "-c", f'echo $$ > {d}/cgroup.procs && exec sleep 300'], env=env)
-        assert wait_holders(self.token, 1) == [self.proc.pid]
-        deadline = time.monotonic() + 30    # a move waits for an RCU grace period: long on a loaded host
-        while self.cgroup() != "/" + os.path.relpath(d, _mount()) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert self.alive(), "victim did not start in its cgroup"
-        self.start = _start_time(self.proc.pid)
+        self.proc = subprocess.Popen(["sh", "-c", f'echo $$ > {d}/cgroup.procs && exec sleep 300'], env=env,
+                                     stderr=subprocess.PIPE)
+        try:
+            assert wait_holders(self.token, 1) == [self.proc.pid]
+            deadline = time.monotonic() + 30    # a move waits for an RCU grace period: long on a loaded host
+            # In its cgroup, and past the exec (mid-exec its environ, which
+            # holders() reads, can read empty for a moment).
+            while ((self.cgroup() != "/" + os.path.relpath(d, _mount()) or self.comm() != "sleep")
+                   and time.monotonic() < deadline and self.proc.poll() is None):
+                time.sleep(0.01)
+            if not self.alive():
+                err = self.proc.stderr.read().decode() if self.proc.poll() is not None and self.proc.stderr else ""
+                raise AssertionError(f"victim did not start in its cgroup: exit {self.proc.poll()} {err!r}, "
+                                     f"in {self.cgroup()}, holders {holders(self.token)}")
+            self.start = _start_time(self.proc.pid)
+        except BaseException:
+            self.remove()          # no child of this test is left for the next one to find
+            raise
 
     def cgroup(self) -> str | None:
         try:
             with open(f"/proc/{self.proc.pid}/cgroup") as f:
                 return next((x[3:].strip() for x in f if x.startswith("0::")), None)
+        except OSError:
+            return None
+
+    def comm(self) -> str | None:
+        try:
+            with open(f"/proc/{self.proc.pid}/comm") as f:
+                return f.read().strip()
         except OSError:
             return None
 
@@ -84,6 +102,8 @@ class Victim:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
+        if self.proc.stderr:
+            self.proc.stderr.close()
         remove_cgroup_tree(self.dir)
 
 
