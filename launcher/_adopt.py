@@ -71,6 +71,32 @@ def _run_info(layout: RunDir, rec: dict[str, Any], notes: list[str]) -> dict[str
             "pgid": facts.get("pgid")}
 
 
+def _take_record_file(r: Run, path: Any, notes: list[str]) -> None:
+    """The owner's --record FILE (run.json's `record_file`): the adopter
+    writes the final record there too, under --record's rules (never a link
+    of another user's, never anything but a regular file replaced). Whoever
+    could have rewritten run.json (its uid, root) could write that file
+    anyway; a FIFO or device is not taken (nobody may be reading it now)."""
+    if path is None:
+        return
+    if not isinstance(path, str) or not os.path.isabs(path) or len(path) > 4096 or "\0" in path:
+        notes.append("run.json's record_file ignored: not an absolute path")
+        return
+    from ._recordfile import prepare
+
+    try:
+        target = prepare(path)
+    except OSError as e:
+        notes.append(f"--record {path} not written by the adopter: {e}")
+        return
+    if target.kind not in ("file", "winfile"):
+        target.close()
+        notes.append(f"--record {path} not written by the adopter: not a regular file")
+        return
+    r.record_target = target
+    r.record_path = path
+
+
 def _adopt(layout: RunDir, vouched: str | None = None) -> tuple[Run, AttachResult]:
     rec = layout.read_record() or {}
     early: list[str] = []
@@ -95,6 +121,7 @@ def _adopt(layout: RunDir, vouched: str | None = None) -> tuple[Run, AttachResul
             uid=str(uid) if uid else None, facts=facts)
     r.attach(layout)
     r.end_hooks.append(finish_nested)
+    _take_record_file(r, info.get("record_file"), facts.notes)
     r.snap = S.from_record(rec.get("state", "RUNNING"), rec.get("outcome"))
     r.inbox.load()
     _trust_the_tag(facts, att)

@@ -207,6 +207,8 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
     except OSError as e:
         _say(f"run: --record {e}")
         return EXIT_CONTAIN_FAILED
+    if target is not None and target.kind in ("file", "winfile"):
+        run.record_path = os.path.abspath(args.record)     # in run.json: an adopter writes it too
     if args.stats_json:
         # Checked as --record is: a run whose stats line could not be kept
         # is refused before anything runs (and then appended at the end).

@@ -159,6 +159,8 @@ class RunEvidence:
             info["cgroups_v1"] = usage.cgroups.describe()
         if c.backend == "none":
             info["pgid"] = c.pgid if c.pgid > 0 else None
+        if getattr(run, "record_path", None):
+            info["record_file"] = run.record_path
         if run.layout is not None and hasattr(c, "bind"):
             info["tag"] = self.bind_tags(run)
         return info

@@ -50,6 +50,8 @@ def start(run: Run) -> None:
         from ._recordfile import prepare   # lazy: only runs that asked for it
 
         run.record_target = prepare(run.opts.record_file)   # refused (OSError) as --record is: before the claim
+        if run.record_target.kind in ("file", "winfile"):
+            run.record_path = os.path.abspath(run.opts.record_file)
     if run.opts.stats_json:
         from ._stats import check_stats
 

@@ -86,6 +86,7 @@ class Run:
         self._final: StopRecord | None = None
         self.stats_error: str | None = None       # why --stats-json could not be written
         self.record_target: RecordTarget | None = None   # record_file=, checked at the start
+        self.record_path: str | None = None      # --record's file, in run.json: an adopter writes it too
         self.record_target_failed = False
 
     # -- start -------------------------------------------------------------

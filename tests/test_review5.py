@@ -348,3 +348,21 @@ def test_library_caller_sees_the_record_of_a_retry_that_ended_its_unconfirmed_ru
     finally:
         _thaw_and_remove(freezer)
         _remove_v1_of("lf")
+
+
+def test_supervisor_killed_before_writing_its_record_file_still_gets_it_written_by_the_adopter(box, tmp_path):
+    """`contain run --record FILE` whose supervisor is SIGKILLed (an OOM
+    kill, a lost session): `contain cancel` adopted and stopped the run and
+    record.json said REAPED, but FILE never appeared ("also to --record FILE
+    when given"). The adopter now writes it, under --record's rules."""
+    from test_adoption import _start_orphan
+
+    out = tmp_path / "out.json"
+    _start_orphan(box, "rf", "--record", str(out), script="setsid sleep 300 & sleep 300")
+    assert not out.exists(), "the test is void: the supervisor wrote it"
+    c = run_contain(box.env, "cancel", "rf", "--grace", "0", "--wait", timeout=60)
+    assert c.returncode == 0, (c.stdout, c.stderr)
+    assert holders(box.token) == []
+    rec = json.loads(out.read_text())
+    assert rec["state"] == "REAPED" and rec["outcome"] == "cancelled" and rec["run_id"] == "rf", rec["state"]
+    assert rec == box.record("rf")
