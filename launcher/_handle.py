@@ -36,15 +36,24 @@ class RunHandle:
         loop that ended without a terminal state (UNCONFIRMED after its
         retries) has let go of the run: a later stop (a cancel, from here or
         any process, adopts it) may have ended it since, and then its record
-        is what the run directory holds, once nobody owns the run."""
+        is what the run directory holds, once nobody owns the run and
+        nothing its tag names lives."""
         rec = self._run.record()
         d = self._run.layout
         if rec.terminal or not self._run.finished() or d is None:
             return rec
         latest = d.load_record()
-        if isinstance(latest, dict) and latest["state"] in TERMINAL_STATES and d.owner() is False:
-            return StopRecord(latest)
-        return rec
+        if not (isinstance(latest, dict) and latest["state"] in TERMINAL_STATES and d.owner() is False):
+            return rec
+        if latest["state"] in ("REAPED", "EXITED"):
+            from ._tags import still_alive
+
+            if still_alive(d.path) is not None:
+                # As `contain wait` judges it: what the tag names lives, so
+                # the record is not a stop's (a member can write its run
+                # directory); the last word stays ours.
+                return rec
+        return StopRecord(latest)
 
     def cancel_record(self, op_id: str) -> CancelRecord | None:
         """The acknowledgement of operation `op_id`, as stored."""

@@ -95,6 +95,16 @@ def kill_holders(token: str) -> None:
         time.sleep(0.05)
 
 
+def end_started(p: subprocess.Popen | None, *tokens: str) -> None:
+    """A test's cleanup: the process it started killed and reaped if it still
+    runs, then whatever carries each token."""
+    if p is not None and p.poll() is None:
+        p.kill()
+        p.wait(10)
+    for t in tokens:
+        kill_holders(t)
+
+
 def contain_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "launcher", *args]
 

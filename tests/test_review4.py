@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from _proc import TOKEN_VAR, contain_cmd, holders, kill_holders, new_token, readline_within
+from _proc import TOKEN_VAR, contain_cmd, end_started, holders, kill_holders, new_token, readline_within
 from _users import SYS_PY, Shared, spare_uids, user_env, why_not
 from conftest import needs_cgroup
 from test_review2 import _remove_v1_of
@@ -121,10 +121,7 @@ def test_own_worker_forging_a_terminal_record_then_orphaned_is_still_stopped_by_
             assert w.returncode == 0 and rec["state"] == "REAPED" and rec["outcome"] == "cancelled", (w.stderr, w.stdout[:300])
             assert any("record.json" in n for n in rec["notes"]), rec["notes"]
         finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-            kill_holders(v.token)
+            end_started(p, v.token)
         assert holders(v.token) == []
 
 
@@ -151,10 +148,7 @@ def test_root_worker_forging_a_reaped_record_then_orphaned_is_still_stopped_by_c
         assert still == [], f"cancel said {c.stdout.strip()[-200:]!r} with {still} alive"
         assert c.returncode == 0 and json.loads(c.stdout)["effect"] == "cancelled", (c.stdout, c.stderr)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
-        kill_holders(box.token)
+        end_started(p, box.token)
         _remove_v1_of("rf")
     assert holders(box.token) == []
 
@@ -191,10 +185,7 @@ def test_own_worker_forging_a_reaped_record_then_orphaned_does_not_end_contain_w
             w = v.contain("wait", "fw", timeout=30)
             assert w.returncode == 0 and "REAPED" in w.stdout, (w.stdout, w.stderr)
         finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-            kill_holders(v.token)
+            end_started(p, v.token)
         assert holders(v.token) == []
 
 
@@ -414,10 +405,7 @@ def test_own_worker_replacing_run_json_with_a_fifo_cannot_make_its_run_deaf_to_c
             still = holders(v.token)
             assert still == [], f"cancel exited {c.returncode} ({c.stdout.strip()} {c.stderr.strip()}) with {still} alive"
         finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-            kill_holders(v.token)
+            end_started(p, v.token)
         assert holders(v.token) == []
 
 
@@ -455,10 +443,7 @@ def test_own_worker_cannot_reach_the_state_directory():
         try:
             out, err = p.communicate(timeout=60)
         finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-            kill_holders(v.token)
+            end_started(p, v.token)
         assert p.returncode == 0, err
         seen = json.loads(out)
         assert "ok" not in seen.values() and seen["state_dir"] == [], seen
