@@ -244,9 +244,10 @@ class RunDir(RunDirBase):
         fd = self.dir_fd(write=True)
         try:
             st = F.replace_file(fd, "record.json", data, self.file("record.json"), mode=FILE_MODE, durable=durable)
-            if isinstance(rec, dict):
-                # What `ls` shows of it, beside it (a hint: never fsynced,
-                # believed only while it names this very record.json).
+            if isinstance(rec, dict) and durable:
+                # What `ls` shows of a final record, beside it (a hint: never
+                # fsynced, believed only while it names this very
+                # record.json; a live run's is read whole, there are few).
                 try:
                     F.replace_file(fd, SUMMARY, encode(record_summary(rec, st)), self.file(SUMMARY), mode=FILE_MODE)
                 except OSError:

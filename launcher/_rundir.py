@@ -289,27 +289,17 @@ class RunDirBase:
     def owner_among(self, locked: frozenset[tuple[int, int, int]]) -> bool | None:
         """owner() for a listing: whether the owner lock is among the files
         `locked` names (_ofdlock.write_locked, read once for every run):
-        one lstat, through the directory `opened()` holds, where owner()
-        opens the lock; nothing at all when no OFD write lock is held
-        anywhere. None when that cannot be told."""
+        one lstat (stat_file) where owner() opens the lock; nothing at all
+        when no OFD write lock is held anywhere. None when that cannot be
+        told."""
         if not locked:
             return False
-        with self._mu:
-            fd, own = self._fd, False
-            if fd < 0:
-                try:
-                    fd, own = self._open_fd(False), True
-                except (OSError, UnsafePath):
-                    return None
-            try:
-                st = os.stat("owner.lock", dir_fd=fd, follow_symlinks=False)
-            except FileNotFoundError:
-                return False
-            except OSError:
-                return None
-            finally:
-                if own:
-                    os.close(fd)
+        try:
+            st = self.stat_file("owner.lock")
+        except (OSError, UnsafePath):
+            return None
+        if st is None:
+            return False
         if not stat.S_ISREG(st.st_mode):
             return None
         return (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in locked

@@ -38,7 +38,7 @@ MAX_RUN_INFO = MAX_RECORD
 
 # summary.json: what a listing shows of record.json, and which record.json
 # it was made from ("of": its inode, size and mtime in ns). Written after
-# each record by its writer; believed only while it names the record.json
+# each final record by its writer; believed only while it names the record.json
 # there (_layout.RunDir.load_record), so a stale or missing one costs a
 # full read, never a wrong line.
 SUMMARY = "summary.json"
