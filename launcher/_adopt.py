@@ -209,7 +209,7 @@ def take_over(layout: RunDir, op: str, vouched: str | None = None) -> CancelReco
     try:
         run.turn()                      # apply the inbox (this op included) and act
         if was_terminal:
-            run.inbox.settle(run.snap)  # the previous owner may have died between record and acks
+            run.inbox.settle(run.snap, emptied=run.facts.observed("container_empty"))  # the previous owner may have died between record and acks
             run.close()                 # one result: an ended run's record is left as it is
         elif att.unattached is not None:
             # Nothing here may be signalled: the stop is UNCONFIRMED with the

@@ -170,11 +170,11 @@ class Inbox:
                    outcome=None if snap.outcome is None else snap.outcome.value)
         self.write(arrival.op, ack, durable=snap.terminal)
 
-    def settle(self, snap: S.Snapshot) -> None:
+    def settle(self, snap: S.Snapshot, *, emptied: bool = False) -> None:
         if self.layout is None:
             return
         for op, ack in list(self.ops.items()):
-            eff = S.effect_at_end(S.Effect(ack["effect"]), snap)
+            eff = S.effect_at_end(S.Effect(ack["effect"]), snap, emptied=emptied)
             if eff.value != ack["effect"] or ack.get("state") != snap.state.value:
                 ack = dict(ack, effect=eff.value, state=snap.state.value, settled_at=now_iso(),
                            outcome=None if snap.outcome is None else snap.outcome.value)

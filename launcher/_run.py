@@ -326,7 +326,7 @@ class Run:
             if self.stats_error is not None:     # said in the record too (a library caller sees no stderr)
                 self.facts.notes.append(self.stats_error)
                 rec = self.publish()
-        self.inbox.settle(self.snap)
+        self.inbox.settle(self.snap, emptied=self.facts.observed("container_empty"))
         self.journal("ended" if terminal else "unconfirmed", state=self.snap.state.value)
         if self.layout is not None:
             self.layout.release()

@@ -189,14 +189,19 @@ def effect_on_arrival(before: Snapshot) -> Effect:
     return Effect.NOT_LIVE
 
 
-def effect_at_end(first: Effect, final: Snapshot) -> Effect:
-    """The settled effect of an operation once the run is `final`."""
-    if first is not Effect.CANCEL_REQUESTED:
+def effect_at_end(first: Effect, final: Snapshot, *, emptied: bool = False) -> Effect:
+    """The settled effect of an operation once the run is `final`.
+    `emptied`: the run's container was observed empty (its container_empty
+    layer is true). CONTRACT.md: `cancelled` is "this operation's stop ended
+    the run and the container was observed empty", which REAPED implies,
+    and an EXITED run whose cgroup emptied also says (a member could have
+    left it unseen: the state says that, the effect does not need to)."""
+    if first is not Effect.CANCEL_REQUESTED or final.outcome is not Outcome.CANCELLED:
         return first
-    if final.phase is Phase.REAPED and final.outcome is Outcome.CANCELLED:
+    if final.phase is Phase.REAPED or (final.phase is Phase.EXITED and emptied):
         return Effect.CANCELLED
-    # Still stopping, or ended without an observed-empty kernel container
-    # (degraded mode, a breach): the stop was issued, not proven.
+    # Still stopping, or ended without an observed-empty container (degraded
+    # mode, a breach): the stop was issued, not proven.
     return Effect.CANCEL_REQUESTED
 
 

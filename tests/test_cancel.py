@@ -77,6 +77,27 @@ def test_cancel_without_wait_acknowledges_cancel_requested(box):
     assert holders(box.token) == []
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="a root worker with no wall and no ledger needs root")
+def test_cancel_that_emptied_a_cgroup_a_member_could_have_left_is_cancelled(box):
+    """CONTRACT.md: `cancelled` is "this operation's stop ended the run and
+    the container was observed empty". A root worker with no wall and no
+    ledger ends EXITED (a member could have left its cgroup unseen), but its
+    cgroup was observed empty: the effect stayed `cancel_requested`, which
+    reads as a stop still under way once it is over."""
+    env = dict(box.env, CONTAIN_LEDGER="off")
+    proc = subprocess.Popen(contain_cmd("run", "--id", "r", "--no-pidns", "--", "sh", "-c", TREE),
+                            env=env, stderr=subprocess.PIPE, text=True)
+    assert len(wait_holders(box.token, 3)) >= 3, "workload did not start"
+    rc, ack = cancel(box, "r", "--op-id", "a", "--wait")
+    assert proc.wait(30) == 128 + signal.SIGTERM
+    rec = box.record("r")
+    assert (rec["state"], rec["outcome"]) == ("EXITED", "cancelled"), rec["state"]
+    assert rec["evidence"]["container_empty"]["observed"] is True
+    assert rec["evidence"]["descendants_exit"]["observed"] is None
+    assert ack["effect"] == "cancelled" and box.ack("r", "a")["effect"] == "cancelled", ack
+    assert holders(box.token) == []
+
+
 def test_cancel_after_the_end_is_not_live(box):
     assert run_contain(box.env, "run", "--id", "r", "--", "sh", "-c", "exit 3").returncode == 3
     before = box.record("r")
