@@ -61,6 +61,11 @@ def _run_info(layout: RunDir, rec: dict[str, Any], notes: list[str]) -> dict[str
         return info
     facts, source = trusted_facts(layout.path, {}, acting=True)
     if facts is None or source != "tag":
+        if info is None and layout.load_run() is None and not rec:
+            # The owner describes the run (run.json and its tag) before the
+            # spawn: killed before that, it started nothing.
+            raise LauncherError(f"run {layout.id} never started: its supervisor died before the spawn "
+                                "(no run.json, no record); `contain gc` removes it and any cgroup it left")
         raise LauncherError(f"run {layout.id}: run.json unreadable")
     notes.append("run.json unreadable: adopted from the run's tag (the run's own v1 cgroups, if any, "
                  "are not known and are left)")

@@ -23,8 +23,9 @@ from ._options import user_account
 from ._policy import policy_env
 
 
-def make_container(run_id: str, opts: Options) -> Any:
-    """The strongest container the options and the host allow. Policy
+def make_container(run_id: str, opts: Options, uid: str | None = None) -> Any:
+    """The strongest container the options and the host allow (its cgroup
+    named from the run uid, `uid`: _runcgroups.run_cgroup_name). Policy
     (CONTAIN_BACKEND, CONTAIN_CGROUP_BASE, the lead of a nested run) comes
     from the supervisor's own environment, never from the worker's `env=`:
     a job must not choose its own containment or join another run."""
@@ -44,7 +45,7 @@ def make_container(run_id: str, opts: Options) -> Any:
 
         parent = opts.parent_cgroup or inherited_parent(env)
         try:
-            return linux.Container.create(run_id, env, parent_dir=parent)
+            return linux.Container.create(run_id, env, parent_dir=parent, uid=uid)
         except ContainmentUnavailable as e:
             # A base the caller named is a choice, not a hint: when it cannot
             # be used the run fails (125) rather than run with less.

@@ -42,7 +42,7 @@ BATCH = 256
 
 
 class Entry:
-    __slots__ = ("name", "kind", "mtime", "status", "ended_at")
+    __slots__ = ("name", "kind", "mtime", "status", "ended_at", "stray_uid")
 
     def __init__(self, name: str, kind: str, mtime: float) -> None:
         self.name = name
@@ -50,6 +50,7 @@ class Entry:
         self.mtime = mtime
         self.status = ""          # ended, live, unreadable (after examine)
         self.ended_at = mtime
+        self.stray_uid: str | None = None     # never described: its cgroups go too (_strays.remove_strays)
 
     def __repr__(self) -> str:
         return f"Entry({self.name!r}, {self.kind}, {self.status})"
@@ -141,8 +142,12 @@ def _status(st: StateDir, e: Entry, now: float) -> str:
             try:
                 os.stat("run.json", dir_fd=fd, follow_symlinks=False)
             except FileNotFoundError:
-                # Claimed, never described, owner gone: nothing ever ran.
-                return "ended" if now - e.mtime > CLAIM_STALE_S else "live"
+                # Claimed, never described, owner gone: nothing ever ran,
+                # but the cgroups it made before it was killed may be left.
+                if now - e.mtime <= CLAIM_STALE_S:
+                    return "live"
+                e.stray_uid = _claimed_uid(fd)
+                return "ended"
             except OSError:
                 return "unreadable"
             return "live"      # an orphan before its first record: `contain cancel` adopts it
@@ -160,6 +165,37 @@ def _status(st: StateDir, e: Entry, now: float) -> str:
         return "ended"
     finally:
         os.close(fd)
+
+
+def _claimed_uid(fd: int) -> str | None:
+    """The run uid of the journal's first line (`claimed`), if it says one."""
+    try:
+        j = os.open("journal.ndjson", F.O_READ, dir_fd=fd)
+    except OSError:
+        return None
+    try:
+        first = os.read(j, 512).split(b"\n", 1)[0]
+    except OSError:
+        return None
+    finally:
+        os.close(j)
+    try:
+        line = loads(first, "journal.ndjson")
+    except ValueError:
+        return None
+    uid = line.get("run_uid") if isinstance(line, dict) and line.get("event") == "claimed" else None
+    return uid if isinstance(uid, str) and len(uid) == 16 else None
+
+
+def _drop_strays(e: Entry) -> bool:
+    """Remove the cgroups of a run that was never described (its
+    supervisor killed between the claim and its first run.json). False when
+    one holds a process: then it did not "never run", and it is kept."""
+    if e.kind != "run" or e.stray_uid is None:
+        return True
+    from ._strays import remove_strays
+
+    return remove_strays(e.name, e.stray_uid) is None
 
 
 def _set_aside(st: StateDir, e: Entry) -> str | None:
@@ -183,11 +219,12 @@ def _remove(st: StateDir, chosen: list[Entry], now: float, result: GcResult) -> 
         guard = claim_lock(st)
         try:
             for e in chosen[i:i + BATCH]:
-                if examine(st, e, now) != "ended":
-                    if e.status == "live":
-                        result.live += 1
+                if examine(st, e, now) != "ended" or not _drop_strays(e):
+                    if e.status != "ended":
+                        result.live += e.status == "live"
+                        result.unreadable += e.status != "live"
                     else:
-                        result.unreadable += 1
+                        result.live += 1          # its cgroup holds a process: not over
                     continue
                 tmp = _set_aside(st, e)
                 if tmp is None:
@@ -256,7 +293,7 @@ def auto_prune(st: StateDir, keep: int, count: int | None) -> GcResult:
     for e in all_entries:
         if len(doomed) >= excess:
             break
-        if examine(st, e, now) != "ended":
+        if examine(st, e, now) != "ended" or not _drop_strays(e):
             continue
         tmp = _set_aside(st, e)
         if tmp is not None:

@@ -94,8 +94,8 @@ def _start(run: Run) -> None:
     assert layout is not None
     run.journal("claimed", run_uid=run.uid)
     try:
-        run.set_container(make_container(run.id, run.opts))
-        run.usage.create(run.container, run.id)
+        run.set_container(make_container(run.id, run.opts, run.uid))
+        run.usage.create(run.container, run.id, run.uid)
     except ContainmentUnavailable as e:
         spawn_failed(run, e)
         raise

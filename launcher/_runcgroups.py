@@ -16,7 +16,15 @@ from ._errors import ContainmentUnavailable
 from ._limits import Limits
 from ._procfs import cgroups_of, read_stat
 
-_RUN_NAME = re.compile(r"^(run|sub)-[A-Za-z0-9._-]{1,128}-[0-9a-f]{8}$")
+RUN_NAME = re.compile(r"^(run|sub)-[A-Za-z0-9._-]{1,128}-[0-9a-f]{8}$")
+
+
+def run_cgroup_name(run_id: str, uid: str | None) -> str:
+    """`run-<id>-<first 8 hex digits of the run uid>`: the v2 directory's
+    name (linux.Container.create), and the v1 cgroups' beside it."""
+    from ._platform.cgroups import run_suffix
+
+    return f"run-{run_id}-{run_suffix(uid)}"
 
 
 def _write(path: str, value: str) -> None:
@@ -77,7 +85,7 @@ class RunCgroups:
         ContainmentUnavailable says why (the CLI's 125)."""
         env = os.environ if env is None else env
         limits = limits or Limits()
-        if not _RUN_NAME.match(name):
+        if not RUN_NAME.match(name):
             raise ValueError(f"not a run cgroup name: {name!r}")
         v2_base = os.path.dirname(v2_dir) if v2_dir else None
         routes = plan(limits, v2_base=v2_base, env=env, hierarchies=hierarchies)
@@ -407,7 +415,7 @@ class RunCgroups:
         refused with ValueError, so a forged file cannot make us read or
         remove another cgroup."""
         name = desc.get("name")
-        if not isinstance(name, str) or not _RUN_NAME.match(name):
+        if not isinstance(name, str) or not RUN_NAME.match(name):
             raise ValueError("run cgroups: no valid name")
         if v2_dir is not None and os.path.basename(v2_dir) != name:
             raise ValueError(f"run cgroups: {name} does not match the v2 directory {v2_dir}")

@@ -38,7 +38,7 @@ class RunUsage:
         self.worker_pid = -1
         self.placement: dict[str, Any] | None = None
 
-    def create(self, container: Any, run_id: str) -> None:
+    def create(self, container: Any, run_id: str, uid: str | None = None) -> None:
         """Raises ContainmentUnavailable when a limit cannot be applied (the
         run then fails with 125, never runs unlimited)."""
         from ._errors import ContainmentUnavailable
@@ -51,10 +51,10 @@ class RunUsage:
                                              "Job Object was made without them")
             self.problem = "no cgroups on Windows: the Job Object's own accounting is read"
             return
-        from ._runcgroups import RunCgroups
+        from ._runcgroups import RunCgroups, run_cgroup_name
 
         v2_dir = getattr(container, "dir", None) if container.backend == "cgroup2" else None
-        name = os.path.basename(v2_dir) if v2_dir else f"run-{run_id}-{os.urandom(4).hex()}"
+        name = os.path.basename(v2_dir) if v2_dir else run_cgroup_name(run_id, uid)
         try:
             self.cgroups = RunCgroups.create(name, self.limits, v2_dir=v2_dir, env=os.environ)
         except ContainmentUnavailable:

@@ -118,6 +118,16 @@ def writable_procs_above(uid: int, gids: list[int] | tuple[int, ...], run_dir: s
         d = parent
 
 
+def run_suffix(uid: str | None) -> str:
+    """The last part of a run's cgroup name: the run uid's first 8 hex
+    digits (so that the cgroups of a supervisor killed before it tagged them
+    can be found from its journal), else 8 random ones."""
+    u = (uid or "")[:8]
+    if len(u) == 8 and all(ch in "0123456789abcdef" for ch in u):
+        return u
+    return os.urandom(4).hex()
+
+
 def _writable_dir(path: str) -> bool:
     return os.access(path, os.W_OK | os.X_OK) and os.access(os.path.join(path, "cgroup.procs"), os.W_OK)
 

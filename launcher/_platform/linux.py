@@ -26,7 +26,7 @@ from .._errors import ContainmentUnavailable, SpawnFailed
 from .._procfs import cgroup_of
 from . import pidwall, posix, sealing
 from .cgroups import (Hierarchy, hierarchies, identify, kill_by_freezing, remove_made, resolve_base,
-                      writable_procs_above)
+                      run_suffix, writable_procs_above)
 from .exits import signal_name
 from .posixwait import Root
 
@@ -68,7 +68,7 @@ class Container:
 
     @classmethod
     def create(cls, run_id: str, env: dict[str, str] | os._Environ[str] = os.environ,
-               parent_dir: str | None = None) -> "Container":
+               parent_dir: str | None = None, uid: str | None = None) -> "Container":
         made: list[str] = []      # base directories this run made (removed with it)
         if parent_dir is not None:
             h = next((x for x in hierarchies() if parent_dir.startswith(x.mount.rstrip("/") + "/")), None)
@@ -78,8 +78,12 @@ class Container:
         else:
             h, base = resolve_base(env, made)
         prefix = "sub" if parent_dir is not None else "run"
-        for _ in range(8):
-            c = cls(h, base, f"{prefix}-{run_id}-{os.urandom(4).hex()}")
+        for attempt in range(8):
+            # Named from the run uid (journaled at the claim, before this):
+            # what a supervisor killed before it could tag the cgroup leaves
+            # is found by name and removed (_gc, _strays.remove_strays).
+            suffix = run_suffix(uid) if attempt == 0 else os.urandom(4).hex()
+            c = cls(h, base, f"{prefix}-{run_id}-{suffix}")
             c.run_id = run_id
             c._made = made
             try:
