@@ -156,7 +156,7 @@ def _say(msg: str) -> None:
 
 
 def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
-    from ._adopt import finish_nested
+    from ._leadend import end_hook
     from ._errors import ContainmentUnavailable, RunConflict, SpawnFailed
     from ._launch import caller_ignored
     from ._options import Options
@@ -194,7 +194,7 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
                        check_locks=args.check_locks, stats_json=args.stats_json,
                        notify=None if quiet else _say_weaker)
         run = Run(cmd, id=args.id, options=opts)
-        run.end_hooks.append(finish_nested)
+        run.end_hooks.append(end_hook)
     except ValueError as e:
         _say(f"run: {e}")
         return EXIT_USAGE

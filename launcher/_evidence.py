@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ._state import Snapshot
 
 from . import _nested
-from ._identity import ProcessIdentity, boot_id, pidns_inode
+from ._identity import ProcessIdentity, boot_id, own_identity, own_pidns
 from ._record import LAYERS, SCHEMA, evidence, not_measured, now_iso
 from ._redispatch import redispatch_eligible
 from ._tags import RUN_TAG, RunTag, prefix as tag_prefix
@@ -111,7 +111,7 @@ class RunEvidence:
                 if getattr(sp, "init_ns", None):
                     self.identity.pidns = sp.init_ns
                 elif getattr(sp, "wall", None) is None and sys.platform != "win32":
-                    self.identity.pidns = pidns_inode(os.getpid())
+                    self.identity.pidns = own_pidns()
         except OSError as e:
             start = getattr(sp, "start_time", None)
             if start:
@@ -144,7 +144,7 @@ class RunEvidence:
             "run_id": run.id, "run_uid": run.uid, "argv": run.argv,
             "started_at": self.times["spawned_at"],
             "worker": ident.to_dict() if ident else ({"pid": run.pid} if run.pid > 0 else None),
-            "supervisor": ProcessIdentity.read(os.getpid()).to_dict(),
+            "supervisor": own_identity(),
             "backend": c.backend, "cgroup": c.path, "cgroup_dir": getattr(c, "dir", None),
             "spawn_via": via, "state_dir": run.layout.path if run.layout else None,
             "boot_id": boot_id(), "grace": run.opts.grace, "kill_timeout": run.opts.kill_timeout,

@@ -58,6 +58,30 @@ def pidns_inode(pid: int) -> int | None:
         return None
 
 
+_own: tuple[int, int | None, dict[str, Any]] | None = None
+
+
+def own_pidns() -> int | None:
+    """This process's PID-namespace inode (a process never changes its own:
+    unshare and setns change its children's), read once per pid."""
+    return _own_facts()[1]
+
+
+def own_identity() -> dict[str, Any]:
+    """This process's ProcessIdentity.to_dict(), read once per pid: run.json
+    names its supervisor three times a run."""
+    return dict(_own_facts()[2])
+
+
+def _own_facts() -> tuple[int, int | None, dict[str, Any]]:
+    global _own
+    pid = os.getpid()
+    if _own is None or _own[0] != pid:       # a fork's child is another process
+        ident = ProcessIdentity.read(pid)
+        _own = (pid, ident.pidns, ident.to_dict())
+    return _own
+
+
 class ProcessIdentity:
     __slots__ = ("pid", "start_time", "boot_id", "pidns", "pidfd_inode")
 

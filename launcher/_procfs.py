@@ -148,7 +148,17 @@ def _unescape(field: str) -> str:
     return field.encode().decode("unicode_escape") if "\\" in field else field
 
 
+_parsed: tuple[str, list[Mount]] | None = None
+
+
 def parse_mountinfo(text: str) -> list[Mount]:
+    """The mounts of a mountinfo text. The last text's parse is kept: a
+    run reads /proc/self/mountinfo twice (cgroup v2, then v1), and the same
+    text parses the same (a changed one is parsed again)."""
+    global _parsed
+    last = _parsed
+    if last is not None and last[0] == text:
+        return list(last[1])
     out = []
     for line in text.split("\n"):
         left, sep, right = line.partition(" - ")
@@ -157,7 +167,8 @@ def parse_mountinfo(text: str) -> list[Mount]:
             continue
         out.append(Mount(_unescape(lf[4]), _unescape(lf[3]), rf[0], tuple(lf[5].split(",")),
                          tuple(rf[2].split(",")) if len(rf) > 2 else ()))
-    return out
+    _parsed = (text, out)
+    return list(out)
 
 
 def mounts() -> list[Mount]:

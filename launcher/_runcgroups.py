@@ -19,14 +19,6 @@ from ._procfs import cgroups_of, read_stat
 RUN_NAME = re.compile(r"^(run|sub)-[A-Za-z0-9._-]{1,128}-[0-9a-f]{8}$")
 
 
-def run_cgroup_name(run_id: str, uid: str | None) -> str:
-    """`run-<id>-<first 8 hex digits of the run uid>`: the v2 directory's
-    name (linux.Container.create), and the v1 cgroups' beside it."""
-    from ._platform.cgroups import run_suffix
-
-    return f"run-{run_id}-{run_suffix(uid)}"
-
-
 def _write(path: str, value: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
@@ -71,6 +63,7 @@ class RunCgroups:
         self.v1: dict[str, str] = {}          # hierarchy name -> fs dir of our cgroup
         self.v1_hier: dict[str, V1Hierarchy] = {}
         self.made: list[str] = []             # v1 dirs created here (removed by remove())
+        self._described: tuple[Any, dict[str, Any]] | None = None
         self.applied: dict[str, Any] = {}
         self.notes: list[str] = []
         self._fds: list[int] = []
@@ -397,14 +390,18 @@ class RunCgroups:
 
     def describe(self) -> dict[str, Any]:
         """What an adopter needs to read and remove these cgroups later (the
-        run info), and what the record's containment says about them."""
-        return {
-            "name": self.name,
-            "v1": {name: {"mount": self.v1_hier[name].mount, "root": self.v1_hier[name].root,
-                          "cgroup": self.v1_hier[name].cg_path(d), "dir": d,
-                          "created": d in self.made} for name, d in sorted(self.v1.items())},
-            "controllers": {c: r.to_dict() for c, r in sorted(self.routes.items())},
-        }
+        run info), and what the record's containment says about them. Made
+        once per state of the cgroups (run.json has it thrice); read-only."""
+        key = (tuple(self.v1.items()), tuple(self.made), tuple((c, r.kind, r.hierarchy, r.reason, r.note)
+                                                               for c, r in self.routes.items()))
+        if self._described is None or self._described[0] != key:
+            self._described = (key, {
+                "name": self.name,
+                "v1": {name: {"mount": self.v1_hier[name].mount, "root": self.v1_hier[name].root,
+                              "cgroup": self.v1_hier[name].cg_path(d), "dir": d,
+                              "created": d in self.made} for name, d in sorted(self.v1.items())},
+                "controllers": {c: r.to_dict() for c, r in sorted(self.routes.items())}})
+        return self._described[1]
 
     @classmethod
     def attach(cls, desc: Mapping[str, Any], *, v2_dir: str | None) -> "RunCgroups":

@@ -15,7 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import threading
+import _thread
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import Iterator, TypeVar
@@ -59,7 +59,7 @@ class RunDirBase:
         self.cancellations = self.path + "/cancellations"
         self.requests = self.cancellations + "/requests.ndjson"
         self._state = _state
-        self._mu = threading.RLock()
+        self._mu = _thread.RLock()
         self._lock_fd = -1
         self._fd = -1           # held while owning
         self._cfd = -1

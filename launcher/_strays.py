@@ -15,7 +15,7 @@ def remove_strays(run_id: str, uid: str) -> str | None:
     """Remove the cgroups a run's supervisor made and never described: it
     was killed after its claim and before its run.json named them (_gc
     removes such a run's directory a minute later). They are found by name
-    (_runcgroups.run_cgroup_name, from the uid its journal gives), where this process's
+    (cgroups.run_cgroup_name, from the uid its journal gives), where this process's
     policy would put them, and only removed while empty: nothing was ever
     started in them. A cgroup that holds a process is left, and the reason
     returned (then the run is not one that never started)."""

@@ -51,7 +51,8 @@ class RunUsage:
                                              "Job Object was made without them")
             self.problem = "no cgroups on Windows: the Job Object's own accounting is read"
             return
-        from ._runcgroups import RunCgroups, run_cgroup_name
+        from ._platform.cgroups import run_cgroup_name
+        from ._runcgroups import RunCgroups
 
         v2_dir = getattr(container, "dir", None) if container.backend == "cgroup2" else None
         name = os.path.basename(v2_dir) if v2_dir else run_cgroup_name(run_id, uid)

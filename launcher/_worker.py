@@ -21,7 +21,7 @@ from ._args import check_optional_seconds, wait_event
 from ._errors import LauncherError
 from ._layout import op_id_or_new
 from ._record import CancelRecord, StopRecord, now_iso
-from ._adopt import finish_nested
+from ._leadend import end_hook
 from ._handle import RunHandle
 from ._options import DEFAULT_GRACE, Options
 from ._run import Run
@@ -66,7 +66,7 @@ def start_run(argv: Sequence[str], *, id: str | None, grace: float, timeout: flo
         if "stdio" not in options:
             options = dict(options, stdio=st.child)
         run = Run(argv, id=id, options=Options(grace=grace, timeout=timeout, backend=backend, **options))
-        run.end_hooks.append(finish_nested)
+        run.end_hooks.append(end_hook)
         if track is not None:
             track(run)
         run.start()

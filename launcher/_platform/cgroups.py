@@ -128,6 +128,12 @@ def run_suffix(uid: str | None) -> str:
     return os.urandom(4).hex()
 
 
+def run_cgroup_name(run_id: str, uid: str | None) -> str:
+    """`run-<id>-<run_suffix(uid)>`: the v2 directory's name
+    (linux.Container.create), and the run's v1 cgroups' beside it."""
+    return f"run-{run_id}-{run_suffix(uid)}"
+
+
 def _writable_dir(path: str) -> bool:
     return os.access(path, os.W_OK | os.X_OK) and os.access(os.path.join(path, "cgroup.procs"), os.W_OK)
 

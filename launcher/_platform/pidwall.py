@@ -65,7 +65,7 @@ def describe_init(init_pid: int, userns: str | None) -> dict[str, Any]:
     """PidWall.describe() of a wall whose init has just been cloned (our
     unreaped child: its pid and start time cannot name another process),
     before it does anything for the worker (SpawnRequest.on_init)."""
-    from .._identity import pidns_inode
+    from .._identity import own_pidns
     from .._procfs import read_stat
 
     st = read_stat(init_pid)
@@ -74,7 +74,7 @@ def describe_init(init_pid: int, userns: str | None) -> dict[str, Any]:
     except OSError:
         inode = None
     return {"kind": "pidns", "init": {"pid": init_pid, "start_time": st[4] if st else None}, "inode": inode,
-            "userns": userns, "counted_in": pidns_inode(os.getpid())}
+            "userns": userns, "counted_in": own_pidns()}
 
 
 class PidWall:
@@ -100,10 +100,10 @@ class PidWall:
     def describe(self) -> dict[str, Any]:
         """What run.json records, for an adopter: the init's identity and
         the namespace it was counted in."""
-        from .._identity import pidns_inode
+        from .._identity import own_pidns
 
         return {"kind": "pidns", "init": self.init_identity, "inode": self.inode, "userns": self.userns,
-                "counted_in": pidns_inode(os.getpid())}
+                "counted_in": own_pidns()}
 
     def root(self, sp: Spawned) -> WallRoot:
         return WallRoot(self.init, sp.pid, sp.pidfd)
@@ -178,14 +178,14 @@ def adopt(desc: dict[str, Any]) -> tuple["PidWall | None", bool, str | None]:
     gone, so the namespace is empty; or why it cannot be told). A pid only
     means something in the namespace it was read in: an adopter in another
     one cannot tell a gone init from one it cannot see, and says so."""
-    from .._identity import pidns_inode
+    from .._identity import own_pidns, pidns_inode
 
     raw = desc.get("init")
     ident: dict[str, Any] = raw if isinstance(raw, dict) else {}
     pid, start = ident.get("pid"), ident.get("start_time")
     if not isinstance(pid, int) or not isinstance(start, int) or pid <= 0:
         return None, False, "the wall's init was not recorded: whether the namespace is empty cannot be told"
-    if pidns_inode(os.getpid()) != desc.get("counted_in"):
+    if own_pidns() != desc.get("counted_in"):
         return None, False, ("the wall's init was recorded in another PID namespace than this adopter's: "
                              "whether it is gone cannot be told from here")
     try:
@@ -201,7 +201,7 @@ def adopt(desc: dict[str, Any]) -> tuple["PidWall | None", bool, str | None]:
     from .._procfs import read_nspid
 
     ns, nspid = pidns_inode(pid), read_nspid(pid)
-    if (ns is None or ns != desc.get("inode") or ns == pidns_inode(os.getpid()) or nspid is None
+    if (ns is None or ns != desc.get("inode") or ns == own_pidns() or nspid is None
             or len(nspid) < 2 or nspid[-1] != 1):
         init.close()
         return None, False, (f"the wall's init as tagged (pid {pid}) is not pid 1 of the recorded PID namespace: "
