@@ -63,9 +63,13 @@ def _run_info(layout: RunDir, rec: dict[str, Any], notes: list[str]) -> dict[str
     if facts is None or source != "tag":
         if info is None and layout.load_run() is None and not rec:
             # The owner describes the run (run.json and its tag) before the
-            # spawn: killed before that, it started nothing.
+            # spawn: killed before that, it started nothing. Its cgroups go
+            # now (the caller holds the owner lock), its directory with gc.
+            held = _drop_strays(layout)
+            if held is not None:
+                raise LauncherError(f"run {layout.id}: no run.json and no record, but {held}: nothing to act on")
             raise LauncherError(f"run {layout.id} never started: its supervisor died before the spawn "
-                                "(no run.json, no record); `contain gc` removes it and any cgroup it left")
+                                "(no run.json, no record); `contain gc` removes it")
         raise LauncherError(f"run {layout.id}: run.json unreadable")
     notes.append("run.json unreadable: adopted from the run's tag (the run's own v1 cgroups, if any, "
                  "are not known and are left)")
@@ -74,6 +78,22 @@ def _run_info(layout: RunDir, rec: dict[str, Any], notes: list[str]) -> dict[str
             "argv": argv if isinstance(argv, list) and argv else ["?"], "cgroup_identity": facts.get("cgroup"),
             "worker": facts.get("worker"), "boot_id": facts.get("boot_id"), "wall": facts.get("wall"),
             "pgid": facts.get("pgid")}
+
+
+def _drop_strays(layout: RunDir) -> str | None:
+    """Remove the cgroups of a run that never started (_strays); None, or
+    why one was left (it holds a process: then it is not that run)."""
+    from ._strays import claimed_uid, remove_strays
+
+    try:
+        fd = layout.dir_fd()
+    except OSError:
+        return None
+    try:
+        uid = claimed_uid(fd)
+    finally:
+        os.close(fd)
+    return remove_strays(layout.id, uid) if uid is not None else None
 
 
 def _take_record_file(r: Run, path: Any, notes: list[str]) -> None:

@@ -146,7 +146,9 @@ def _status(st: StateDir, e: Entry, now: float) -> str:
                 # but the cgroups it made before it was killed may be left.
                 if now - e.mtime <= CLAIM_STALE_S:
                     return "live"
-                e.stray_uid = _claimed_uid(fd)
+                from ._strays import claimed_uid        # rare: not loaded for every claim's prune
+
+                e.stray_uid = claimed_uid(fd)
                 return "ended"
             except OSError:
                 return "unreadable"
@@ -165,26 +167,6 @@ def _status(st: StateDir, e: Entry, now: float) -> str:
         return "ended"
     finally:
         os.close(fd)
-
-
-def _claimed_uid(fd: int) -> str | None:
-    """The run uid of the journal's first line (`claimed`), if it says one."""
-    try:
-        j = os.open("journal.ndjson", F.O_READ, dir_fd=fd)
-    except OSError:
-        return None
-    try:
-        first = os.read(j, 512).split(b"\n", 1)[0]
-    except OSError:
-        return None
-    finally:
-        os.close(j)
-    try:
-        line = loads(first, "journal.ndjson")
-    except ValueError:
-        return None
-    uid = line.get("run_uid") if isinstance(line, dict) and line.get("event") == "claimed" else None
-    return uid if isinstance(uid, str) and len(uid) == 16 else None
 
 
 def _drop_strays(e: Entry) -> bool:

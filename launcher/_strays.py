@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 
+from . import _safefs as F
 from ._controllers import read_file, v1_base_for, v1_hierarchies
 from ._procfs import cgroups_of
 from ._runcgroups import RUN_NAME
+from ._runfiles import loads
 
 
 def remove_strays(run_id: str, uid: str) -> str | None:
@@ -53,3 +55,22 @@ def remove_strays(run_id: str, uid: str) -> str | None:
             return f"{d}: {os.strerror(e.errno or 0)}"
     return None
 
+
+def claimed_uid(fd: int) -> str | None:
+    """The run uid of the journal's first line (`claimed`), if it says one."""
+    try:
+        j = os.open("journal.ndjson", F.O_READ, dir_fd=fd)
+    except OSError:
+        return None
+    try:
+        first = os.read(j, 512).split(b"\n", 1)[0]
+    except OSError:
+        return None
+    finally:
+        os.close(j)
+    try:
+        line = loads(first, "journal.ndjson")
+    except ValueError:
+        return None
+    uid = line.get("run_uid") if isinstance(line, dict) and line.get("event") == "claimed" else None
+    return uid if isinstance(uid, str) and len(uid) == 16 else None

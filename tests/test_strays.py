@@ -58,12 +58,13 @@ def age(box, run_id: str, seconds: float = 120.0) -> None:
     os.utime(os.path.join(box.state_dir, "runs", run_id), (t, t))
 
 
-def test_supervisor_killed_before_describing_its_run_leaves_no_cgroup_after_gc(box):
+def test_supervisor_killed_before_describing_its_run_leaves_no_cgroup_after_cancel_and_gc(box):
     uid = kill_after_claim(box, "k")
     left = strays(box, "k", uid)
     assert left, "the scaffold did not die after making the run's cgroups"
     p = run_contain(box.env, "cancel", "k", "--wait")
     assert "Traceback" not in p.stderr and "never started" in p.stderr, p.stderr
+    assert strays(box, "k", uid) == [], "cancel, the run's owner now, left the cgroups it found"
     age(box, "k")
     p = run_contain(box.env, "gc")
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
@@ -81,6 +82,8 @@ def test_a_stray_cgroup_that_holds_a_process_keeps_its_run(box):
     try:
         with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
             f.write(str(sleeper.pid))
+        p = run_contain(box.env, "cancel", "k", "--wait")
+        assert "Traceback" not in p.stderr and "holds processes" in p.stderr and "never started" not in p.stderr, p.stderr
         age(box, "k")
         p = run_contain(box.env, "gc")
         assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
