@@ -23,6 +23,7 @@ verified is UNCONFIRMED, never terminal. See docs/protocol.md.
 from __future__ import annotations
 
 import os
+import sys
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import Any
@@ -83,6 +84,8 @@ def _run_info(layout: RunDir, rec: dict[str, Any], notes: list[str]) -> dict[str
 def _drop_strays(layout: RunDir) -> str | None:
     """Remove the cgroups of a run that never started (_strays); None, or
     why one was left (it holds a process: then it is not that run)."""
+    if sys.platform == "win32":
+        return None                     # a Job Object dies with its last handle
     from ._strays import claimed_uid, remove_strays
 
     try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
@@ -173,8 +174,8 @@ def _drop_strays(e: Entry) -> bool:
     """Remove the cgroups of a run that was never described (its
     supervisor killed between the claim and its first run.json). False when
     one holds a process: then it did not "never run", and it is kept."""
-    if e.kind != "run" or e.stray_uid is None:
-        return True
+    if e.kind != "run" or e.stray_uid is None or sys.platform == "win32":
+        return True                     # (a Job Object dies with its last handle)
     from ._strays import remove_strays
 
     return remove_strays(e.name, e.stray_uid) is None
