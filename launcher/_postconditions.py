@@ -167,7 +167,7 @@ def _watch_tree(root: str, limit: int = 2000) -> int | None:
     mask = 0x2 | 0x4 | 0x8 | 0x40 | 0x80 | 0x100 | 0x200  # modify attrib close_write moved create delete
     n = 0
     for d, subdirs, _files in os.walk(root):
-        if lib.ct_inotify_watch(fd, d.encode(), mask) >= 0:
+        if lib.ct_inotify_watch(fd, os.fsencode(d), mask) >= 0:   # names need not be UTF-8
             n += 1
         if n >= limit:
             break

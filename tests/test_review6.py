@@ -1,0 +1,129 @@
+"""Adversarial review 6: layers and bounds that said more than was observed,
+driven through the CLI exactly as the contract describes it.
+
+Each test is named after the attack and failed on the code it was written
+against. Survival is decided by the test's own /proc scan (a token in the
+workload's environment), never by asking contain.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from _proc import contain_cmd, holders, run_contain
+from conftest import needs_cgroup
+
+pytestmark = needs_cgroup
+
+
+@pytest.mark.timeout(60)
+def test_worker_making_an_undecodable_directory_name_in_the_workspace_cannot_crash_contain(box, tmp_path):
+    # The worker owns its workspace: it made a directory whose name is not
+    # UTF-8. The workspace check crashed contain with a UnicodeEncodeError
+    # traceback (exit 1) before the final record: the run stayed RUNNING,
+    # orphaned, its cgroups left behind.
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    odd = os.fsencode(ws) + b"/\xff"
+    p = run_contain(box.env, "run", "--id", "u8", "--workspace", str(ws), "--", sys.executable, "-c",
+                    f"import os; os.mkdir({odd!r}); os.mkdir({odd + b'/x'!r})", cwd="/")
+    assert "Traceback" not in p.stderr, p.stderr
+    assert p.returncode == 0, p.stderr
+    rec = box.record("u8")
+    assert rec["state"] == "REAPED" and rec["cleanup"]["container_removed"] is True, rec["cleanup"]
+    assert rec["evidence"]["workspace_quiescent"]["observed"] is True, rec["evidence"]["workspace_quiescent"]
+    assert box.leaves() == []
+
+
+@pytest.mark.timeout(120)
+def test_writer_in_a_directory_beyond_the_watched_ones_does_not_leave_the_workspace_quiescent(box, tmp_path):
+    # "null means the observation could not be made ... never rewritten as
+    # true": the workspace check watches at most some thousands of
+    # directories. A process outside the run (holding nothing open there)
+    # kept creating and removing entries in a directory past that bound, all
+    # through the check's window, and the layer said observed true (and
+    # redispatch_eligible true).
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    for i in range(2100):
+        (ws / f"d{i:04d}").mkdir()
+    last = [d for d, _subdirs, _files in os.walk(ws)][-1]   # the order the check walks in
+    writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, time
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            os.mkdir({last!r} + "/x"); os.rmdir({last!r} + "/x"); time.sleep(0.001)
+    """)], cwd="/")
+    try:
+        p = run_contain(box.env, "run", "--id", "ws", "--workspace", str(ws), "--", "true", cwd="/")
+        assert p.returncode == 0, p.stderr
+        rec = box.record("ws")
+        layer = rec["evidence"]["workspace_quiescent"]
+        assert layer["observed"] is not True, layer
+        assert rec["evidence"]["redispatch_eligible"]["observed"] is not True
+    finally:
+        writer.kill()
+        writer.wait(10)
+
+
+_SOCKETS = {
+    "unbound-tcp": "socket.socket(socket.AF_INET, socket.SOCK_STREAM)",
+    "unbound-udp": "socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)",
+    "netlink": "socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0)",
+}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", sorted(_SOCKETS))
+def test_socket_sock_diag_cannot_list_handed_outside_is_not_called_closed(box, tmp_path, kind):
+    # A member holds a socket at the stop and has handed it to a process
+    # outside the run (SCM_RIGHTS). sock_diag lists only hashed TCP/UDP and
+    # unix sockets: an unbound inet socket or a netlink socket is not among
+    # them, so it read as closed (observed true) while the outside process
+    # still held it.
+    path = str(tmp_path / "handoff.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen()
+    srv.settimeout(30)
+    code = textwrap.dedent(f"""
+        import os, socket, time
+        s = {_SOCKETS[kind]}
+        u = socket.socket(socket.AF_UNIX); u.connect({path!r})
+        socket.send_fds(u, [b"x"], [s.fileno()])
+        u.recv(1)
+        if os.fork() == 0:
+            time.sleep(300)       # holds it at the stop
+    """)
+    proc = subprocess.Popen(contain_cmd("run", "--id", "s", "--grace", "0.2", "--check-sockets", "--",
+                                        sys.executable, "-c", code), env=box.env)
+    kept = None
+    try:
+        conn, _ = srv.accept()
+        conn.settimeout(30)
+        _msg, fds, _flags, _addr = socket.recv_fds(conn, 16, 4)
+        kept = socket.socket(fileno=fds[0])
+        conn.send(b"y")
+        assert proc.wait(30) == 0
+        rec = box.record("s")
+        assert rec["state"] == "REAPED"
+        layer = rec["evidence"]["sockets_closed"]
+        assert layer["detail"]["held_at_stop"] >= 1, layer
+        assert layer["observed"] is False, layer
+        assert os.fstat(kept.fileno()).st_ino in layer["detail"]["still_open"]
+        assert rec["evidence"]["redispatch_eligible"]["observed"] is False
+        conn.close()
+    finally:
+        if kept is not None:
+            kept.close()
+        srv.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        assert holders(box.token) == []
