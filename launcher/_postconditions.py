@@ -10,6 +10,7 @@ re-exported here so the driver finds every postcondition in one place.
 """
 from __future__ import annotations
 
+import errno
 import os
 import select
 import socket
@@ -112,7 +113,7 @@ def workspace_quiescent(path: str, window: float = 0.2) -> dict[str, Any]:
         return evidence(None, via, f"workspace not resolvable: {e}")
     if not os.path.isdir(real):
         return evidence(None, via, f"workspace {real} is not a directory")
-    watch = _watch_tree(real)
+    watch, unwatched = _watch_tree(real)
     holders: list[dict[str, Any]] = []
     denied = 0
     me = str(os.getpid())
@@ -136,6 +137,9 @@ def workspace_quiescent(path: str, window: float = 0.2) -> dict[str, Any]:
         return evidence(False, via, {"changes_in_window": changes})
     if watch is None:
         return evidence(None, via, "inotify unavailable: writes could not be watched")
+    if unwatched:
+        return evidence(None, via, {"not_watched": unwatched[:20],
+                                    "why": "writes under these could not be seen"})
     if denied:
         return evidence(None, via, f"{denied} process(es) could not be inspected")
     return evidence(True, via, {"window_s": window})
@@ -158,20 +162,38 @@ def _ancestors() -> set[str]:
     return out
 
 
-def _watch_tree(root: str, limit: int = 2000) -> int | None:
+# A directory removed (or replaced) since it was listed holds nothing to
+# watch; recreating it is an event in its parent, watched before it.
+_GONE = (errno.ENOENT, errno.ENOTDIR)
+
+
+def _watch_tree(root: str, limit: int = 2000) -> tuple[int | None, list[str]]:
+    """An inotify fd watching every directory under `root`, and what is not
+    watched (past `limit` directories, unreadable, a failed watch): a write
+    there would go unseen, so the layer cannot say true."""
     from ._native import lib
 
     fd = lib.ct_inotify_open()
     if fd < 0:
-        return None
+        return None, []
     mask = 0x2 | 0x4 | 0x8 | 0x40 | 0x80 | 0x100 | 0x200  # modify attrib close_write moved create delete
+    unwatched: list[str] = []
+
+    def unreadable(e: OSError) -> None:
+        if e.errno not in _GONE:
+            unwatched.append(f"{e.filename}: {os.strerror(e.errno or 0)}")
+
     n = 0
-    for d, subdirs, _files in os.walk(root):
-        if lib.ct_inotify_watch(fd, os.fsencode(d), mask) >= 0:   # names need not be UTF-8
-            n += 1
+    for d, _subdirs, _files in os.walk(root, onerror=unreadable):
         if n >= limit:
+            unwatched.append(f"{d} and any further directories: only {limit} are watched")
             break
-    return fd
+        rc = lib.ct_inotify_watch(fd, os.fsencode(d), mask)   # names need not be UTF-8
+        if rc >= 0:
+            n += 1
+        elif -rc not in _GONE:
+            unwatched.append(f"{d}: inotify_add_watch: {os.strerror(-rc)}")
+    return fd, unwatched
 
 
 def _drain(fd: int, window: float) -> int:
