@@ -90,17 +90,53 @@ def live_socket_inodes() -> set[int]:
 
 
 def sockets_closed(before: set[int], problems: list[str]) -> dict[str, Any]:
-    """Whether every socket the tree held at the stop is gone now."""
-    via = "sock_diag (pyroute2) against socket inodes held by members at the stop"
+    """Whether every socket the tree held at the stop is gone now. sock_diag
+    lists only the hashed TCP/UDP and the unix sockets: an unbound inet
+    socket, a netlink, raw or packet one is open while any descriptor names
+    it, so those are looked for in every process's fds too."""
+    via = "sock_diag (pyroute2), then /proc/*/fd, against socket inodes held by members at the stop"
     try:
         alive = before & live_socket_inodes()
     except Exception as e:  # pyroute2 raises its own NetlinkError as well as OSError
         return evidence(None, via, f"sock_diag failed: {e}")
+    unseen = before - alive
+    if unseen:
+        held, denied = _sockets_in_any_fd(unseen)
+        alive |= held
+        if denied:
+            problems = problems + [f"{denied} process(es) could not be inspected for the sockets sock_diag "
+                                   "does not list"]
     if alive:
         return evidence(False, via, {"still_open": sorted(alive), "held_at_stop": len(before)})
     if problems:
         return evidence(None, via, {"unobservable": problems, "held_at_stop": len(before)})
     return evidence(True, via, {"held_at_stop": len(before)})
+
+
+def _sockets_in_any_fd(inodes: set[int]) -> tuple[set[int], int]:
+    """Which of these socket inodes some process's fd names, and how many
+    processes could not be inspected."""
+    names = {f"socket:[{ino}]": ino for ino in inodes}
+    found: set[int] = set()
+    denied = 0
+    for pid in os.listdir("/proc"):          # this process too: a library caller may hold one
+        if not pid.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except FileNotFoundError:
+            continue
+        except OSError:
+            denied += 1
+            continue
+        for fd in fds:
+            try:
+                ino = names.get(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:
+                continue
+            if ino is not None:
+                found.add(ino)
+    return found, denied
 
 
 def workspace_quiescent(path: str, window: float = 0.2) -> dict[str, Any]:
