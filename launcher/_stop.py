@@ -98,13 +98,14 @@ class StopSequence:
         self._polite(now)
         return ev
 
-    def shorten(self, now: float, grace: float | None = None, signum: int | None = None) -> None:
+    def shorten(self, now: float, grace: float | None = None, signum: int | None = None, *,
+                why: str = "cancel") -> None:
         """A later cancel (a second signal, `cancel --grace`, `cancel(grace=)`)
         during the stop: a linger ends at once and the polite step begins
         (with this cancel's signal and grace where it gives them); a grace
         under way ends no later than `now + grace`."""
         if self.stage == "linger":
-            self._end_linger(now, "cancel")
+            self._end_linger(now, why)
             if signum is not None:
                 self.signum = int(signum)
             if grace is not None:

@@ -127,3 +127,23 @@ def test_socket_sock_diag_cannot_list_handed_outside_is_not_called_closed(box, t
             proc.kill()
             proc.wait(10)
         assert holders(box.token) == []
+
+
+@pytest.mark.timeout(60)
+def test_background_job_lingering_past_the_timeout_is_stopped_at_the_timeout(box):
+    # "--timeout SECONDS: cancel the run after this many seconds": a worker
+    # that exits at once leaving a long background job, run with --timeout 1
+    # --linger 20, ran for the whole 20 s linger; the timeout counted only
+    # while the worker lived. The linger ends at the timeout; the outcome is
+    # still the worker's (its exit came first: one result).
+    t0 = time.monotonic()
+    p = run_contain(box.env, "run", "--id", "lt", "--timeout", "1", "--linger", "20", "--grace", "0.5", "--",
+                    "sh", "-c", "sleep 300 & exit 4")
+    took = time.monotonic() - t0
+    assert p.returncode == 4, p.stderr
+    rec = box.record("lt")
+    assert rec["state"] == "REAPED" and rec["outcome"] == "exited" and rec["exit_code"] == 4, rec["outcome"]
+    assert rec["linger"]["ended_by"] == "timeout", rec["linger"]
+    assert rec["linger"]["lingered_s"] < 5, rec["linger"]
+    assert took < 15, took
+    assert holders(box.token) == []
