@@ -8,7 +8,9 @@
                             through a mount, and back)
 
 Everything read here is input: a malformed line is a ValueError (or None
-where the caller asked for "unreadable means unknown"), never a guess. The C
+where the caller asked for "unreadable means unknown"), never a guess. Paths
+are decoded as the os module decodes them (surrogateescape): a member may
+name a cgroup or a mount point in bytes that are not UTF-8. The C
 scanner (_native/procscan.c) keeps its own readers for speed; tests hold the
 two to the same answers.
 """
@@ -106,7 +108,7 @@ def parse_cgroups(text: str) -> dict[str, str]:
 
 def cgroups_of(pid: int | str) -> dict[str, str]:
     """parse_cgroups of a live process. Raises OSError."""
-    with open(f"/proc/{pid}/cgroup") as f:
+    with open(f"/proc/{pid}/cgroup", errors="surrogateescape") as f:
         return parse_cgroups(f.read())
 
 
@@ -122,7 +124,7 @@ def cgroup_of(pid: int | str, *, missing_ok: bool = False) -> str | None:
     """The v2 path of a process. Raises OSError when the file cannot be
     read, unless `missing_ok` (then None: the caller treats it as unknown)."""
     try:
-        with open(f"/proc/{pid}/cgroup") as f:
+        with open(f"/proc/{pid}/cgroup", errors="surrogateescape") as f:
             return parse_cgroup(f.read())
     except OSError:
         if missing_ok:
@@ -162,7 +164,7 @@ def parse_mountinfo(text: str) -> list[Mount]:
 
 def mounts() -> list[Mount]:
     """Every mount visible to this process. Raises OSError."""
-    with open("/proc/self/mountinfo") as f:
+    with open("/proc/self/mountinfo", errors="surrogateescape") as f:
         return parse_mountinfo(f.read())
 
 

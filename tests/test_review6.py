@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from _proc import contain_cmd, holders, run_contain
+from _proc import cgroup2_mount, contain_cmd, holders, run_contain
 from conftest import needs_cgroup
 
 pytestmark = needs_cgroup
@@ -147,3 +147,26 @@ def test_background_job_lingering_past_the_timeout_is_stopped_at_the_timeout(box
     assert rec["linger"]["lingered_s"] < 5, rec["linger"]
     assert took < 15, took
     assert holders(box.token) == []
+
+
+@pytest.mark.timeout(60)
+def test_root_worker_moving_a_child_into_a_cgroup_named_in_undecodable_bytes_cannot_crash_contain(box):
+    # A root worker without a wall (--no-pidns) moves a child into a cgroup
+    # whose name is not UTF-8. Reading that child's /proc/<pid>/cgroup as
+    # UTF-8 text raised UnicodeDecodeError in the owner loop: contain run died
+    # with a traceback, the run was left RUNNING (orphaned) and the escaper
+    # running.
+    os.makedirs(box.base, exist_ok=True)          # the fixture removes it, and what is under it
+    odd = os.path.join(os.fsencode(box.base), b"esc-\xff")
+    os.mkdir(odd)
+    script = (f"sh -c 'echo $$ > {os.fsdecode(odd)}/cgroup.procs; exec sleep 300 </dev/null >/dev/null 2>&1' & "
+              "sleep 0.5; exit 0")
+    p = run_contain(box.env, "run", "--id", "esc", "--no-pidns", "--grace", "0.5", "--", "sh", "-c", script)
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    rec = box.record("esc")
+    assert rec["state"] in ("REAPED", "BREACHED"), rec["state"]
+    assert p.returncode == (0 if rec["state"] == "REAPED" else 125), (p.returncode, p.stderr)
+    seen = "/" + os.path.relpath(os.fsdecode(odd), cgroup2_mount())
+    assert [e["seen_in"] for e in rec["evidence"]["escapes"]["detail"]] == [seen], rec["evidence"]["escapes"]
+    if rec["state"] == "REAPED":
+        assert holders(box.token) == []
