@@ -7,6 +7,7 @@ workload's environment), never by asking contain.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -17,6 +18,7 @@ import time
 import pytest
 
 from _proc import cgroup2_mount, contain_cmd, holders, run_contain
+from _users import Shared, contain_as, spare_uids, user_env, why_not
 from conftest import needs_cgroup
 
 pytestmark = needs_cgroup
@@ -170,3 +172,26 @@ def test_root_worker_moving_a_child_into_a_cgroup_named_in_undecodable_bytes_can
     assert [e["seen_in"] for e in rec["evidence"]["escapes"]["detail"]] == [seen], rec["evidence"]["escapes"]
     if rec["state"] == "REAPED":
         assert holders(box.token) == []
+
+
+USERS_SKIP = why_not()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(USERS_SKIP is not None, reason=USERS_SKIP or "")
+def test_refused_seal_of_an_unprivileged_caller_claims_no_reaped_namespace():
+    # A caller without root asks for --seal, which the pidns backend refuses
+    # before anything is spawned (exit 125). The record said
+    # container_empty observed true "via the PID namespace's init was
+    # reaped" (and descendants_exit on the same proof) for a namespace that
+    # was never made: nothing was there to be reaped.
+    uid = spare_uids(1)[0]
+    with Shared() as sh:
+        env = user_env(XDG_RUNTIME_DIR=sh.sub("xdg", uid=uid, mode=0o700))
+        p = contain_as(uid, "run", "-q", "--id", "sl", "--seal", "--", "true", env=env)
+        assert p.returncode == 125 and "Traceback" not in p.stderr, p.stderr
+        with open(os.path.join(env["XDG_RUNTIME_DIR"], "contain", "runs", "sl", "record.json")) as f:
+            rec = json.load(f)
+        assert rec["outcome"] == "spawn_failed" and rec["containment"]["walls"] == [], rec["containment"]
+        for layer in ("container_empty", "descendants_exit"):
+            assert "init was reaped" not in (rec["evidence"][layer]["via"] or ""), rec["evidence"][layer]
