@@ -98,7 +98,7 @@ class Run:
         `spawn_failed` exists."""
         _launch.start(self)
         if self.opts.timeout is not None:
-            self._deadline_timeout = time.monotonic() + self.opts.timeout
+            self._deadline_timeout = self.stop.timeout_at = time.monotonic() + self.opts.timeout   # ends a linger too
 
     def attach(self, layout: RunDir) -> None:
         self.layout = layout
@@ -169,7 +169,7 @@ class Run:
         if self._signals or self.inbox.backlog:
             return time.monotonic()       # a signal delivered before the wake-up pipe existed; more to read
         t = self.stop.next_deadline()
-        if self._deadline_timeout and (self.snap.phase is S.Phase.RUNNING or self.stop.stage == "linger"):
+        if self._deadline_timeout and self.snap.phase is S.Phase.RUNNING:
             t = min(t, self._deadline_timeout)
         if self.container is not None and self.container.backend == "none" and self.snap.stopping:
             t = min(t, time.monotonic() + 0.02)   # degraded mode has no emptiness event
@@ -198,9 +198,6 @@ class Run:
                 self.feed(S.Event.TIMEOUT)
                 self.journal("timeout", after=self.opts.timeout)
                 self._begin_stop(now)
-            elif self._deadline_timeout and self.stop.stage == "linger" and now >= self._deadline_timeout:
-                self.journal("timeout", after=self.opts.timeout)   # bounds the linger too; the outcome stays
-                self.stop.shorten(now, why="timeout")
             if self.snap.stopping:
                 self._check_root()
                 ev = self.stop.observe() if self.stop.stage is not None else None
