@@ -16,6 +16,7 @@ two to the same answers.
 """
 from __future__ import annotations
 
+import os
 import posixpath
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
@@ -146,8 +147,11 @@ else:
 
 
 def _unescape(field: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as octal (proc(5)).
-    return field.encode().decode("unicode_escape") if "\\" in field else field
+    # mountinfo escapes space, tab, newline and backslash as octal (proc(5));
+    # every other byte is the path's own (undone through its raw bytes).
+    if "\\" not in field:
+        return field
+    return os.fsdecode(os.fsencode(field).decode("unicode_escape").encode("latin-1"))
 
 
 def parse_mountinfo(text: str) -> list[Mount]:

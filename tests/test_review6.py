@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -195,3 +196,27 @@ def test_refused_seal_of_an_unprivileged_caller_claims_no_reaped_namespace():
         assert rec["outcome"] == "spawn_failed" and rec["containment"]["walls"] == [], rec["containment"]
         for layer in ("container_empty", "descendants_exit"):
             assert "init was reaped" not in (rec["evidence"][layer]["via"] or ""), rec["evidence"][layer]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) for a mount namespace of the test's own")
+def test_mount_point_named_in_undecodable_bytes_and_a_space_cannot_break_contain(box, tmp_path):
+    # Whoever can mount where contain runs (root, or a root worker without a
+    # wall, which shares the host's mount namespace) mounted a tmpfs at a
+    # path holding a space (which mountinfo escapes as \040) and a byte that
+    # is not UTF-8: every later `contain run` failed with "'utf-8' codec
+    # can't encode character" (exit 2) and `contain doctor` printed a
+    # traceback. The mount is made in a mount namespace of the test's own.
+    odd = os.path.join(os.fsencode(tmp_path), b"a b\xff")
+    os.mkdir(odd)
+    script = textwrap.dedent(f"""
+        mount -t tmpfs rev6 "$1" || exit 90
+        {sys.executable} -m launcher run --id mnt -- true || exit 91
+        {sys.executable} -m launcher doctor --json >/dev/null    # its status is doctor's verdict; no traceback
+        exit 0
+    """)
+    p = subprocess.run([b"unshare", b"-m", b"--propagation", b"private", b"sh", b"-c", script.encode(), b"sh", odd],
+                       env=box.env, capture_output=True, text=True, timeout=50)
+    assert "Traceback" not in p.stderr and "codec" not in p.stderr, p.stderr[-2000:]
+    assert p.returncode == 0, p.stderr
+    assert box.record("mnt")["state"] == "REAPED"
