@@ -10,6 +10,7 @@ re-exported here so the driver finds every postcondition in one place.
 """
 from __future__ import annotations
 
+import errno
 import os
 import select
 import socket
@@ -89,17 +90,53 @@ def live_socket_inodes() -> set[int]:
 
 
 def sockets_closed(before: set[int], problems: list[str]) -> dict[str, Any]:
-    """Whether every socket the tree held at the stop is gone now."""
-    via = "sock_diag (pyroute2) against socket inodes held by members at the stop"
+    """Whether every socket the tree held at the stop is gone now. sock_diag
+    lists only the hashed TCP/UDP and the unix sockets: an unbound inet
+    socket, a netlink, raw or packet one is open while any descriptor names
+    it, so those are looked for in every process's fds too."""
+    via = "sock_diag (pyroute2), then /proc/*/fd, against socket inodes held by members at the stop"
     try:
         alive = before & live_socket_inodes()
     except Exception as e:  # pyroute2 raises its own NetlinkError as well as OSError
         return evidence(None, via, f"sock_diag failed: {e}")
+    unseen = before - alive
+    if unseen:
+        held, denied = _sockets_in_any_fd(unseen)
+        alive |= held
+        if denied:
+            problems = problems + [f"{denied} process(es) could not be inspected for the sockets sock_diag "
+                                   "does not list"]
     if alive:
         return evidence(False, via, {"still_open": sorted(alive), "held_at_stop": len(before)})
     if problems:
         return evidence(None, via, {"unobservable": problems, "held_at_stop": len(before)})
     return evidence(True, via, {"held_at_stop": len(before)})
+
+
+def _sockets_in_any_fd(inodes: set[int]) -> tuple[set[int], int]:
+    """Which of these socket inodes some process's fd names, and how many
+    processes could not be inspected."""
+    names = {f"socket:[{ino}]": ino for ino in inodes}
+    found: set[int] = set()
+    denied = 0
+    for pid in os.listdir("/proc"):          # this process too: a library caller may hold one
+        if not pid.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except FileNotFoundError:
+            continue
+        except OSError:
+            denied += 1
+            continue
+        for fd in fds:
+            try:
+                ino = names.get(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:
+                continue
+            if ino is not None:
+                found.add(ino)
+    return found, denied
 
 
 def workspace_quiescent(path: str, window: float = 0.2) -> dict[str, Any]:
@@ -112,7 +149,7 @@ def workspace_quiescent(path: str, window: float = 0.2) -> dict[str, Any]:
         return evidence(None, via, f"workspace not resolvable: {e}")
     if not os.path.isdir(real):
         return evidence(None, via, f"workspace {real} is not a directory")
-    watch = _watch_tree(real)
+    watch, unwatched = _watch_tree(real)
     holders: list[dict[str, Any]] = []
     denied = 0
     me = str(os.getpid())
@@ -136,6 +173,9 @@ def workspace_quiescent(path: str, window: float = 0.2) -> dict[str, Any]:
         return evidence(False, via, {"changes_in_window": changes})
     if watch is None:
         return evidence(None, via, "inotify unavailable: writes could not be watched")
+    if unwatched:
+        return evidence(None, via, {"not_watched": unwatched[:20],
+                                    "why": "writes under these could not be seen"})
     if denied:
         return evidence(None, via, f"{denied} process(es) could not be inspected")
     return evidence(True, via, {"window_s": window})
@@ -158,20 +198,38 @@ def _ancestors() -> set[str]:
     return out
 
 
-def _watch_tree(root: str, limit: int = 2000) -> int | None:
+# A directory removed (or replaced) since it was listed holds nothing to
+# watch; recreating it is an event in its parent, watched before it.
+_GONE = (errno.ENOENT, errno.ENOTDIR)
+
+
+def _watch_tree(root: str, limit: int = 2000) -> tuple[int | None, list[str]]:
+    """An inotify fd watching every directory under `root`, and what is not
+    watched (past `limit` directories, unreadable, a failed watch): a write
+    there would go unseen, so the layer cannot say true."""
     from ._native import lib
 
     fd = lib.ct_inotify_open()
     if fd < 0:
-        return None
+        return None, []
     mask = 0x2 | 0x4 | 0x8 | 0x40 | 0x80 | 0x100 | 0x200  # modify attrib close_write moved create delete
+    unwatched: list[str] = []
+
+    def unreadable(e: OSError) -> None:
+        if e.errno not in _GONE:
+            unwatched.append(f"{e.filename}: {os.strerror(e.errno or 0)}")
+
     n = 0
-    for d, subdirs, _files in os.walk(root):
-        if lib.ct_inotify_watch(fd, d.encode(), mask) >= 0:
-            n += 1
+    for d, _subdirs, _files in os.walk(root, onerror=unreadable):
         if n >= limit:
+            unwatched.append(f"{d} and any further directories: only {limit} are watched")
             break
-    return fd
+        rc = lib.ct_inotify_watch(fd, os.fsencode(d), mask)   # names need not be UTF-8
+        if rc >= 0:
+            n += 1
+        elif -rc not in _GONE:
+            unwatched.append(f"{d}: inotify_add_watch: {os.strerror(-rc)}")
+    return fd, unwatched
 
 
 def _drain(fd: int, window: float) -> int:

@@ -8,12 +8,15 @@
                             through a mount, and back)
 
 Everything read here is input: a malformed line is a ValueError (or None
-where the caller asked for "unreadable means unknown"), never a guess. The C
+where the caller asked for "unreadable means unknown"), never a guess. Paths
+are decoded as the os module decodes them (surrogateescape): a member may
+name a cgroup or a mount point in bytes that are not UTF-8. The C
 scanner (_native/procscan.c) keeps its own readers for speed; tests hold the
 two to the same answers.
 """
 from __future__ import annotations
 
+import os
 import posixpath
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
@@ -106,7 +109,7 @@ def parse_cgroups(text: str) -> dict[str, str]:
 
 def cgroups_of(pid: int | str) -> dict[str, str]:
     """parse_cgroups of a live process. Raises OSError."""
-    with open(f"/proc/{pid}/cgroup") as f:
+    with open(f"/proc/{pid}/cgroup", errors="surrogateescape") as f:
         return parse_cgroups(f.read())
 
 
@@ -122,7 +125,7 @@ def cgroup_of(pid: int | str, *, missing_ok: bool = False) -> str | None:
     """The v2 path of a process. Raises OSError when the file cannot be
     read, unless `missing_ok` (then None: the caller treats it as unknown)."""
     try:
-        with open(f"/proc/{pid}/cgroup") as f:
+        with open(f"/proc/{pid}/cgroup", errors="surrogateescape") as f:
             return parse_cgroup(f.read())
     except OSError:
         if missing_ok:
@@ -144,8 +147,11 @@ else:
 
 
 def _unescape(field: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as octal (proc(5)).
-    return field.encode().decode("unicode_escape") if "\\" in field else field
+    # mountinfo escapes space, tab, newline and backslash as octal (proc(5));
+    # every other byte is the path's own (undone through its raw bytes).
+    if "\\" not in field:
+        return field
+    return os.fsdecode(os.fsencode(field).decode("unicode_escape").encode("latin-1"))
 
 
 _parsed: tuple[str, list[Mount]] | None = None
@@ -173,7 +179,7 @@ def parse_mountinfo(text: str) -> list[Mount]:
 
 def mounts() -> list[Mount]:
     """Every mount visible to this process. Raises OSError."""
-    with open("/proc/self/mountinfo") as f:
+    with open("/proc/self/mountinfo", errors="surrogateescape") as f:
         return parse_mountinfo(f.read())
 
 

@@ -98,7 +98,7 @@ class Run:
         `spawn_failed` exists."""
         _launch.start(self)
         if self.opts.timeout is not None:
-            self._deadline_timeout = time.monotonic() + self.opts.timeout
+            self._deadline_timeout = self.stop.timeout_at = time.monotonic() + self.opts.timeout   # ends a linger too
 
     def attach(self, layout: RunDir) -> None:
         self.layout = layout

@@ -61,6 +61,8 @@ class StopSequence:
         self.kill_timeout = kill_timeout
         self.check_sockets = check_sockets
         self.watch = watch
+        self.timeout_at = 0.0              # monotonic end of the run's --timeout (0: none): a linger ends by then
+        self.linger_began = 0.0
         self.stage: str | None = None      # None (not begun), "linger", "term" or "kill"
         self.deadline = 0.0                # monotonic end of the current stage
         self.kill_rounds = 0
@@ -89,7 +91,8 @@ class StopSequence:
                 pass                       # the locks layer then says what it could not list
         self.grace, self.signum = grace, int(signum)
         if linger > 0 and ev is None:
-            self.stage, self.deadline = "linger", now + linger
+            self.stage, self.deadline = "linger", min(now + linger, self.timeout_at or float("inf"))
+            self.linger_began = now
             self.facts.linger = {"asked_s": linger, "began_at": now_iso(), "ended_at": None,
                                  "lingered_s": None, "ended_by": None, "seen": self._seen()}
             if self.journal is not None:
@@ -126,7 +129,10 @@ class StopSequence:
         if self.stage is None or now < self.deadline:
             return None
         if self.stage == "linger":
-            self._end_linger(now, "deadline")
+            by_timeout = self.timeout_at and self.deadline >= self.timeout_at
+            if by_timeout and self.journal is not None:
+                self.journal("timeout", during="linger")
+            self._end_linger(now, "timeout" if by_timeout else "deadline")
             self._polite(now)
             return None
         if self.stage == "term":
@@ -150,7 +156,7 @@ class StopSequence:
         lg = self.facts.linger
         if lg is not None and lg.get("ended_by") is None:
             lg.update(ended_at=now_iso(), ended_by=why,
-                      lingered_s=round(max(0.0, now - (self.deadline - lg["asked_s"])), 3))
+                      lingered_s=round(max(0.0, now - self.linger_began), 3))
         self.stage = None
 
     def _note_sockets(self) -> None:

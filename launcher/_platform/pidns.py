@@ -26,6 +26,10 @@ KIND = "pidns"
 
 _available: dict[str | None, str | None] = {}
 
+# What "empty" rests on before any namespace exists (a start refused or
+# rolled back before the spawn): never the init's reaping, which did not happen.
+NOT_MADE = "no PID namespace was made: the run ended before its spawn, so nothing of it ran"
+
 
 def available() -> str | None:
     """None if this caller can make the wall here, else why not (probed
@@ -50,7 +54,7 @@ class Container:
         self.wall: pidwall.PidWall | None = None
         self.userns: str | None = None if os.geteuid() == 0 else "self"
         self.seal_detail: dict[str, Any] | None = None
-        self.empty_proof = pidwall.PROOF
+        self.empty_proof = NOT_MADE       # pidwall.PROOF once a wall is spawned or adopted
         self._state_dir: str | None = None
         self._seal_error: str | None = None
         self.weaker: str | None = None   # auto got less than a root user would: said on stderr
@@ -71,6 +75,7 @@ class Container:
         time). What cannot be re-attached fails every observation with the
         reason, so the stop is UNCONFIRMED, never terminal."""
         c = cls(run_id)
+        c.empty_proof = pidwall.PROOF
         if not isinstance(desc, dict):
             c.wall_unknown = "the run's tag records no wall: whether the namespace is empty cannot be told"
             return c
@@ -101,6 +106,7 @@ class Container:
     def spawn(self, req: posix.SpawnRequest) -> posix.Spawned:
         if self._seal_error:
             raise ContainmentUnavailable(self._seal_error)
+        self.empty_proof = pidwall.PROOF    # an init a failed spawn made is killed and reaped there (spawn_wall)
         sp = posix.spawn(req)
         self.wall = pidwall.PidWall.of(sp, self.userns)
         self.wall.state_dir = posix.hidden_dir(req, sp.events)
