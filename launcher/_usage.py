@@ -143,8 +143,14 @@ class RunUsage:
             acct.update(fields(container))        # `null` with the reason where Wine reads 0
         hits = limit_hits(acct)
         facts.accounting = acct
+        moved = getattr(container, "can_move_out", None) if (v2_dir or self.cgroups is not None) else None
+        caveat = f"{moved}: the run's cgroups count and limit only the members that stayed in them" if moved else None
+        if caveat:
+            acct["notes"] = [caveat]
         if self.cgroups is not None:
             facts.limits = dict(self.cgroups.limits_record(), hit=hits)
+            if caveat and self.limits:
+                facts.limits["notes"] = [*facts.limits.get("notes", []), caveat]
             facts.cgroup_v1 = self.cgroups.describe()
         elif container is not None and container.backend == "job-object" and hasattr(container, "limits_record"):
             # The job's own read-back, `hit` from the port's limit messages.

@@ -155,3 +155,30 @@ def test_a_bad_limit_is_a_usage_error(box):
     p = run_contain(box.env, "run", "--memory-max", "lots", "--", "true")
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert os.path.isdir(box.state_dir) is False or box.leaves() == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not _v1("memory"), reason="a root worker and the v1 memory hierarchy")
+def test_a_root_worker_that_left_its_memory_cgroup_is_not_counted_as_if_it_had_stayed(box):
+    """A root worker moved itself into another v1 memory cgroup (one this
+    test made) and used 120 MB there under --memory-max 50M. The record said
+    peak 256 KiB, limit applied, not hit, and nothing else: the figures read
+    as the tree's, and the limit as binding. They cover what stayed in the
+    run's cgroups, and the record now says so (a `--user` run cannot move)."""
+    from launcher import _controllers as C
+
+    h = next(h for h in C.v1_hierarchies() if "memory" in h.controllers)
+    elsewhere = os.path.join(h.mount, box.v1_base.lstrip("/"), "elsewhere")
+    os.makedirs(elsewhere)
+    try:
+        hog = f"echo $$ > {elsewhere}/tasks && exec {PY} -c 'b = bytearray(120 << 20); b[::4096] = b\"x\" * len(b[::4096])'"
+        p = run_contain(box.env, "run", "--id", "m", "--memory-max", "50M", "--", "sh", "-c", hog)
+        assert p.returncode == 0, p.stderr
+        rec = box.record("m")
+        assert rec["accounting"]["memory_peak_bytes"]["value"] < 50 << 20, "the scaffold did not move out"
+        for where in (rec["accounting"], rec["limits"]):
+            assert any("could write its pid" in n and "stayed in them" in n for n in where.get("notes", [])), where
+        p = run_contain(box.env, "run", "--id", "u", "--user", "nobody", "--memory-max", "50M", "--", "true")
+        assert p.returncode == 0, p.stderr
+        assert "notes" not in box.record("u")["accounting"]
+    finally:
+        os.rmdir(elsewhere)

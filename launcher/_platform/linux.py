@@ -53,6 +53,7 @@ class Container:
         self.vouched: str | None = None   # a lead's proof for its nested run (_adopt.finish_nested)
         self._made: list[str] = []       # base directories made for this run, removed after it
         self.seal_detail: dict[str, Any] | None = None
+        self.can_move_out: str | None = None    # how a member could move itself out of the run's cgroups
         self.seal_error: str | None = None      # why --seal cannot be had (the spawn fails with it)
         self.seal_uid: int | None = None        # the host uid 0 is mapped to, when sealed
         self.uid_claim: str | None = None       # the dynamic uid's claim file (sealing.py)

@@ -54,6 +54,7 @@ class Container:
         self.wall: pidwall.PidWall | None = None
         self.userns: str | None = None if os.geteuid() == 0 else "self"
         self.seal_detail: dict[str, Any] | None = None
+        self.can_move_out: str | None = None    # how a member could move itself out of the run's cgroups
         self.empty_proof = NOT_MADE       # pidwall.PROOF once a wall is spawned or adopted
         self._state_dir: str | None = None
         self._seal_error: str | None = None
@@ -129,6 +130,9 @@ class Container:
 
     def seal_status(self, req: posix.SpawnRequest) -> tuple[bool, str | None]:
         uid = req.uid if req.uid >= 0 else os.geteuid()
+        if uid == 0 and req.userns != "map":
+            # The wall holds it, but not the run's v1 cgroups (accounting, limits).
+            self.can_move_out = "worker runs as root: it could write its pid into another cgroup's tasks file"
         gids = [req.gid] if req.gid >= 0 else [os.getegid(), *os.getgroups()]
         ok, why, detail = sealing.check(uid, gids, self._state_dir, wall=self.wall is not None,
                                         no_new_privs=req.no_new_privs, no_caps=req.clear_caps)

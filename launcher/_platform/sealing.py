@@ -267,10 +267,12 @@ def status(c: Any, req: Any, above: str | None) -> tuple[bool, str | None]:
         why = "worker runs as root"
         if not c.hierarchy.nsdelegate:
             why += " on a cgroup2 mount without nsdelegate"
+        c.can_move_out = why + ": it could write its pid into another cgroup.procs (or a v1 tasks file)"
         return False, why + ": it could write its pid into another cgroup.procs (use --seal or --user)"
     if above is not None:
         c.seal_detail = None
         advice = "use --seal or --user" if os.geteuid() == 0 else "preventing that needs a root supervisor"
+        c.can_move_out = f"worker uid {uid} may write {above}: it could move itself out"
         return False, f"worker uid {uid} may write {above}: it could move itself out ({advice})"
     gids = sorted({req.gid, *req.groups} - {-1}) if req.uid >= 0 else sorted({os.getegid(), *os.getgroups()})
     ok, why, detail = check(uid, gids, c.state_dir, wall=walled,
