@@ -149,7 +149,7 @@ _RUN_OPTIONS: tuple[tuple[str, str, Any, Any, str], ...] = (
      "limit the tree's CPU: a number of CPUs (0.5, 2, 150%%) or cgroup v2's \"QUOTA PERIOD\" in us"),
     ("--check-locks", "check_locks", "flag", False,
      "after the stop, check every file lock the tree held at the stop is released"),
-    ("--stats-json", "stats_json", "text", None, "append one JSON line of the run's accounting to FILE"),
+    ("--stats-json", "stats_json", "text", None, "append one JSON line of the run's accounting to FILE (- for stdout)"),
     ("--no-pidns", "no_pidns", "flag", False,
      "no PID-namespace wall (default: one wherever the kernel allows it; see docs/design.md)"),
 )

@@ -78,8 +78,18 @@ def _open_stats(path: str, *, create: bool) -> int | None:
     without `create`, None when it does not exist yet and its directory
     may be written. The path is untrusted, like --record: never follows a
     symlink in its last component, never opens a FIFO or device (O_NONBLOCK
-    at open, then a regular-file check). Raises OSError."""
+    at open, then a regular-file check). `-` is standard output, as for
+    --record (a file named `-` is `./-`). Raises OSError."""
     from ._safepath import open_dir_trusted_links
+
+    if path == "-":
+        fd = os.dup(1)               # EBADF when contain's stdout is closed
+        try:
+            os.write(fd, b"")        # EBADF on the read-only placeholder of a closed one (_cli)
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
 
     parent, name = os.path.split(path)
     if not name:

@@ -182,3 +182,20 @@ def test_a_root_worker_that_left_its_memory_cgroup_is_not_counted_as_if_it_had_s
         assert "notes" not in box.record("u")["accounting"]
     finally:
         os.rmdir(elsewhere)
+
+
+def test_stats_json_dash_is_stdout_not_a_file_named_dash(box, tmp_path):
+    """`--stats-json -` made a file named `-` in the working directory,
+    while `--record -` means stdout. It is stdout; with stdout closed the
+    run is refused before the worker runs (125), as an unwritable file is."""
+    p = subprocess.run([PY, "-m", "launcher", "run", "--id", "s", "--stats-json", "-", "--", "true"],
+                       env=box.env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    line = json.loads(p.stdout.strip().splitlines()[-1])
+    assert line["run_id"] == "s" and line["state"] == "REAPED"
+    assert not os.path.exists(tmp_path / "-")
+    marker = tmp_path / "ran"
+    p = subprocess.run(f"{PY} -m launcher run --id c --stats-json - -- touch {marker} >&-", shell=True,
+                       env=box.env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 125 and "--stats-json -" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not marker.exists(), "the worker ran although its stats line could not be kept"
