@@ -299,8 +299,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     effect = d.get("effect")
     if effect == "unknown":
         return EXIT_DID_NOT_HOLD
-    if args.wait and effect == "cancel_requested":
-        return EXIT_DID_NOT_HOLD          # the stop was issued but not proven (UNCONFIRMED)
+    if args.wait and effect == "cancel_requested" and d.get("state") != "EXITED":
+        # The stop was issued and has not ended (UNCONFIRMED). An EXITED end
+        # (degraded mode) is the stop done, with what it could not prove in
+        # the record: the operation held, as far as anything can tell.
+        return EXIT_DID_NOT_HOLD
     if d.get("state") in ("UNCONFIRMED", "BREACHED"):
         # Whatever the effect (a retry of a run that ended on its own reads
         # not_live), the answer is a stop that did not hold.

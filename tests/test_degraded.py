@@ -86,6 +86,28 @@ def test_degraded_cancel_is_not_reaped(contain_runs):
     assert wait_for(lambda: not survivors(c.token), 5)
 
 
+def test_cancel_wait_of_a_degraded_run_that_stopped_exits_0(contain_runs):
+    """`contain cancel --wait` of a --backend none run exited 1 ("the
+    operation did not hold") although the run was stopped and ended EXITED
+    /cancelled: every cancel of a degraded run read as a failure. The effect
+    stays `cancel_requested` (no container was observed empty)."""
+    import json
+    import subprocess
+
+    c = contain_runs()
+    c.start(["--backend", "none", "--grace", "0.3"], ["sh", "-c", "setsid sleep 300 & exec sleep 300"])
+    try:
+        assert wait_for(lambda: len(survivors(c.token)) >= 3, 10)
+        p = subprocess.run([sys.executable, "-m", "launcher", "cancel", c.run_id, "--wait", "--json"],
+                           env=c.env(), capture_output=True, text=True, timeout=60)
+        ack = json.loads(p.stdout)
+        assert (ack["effect"], ack["state"], ack["outcome"]) == ("cancel_requested", "EXITED", "cancelled"), ack
+        assert p.returncode == 0, (p.returncode, p.stderr)
+        assert wait_for(lambda: not survivors(c.token), 5)
+    finally:
+        c.wait(30)
+
+
 def test_seal_is_refused_in_degraded_mode(contain_runs):
     c = contain_runs()
     rc = c.run(["--backend", "none", "--seal"], ["true"])
