@@ -129,8 +129,10 @@ class PidWall:
             self.init.signal(sig)
         except ProcessLookupError:
             return f"{name}: the PID namespace's init was already gone", {"init_pid": self.init.pid}
-        return (f"{name} to the PID namespace's init, forwarded to every member (kill(-1)) with SIGCONT",
-                {"init_pid": self.init.pid})
+        # What was done is the signal to the init; the forwarding is its
+        # job, not observed from here (a frozen or traced init forwards nothing).
+        return (f"{name} sent to the PID namespace's init, which forwards it to every member (kill(-1)) "
+                "with SIGCONT", {"init_pid": self.init.pid})
 
     def kill(self) -> str:
         self.init.kill()
