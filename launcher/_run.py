@@ -92,17 +92,15 @@ class Run:
     # -- start -------------------------------------------------------------
 
     def start(self) -> None:
-        """Claim the id, make the container, spawn the worker inside it
-        (_launch.py). Raises RunConflict, ContainmentUnavailable or
-        SpawnFailed; in the last two cases a final record with outcome
-        `spawn_failed` exists."""
+        """Claim the id, make the container, spawn the worker inside it (_launch.py).
+        Raises RunConflict, ContainmentUnavailable or SpawnFailed; in the last
+        two cases a final record with outcome `spawn_failed` exists."""
         _launch.start(self)
         if self.opts.timeout is not None:
             self._deadline_timeout = self.stop.timeout_at = time.monotonic() + self.opts.timeout   # ends a linger too
 
     def attach(self, layout: RunDir) -> None:
-        self.layout = layout
-        self.inbox.layout = layout
+        self.layout = self.inbox.layout = layout
 
     def set_container(self, container: Any) -> None:
         self.container = self.stop.container = container
@@ -129,6 +127,7 @@ class Run:
         """Own the run until it ends (or until an unconfirmed stop has been
         retried `UNCONFIRMED_RETRIES` times). Returns the stop record."""
         try:
+            self.turn()      # before the first wait: an EXIT the spawn read (before EXEC) wakes nothing
             while self.owning():
                 sources = self.sources() + [(fd, host.POLLIN) for fd in extra_fds]
                 self.drain(host.wait_ready(sources, self.next_deadline() - time.monotonic()))

@@ -82,6 +82,12 @@ class StopSequence:
         self.began_at = self.began_at or now
         ev = self.observe()
         if ev is not None and ev is not S.Event.OBSERVE_FAILED:
+            if linger > 0 and self.facts.linger is None:
+                # Empty already: the linger asked for took no time (the record
+                # says so rather than leave out what was asked).
+                at = now_iso()
+                self.facts.linger = {"asked_s": linger, "began_at": at, "ended_at": at, "lingered_s": 0.0,
+                                     "ended_by": "emptied", "seen": {"count": 0}}
             return ev
         self._note_sockets()
         if self.usage is not None:

@@ -515,7 +515,9 @@ def test_a_sigterm_during_a_slow_claim_ends_the_run_with_nothing_started(box, tm
 # -- --linger -------------------------------------------------------------------------
 
 def test_linger_lets_a_short_background_job_finish_unsignalled(box):
-    p = run_contain(box.env, "run", "--id", "l", "--linger", "10", "--", "sh", "-c", "sleep 0.3 &")
+    # (1 s: a supervisor starved of CPU for longer than the job lives finds
+    # the tree empty at the worker's exit, a linger of 0 s.)
+    p = run_contain(box.env, "run", "--id", "l", "--linger", "10", "--", "sh", "-c", "sleep 1 &")
     assert p.returncode == 0, p.stderr
     rec = box.record("l")
     assert rec["state"] == "REAPED" and rec["outcome"] == "exited"
@@ -523,6 +525,15 @@ def test_linger_lets_a_short_background_job_finish_unsignalled(box):
     lg = rec["linger"]
     assert lg["asked_s"] == 10 and lg["ended_by"] == "emptied", lg
     assert 0.1 <= lg["lingered_s"] < 10 and lg["seen"]["count"] >= 1
+
+
+def test_linger_of_a_tree_already_empty_says_it_took_no_time(box):
+    """A worker that leaves nothing: the record still says what was asked
+    (it left `linger` out, as if none had been)."""
+    p = run_contain(box.env, "run", "--id", "e", "--linger", "10", "--", "true")
+    assert p.returncode == 0, p.stderr
+    lg = box.record("e")["linger"]
+    assert (lg["asked_s"], lg["lingered_s"], lg["ended_by"]) == (10, 0.0, "emptied"), lg
     assert holders(box.token) == []
 
 
@@ -543,7 +554,7 @@ def test_linger_ends_and_the_stop_follows_for_a_long_background_job(box):
 def test_library_linger_lets_a_background_job_finish(box):
     import launcher
 
-    rec = launcher.run(["sh", "-c", "sleep 0.2 &"], linger=30, env=box.env).to_dict()
+    rec = launcher.run(["sh", "-c", "sleep 1 &"], linger=30, env=box.env).to_dict()
     assert rec["state"] == "REAPED" and rec["evidence"]["signal_sent"]["observed"] is False
     assert rec["linger"]["ended_by"] == "emptied"
     assert holders(box.token) == []
@@ -692,3 +703,25 @@ def test_options_refuse_time_bounds_that_cannot_be_honoured(kw):
 
     with pytest.raises(ValueError):
         Options(**kw)
+
+
+def test_a_worker_that_exits_before_its_init_reports_it_is_noticed_at_once(box):
+    """A worker that exits before its init has said EXEC (a busy host, a
+    quick `sh -c 'job &'`) had its exit read by the spawn, and the owner
+    loop then waited before looking: nothing woke it until the namespace
+    emptied, so the stop (here the linger) began only once the background
+    job was gone, and a job that never ends would never have been stopped.
+    Twelve at once make the race likely; each record must show the linger
+    that began while its job still ran."""
+    import concurrent.futures
+
+    def one(i: int) -> dict:
+        p = run_contain(box.env, "run", "--id", f"q{i}", "--linger", "30", "--", "sh", "-c", "sleep 1 &")
+        assert p.returncode == 0, p.stderr
+        return box.record(f"q{i}")["linger"]
+
+    with concurrent.futures.ThreadPoolExecutor(12) as ex:
+        lingers = list(ex.map(one, range(12)))
+    late = [lg for lg in lingers if lg["seen"]["count"] < 1 or lg["lingered_s"] < 0.3]
+    assert not late, late
+    assert holders(box.token) == []
