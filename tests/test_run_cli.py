@@ -118,6 +118,36 @@ def test_empty_command_name_is_127_not_a_path_directory(box, tmp_path):
     assert rec["outcome"] == "spawn_failed"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="--user needs root")
+@pytest.mark.parametrize("how", [["--user", "nobody"], ["--seal"]])
+def test_missing_command_behind_a_path_directory_the_worker_cannot_search_is_127(box, tmp_path, how):
+    """root's PATH often starts with directories only root may search
+    (/root/.local/bin, /root/.cargo/bin). As `--user nobody` or under --seal,
+    `contain run -- no-such-command` exited 126 with "/root/.../no-such-command:
+    Permission denied", naming a file that does not exist: a PATH search
+    treats a candidate the user cannot even see as not there, as bash and dash
+    do (127). A file it can see but not run is still 126."""
+    import shutil
+    import tempfile
+
+    top = tempfile.mkdtemp(prefix="contain-path-")     # (tmp_path sits in a 0700 directory of root's)
+    try:
+        os.chmod(top, 0o755)
+        private, visible = os.path.join(top, "private-bin"), os.path.join(top, "bin")
+        os.mkdir(private, 0o700)
+        os.mkdir(visible, 0o755)
+        with open(os.path.join(visible, "not-a-program"), "w") as f:
+            f.write("data\n")
+        os.chmod(os.path.join(visible, "not-a-program"), 0o644)
+        env = dict(box.env, PATH=f"{private}:{visible}:/usr/bin:/bin")
+        p = run_contain(env, "run", "--id", "m", *how, "--", "no-such-command-anywhere")
+        assert p.returncode == 127 and "command not found" in p.stderr and private not in p.stderr, p.stderr
+        p = run_contain(env, "run", "--id", "n", *how, "--", "not-a-program")
+        assert p.returncode == 126 and "Permission denied" in p.stderr, p.stderr
+    finally:
+        shutil.rmtree(top)
+
+
 @pytest.mark.parametrize("target", ["a-file-without-x", "/tmp"])
 def test_not_executable_is_126_and_leaves_no_leaf(box, target, tmp_path):
     if not target.startswith("/"):

@@ -196,7 +196,12 @@ static int exists(const char *path) {
  * EACCES and an ENOENT from a file that exists (its #! interpreter or ELF
  * loader is missing), remembered to be reported if nothing runs; any
  * other error ends the search (glibc's __execvpe does the same). ENOEXEC
- * runs the candidate with the shell, as execvp does. */
+ * runs the candidate with the shell, as execvp does. In a PATH search, an
+ * EACCES from a candidate this user cannot even see (a directory of PATH it
+ * may not search: root's /root/.local/bin for `--user nobody` or --seal)
+ * is not found, as bash and dash judge it (they stat each candidate as the
+ * user), rather than glibc's "Permission denied" naming a file that is not
+ * there: 127, not 126. */
 static __attribute__((noreturn)) void child_exec(const struct ct_spawn_args *a, struct ct_report *rep) {
     int saved = ENOENT, saved_cand = -1;
     for (int i = 0; i < a->npaths; i++) {
@@ -209,6 +214,7 @@ static __attribute__((noreturn)) void child_exec(const struct ct_spawn_args *a, 
             child_fail(rep, CT_STAGE_EXEC, ENOEXEC, i);
         }
         if (e == ENOTDIR || (e == ENOENT && !exists(path))) continue;
+        if (e == EACCES && a->path_search && !exists(path)) continue;
         if (e == EACCES || e == ENOENT) {
             if (saved_cand < 0) {
                 saved = e;

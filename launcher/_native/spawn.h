@@ -62,6 +62,7 @@ struct ct_spawn_args {
     const char *shell;          /* ENOEXEC: run the candidate as shell_argv with this (NULL: don't) */
     char **shell_argv;          /* {"sh", <slot the child fills with the candidate>, argv[1], ..., NULL} */
     int clear_caps;             /* empty the bounding set, clear ambient (as far as permitted) */
+    int path_search;            /* paths came from a PATH search (argv[0] has no slash) */
 };
 
 struct ct_spawn_result {

@@ -279,6 +279,7 @@ def spawn_args(req: SpawnRequest, cgroup_fd: int, join_fds: Sequence[int], expec
         a.ndrop = len(req.drop_caps)
     a.no_new_privs = int(req.no_new_privs)
     a.clear_caps = int(req.clear_caps)
+    a.path_search = int(bool(req.argv[0]) and "/" not in req.argv[0])     # candidates() searched PATH
     a.sig_ignore = _mask(req.keep_ignored)
     if req.pass_fds:
         a.pass_fds = _ints("int[]", req.pass_fds, keep)
