@@ -50,3 +50,53 @@ def test_gc_removes_at_once_the_run_that_cancel_says_gc_removes(box):
     assert not os.path.exists(os.path.join(box.state_dir, "runs", "k")), p.stdout
     assert not os.path.exists(os.path.join(box.state_dir, "runs", "k2")), p.stdout
     assert strays(box, "k2", uid2) == []
+
+
+FORKS_A_HELPER_THEN_DIES = """
+import os, sys, time
+import launcher
+w = launcher.spawn(["sleep", "300"], id="f")
+helper = os.fork()
+if helper == 0:
+    time.sleep(60)                  # multiprocessing's fork, a daemonising helper: outlives its parent
+    os._exit(0)
+print(helper, w.pid, flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_library_owner_killed_after_forking_a_helper_leaves_an_adoptable_run(box):
+    # The owner lock is an OFD lock, and fork() shares the open file
+    # description: a helper the library's process forked went on holding it
+    # after that process was SIGKILLed. ls showed the run RUNNING, not
+    # orphaned, and `contain cancel --wait` waited for an owner that no
+    # longer existed (until the helper ended), the worker running meanwhile.
+    import signal
+    import subprocess
+    import sys
+
+    from _proc import holders
+
+    p = subprocess.Popen([sys.executable, "-c", FORKS_A_HELPER_THEN_DIES], env=box.env,
+                         stdout=subprocess.PIPE, text=True)
+    helper = -1
+    try:
+        helper = int(p.stdout.readline().split()[0])
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        ls = run_contain(box.env, "ls")
+        assert "orphaned" in ls.stdout, ls.stdout
+        c = run_contain(box.env, "cancel", "f", "--wait", timeout=20)
+        assert c.returncode == 0, c.stderr
+        assert box.record("f")["state"] == "REAPED"
+        assert [h for h in holders(box.token) if h != helper] == []
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        if helper > 0:
+            try:
+                os.kill(helper, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
