@@ -343,6 +343,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
     watch = Watcher(d, info.supervisor if isinstance(info, RunInfo) else None)
     rec: dict[str, Any] | Unreadable | None = None
     final = False
+    never = False
     try:
         while True:
             rec = d.load_record()
@@ -361,6 +362,10 @@ def cmd_wait(args: argparse.Namespace) -> int:
                     break
                 if isinstance(rec, Unreadable):
                     _err(f"run {d.id}: its record is unreadable ({rec.reason}) and its owner is gone")
+                elif rec is None and d.load_run() is None:
+                    never = True          # as ls, status and cancel say: nothing ran, nothing to adopt
+                    _err(f"run {d.id} never started: its supervisor died before the spawn "
+                         "(no run.json, no record); `contain gc` removes it")
                 else:
                     _err(f"run {d.id} is {state} and its owner is gone; "
                          f"`contain cancel {d.id}` adopts and stops it")
@@ -382,7 +387,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
     else:
         # No record.json at all is a run before its first record (or whose
         # owner died before writing it), not an unreadable one.
-        shown = record.get("state") or (UNREADABLE if isinstance(rec, Unreadable) else "RUNNING")
+        shown = record.get("state") or (UNREADABLE if isinstance(rec, Unreadable) or never else "RUNNING")
         print(f"run {d.id}: {shown}  outcome {record.get('outcome') or '-'}  "
               f"exit {exit_text(record)}")
     if getattr(args, "redispatch", False):

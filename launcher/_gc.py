@@ -145,7 +145,9 @@ def _status(st: StateDir, e: Entry, now: float) -> str:
             except FileNotFoundError:
                 # Claimed, never described, owner gone: nothing ever ran,
                 # but the cgroups it made before it was killed may be left.
-                if now - e.mtime <= CLAIM_STALE_S:
+                # A run appears with its owner lock held (RunDir.claim): a
+                # free one means its supervisor is gone, not still starting.
+                if lock < 0 and now - e.mtime <= CLAIM_STALE_S:
                     return "live"
                 from ._strays import claimed_uid        # rare: not loaded for every claim's prune
 

@@ -166,7 +166,7 @@ class RunDir(RunDirBase):
             if not take_lock(lock):
                 os.close(lock)
                 raise RunConflict(f"run {self.id}: the owner lock of a new directory is taken")
-            self._lock_fd = lock
+            self._own(lock)
             if info is not None:
                 F.replace_file(fd, "run.json", encode(info), self.file("run.json"), mode=FILE_MODE)
             try:

@@ -47,6 +47,32 @@ def check_id(run_id: str) -> str:
     return run_id
 
 
+# The run directories this process owns, by object id. An OFD lock belongs to
+# the open file description, which fork() shares: a child of the owner's
+# process that outlived it (multiprocessing's fork, a daemonising helper)
+# went on holding the run as supervised, so `ls` showed it live and `contain
+# cancel` waited on an owner that no longer existed. The child is not the
+# owner: its copies are closed (not unlocked, which would free the parent's).
+_OWNED: dict[int, "RunDirBase"] = {}
+
+
+def _forget_owned_in_child() -> None:
+    for d in list(_OWNED.values()):
+        reinit = getattr(d._mu, "_at_fork_reinit", None)
+        if reinit is not None:
+            reinit()              # held by a thread that is not in the child
+        fd, d._lock_fd = d._lock_fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    _OWNED.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_owned_in_child)
+
 
 class RunDirBase:
     """One run's directory, `<state>/runs/<id>`, constructed from its path;
@@ -218,16 +244,21 @@ class RunDirBase:
             if not stat.S_ISREG(os.fstat(lock).st_mode) or not take_lock(lock):
                 os.close(lock)
                 return False
-            with self._mu:
-                self._lock_fd = lock
+            self._own(lock)
             self._hold(fd)
             return True
         finally:
             os.close(fd)
 
+    def _own(self, lock: int) -> None:
+        with self._mu:
+            self._lock_fd = lock
+            _OWNED[id(self)] = self
+
     def release(self) -> None:
         """Give up ownership: the lock, the journal, the held directories."""
         with self._mu:
+            _OWNED.pop(id(self), None)
             for name in ("_lock_fd", "_journal_fd", "_cfd", "_fd"):
                 fd = getattr(self, name)
                 if fd >= 0:

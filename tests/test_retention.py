@@ -60,7 +60,8 @@ def test_gc_removes_only_ended_runs(tmp_path):
     live_ended = make(sd, "ending", "REAPED", keep_owner=True)   # record written, acks not yet settled
     make(sd, "reused", "REAPED")
     make(sd, "reused", "REAPED")                   # moves the first aside to .ended-reused-<uid>
-    make(sd, "newclaim", None, describe=False)      # claimed a moment ago, not described yet
+    starting = make(sd, "newclaim", None, describe=False, keep_owner=True)   # its supervisor is starting
+    make(sd, "freshdead", None, describe=False)     # claimed a moment ago, owner lock free: its supervisor is gone
     make(sd, "deadclaim", None, describe=False)
     old = time.time() - 3600
     os.utime(os.path.join(sd, "runs", "deadclaim"), (old, old))
@@ -74,16 +75,17 @@ def test_gc_removes_only_ended_runs(tmp_path):
         res = json.loads(p.stdout)
         left = names(sd)
         assert left == {"orphan", "unconfirmed", "prerecord", "unreadable", "live", "ending", "newclaim"}, left
-        assert sorted(res["removed"]) == sorted(["reaped", "exited", "breached", "reused", "deadclaim"] +
+        assert sorted(res["removed"]) == sorted(["reaped", "exited", "breached", "reused", "deadclaim", "freshdead"] +
                                                 [n for n in res["removed"] if n.startswith(".ended-reused-")])
         assert res["unreadable"] == 1 and res["live"] == 6
     finally:
         live.release()
         live_ended.release()
-    # Once its owner is gone, the ended one goes too; the rest still stay.
+        starting.release()
+    # Once their owners are gone, the ended one and the claim go too; the rest still stay.
     p = run_contain(env, "gc")
-    assert p.returncode == 0 and "removed 1 ended run;" in p.stdout, p.stdout
-    assert names(sd) == {"orphan", "unconfirmed", "prerecord", "unreadable", "live", "newclaim"}
+    assert p.returncode == 0 and "removed 2 ended runs;" in p.stdout, p.stdout
+    assert names(sd) == {"orphan", "unconfirmed", "prerecord", "unreadable", "live"}
 
 
 def test_gc_keep_and_older_than(tmp_path):
