@@ -32,7 +32,7 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any, Iterable
 
-from ._procfs import read_stat
+from ._procfs import every_fd, read_stat
 from ._record import evidence
 
 LOCKS = "/proc/locks"
@@ -254,33 +254,22 @@ def holders_of(survivors: list[Lock]) -> tuple[list[dict[str, Any]], int]:
     want = {(lk.dev, lk.ino) for lk in survivors}
     keys = {lk.key for lk in survivors}
     found: list[dict[str, Any]] = []
-    denied = 0
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        pid = int(name)
+    fds, denied = every_fd()
+    for pid, fd in fds:
         try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except FileNotFoundError:
-            continue
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
         except OSError:
-            denied += 1
             continue
-        for fd in fds:
-            try:
-                st = os.stat(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino) not in want:
-                continue
-            try:
-                locks = [lk for lk in fdinfo_locks(_read(f"/proc/{pid}/fdinfo/{fd}")) if lk.key in keys]
-                path = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            for lk in locks:
-                found.append({"pid": pid, "start_time": _start_time(pid), "comm": _comm(pid), "fd": int(fd),
-                              "path": path, "lock": lk.to_dict()})
+        if (st.st_dev, st.st_ino) not in want:
+            continue
+        try:
+            locks = [lk for lk in fdinfo_locks(_read(f"/proc/{pid}/fdinfo/{fd}")) if lk.key in keys]
+            path = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        for lk in locks:
+            found.append({"pid": pid, "start_time": _start_time(pid), "comm": _comm(pid), "fd": int(fd),
+                          "path": path, "lock": lk.to_dict()})
     return found, denied
 
 

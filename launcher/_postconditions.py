@@ -116,26 +116,18 @@ def sockets_closed(before: set[int], problems: list[str]) -> dict[str, Any]:
 def _sockets_in_any_fd(inodes: set[int]) -> tuple[set[int], int]:
     """Which of these socket inodes some process's fd names, and how many
     processes could not be inspected."""
+    from ._procfs import every_fd
+
     names = {f"socket:[{ino}]": ino for ino in inodes}
     found: set[int] = set()
-    denied = 0
-    for pid in os.listdir("/proc"):          # this process too: a library caller may hold one
-        if not pid.isdigit():
-            continue
+    fds, denied = every_fd()                 # this process too: a library caller may hold one
+    for pid, fd in fds:
         try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except FileNotFoundError:
-            continue
+            ino = names.get(os.readlink(f"/proc/{pid}/fd/{fd}"))
         except OSError:
-            denied += 1
             continue
-        for fd in fds:
-            try:
-                ino = names.get(os.readlink(f"/proc/{pid}/fd/{fd}"))
-            except OSError:
-                continue
-            if ino is not None:
-                found.add(ino)
+        if ino is not None:
+            found.add(ino)
     return found, denied
 
 

@@ -183,6 +183,26 @@ def mounts() -> list[Mount]:
         return parse_mountinfo(f.read())
 
 
+def every_fd() -> tuple[list[tuple[int, str]], int]:
+    """(pid, fd number) of every open descriptor of every process whose fd
+    directory could be listed (this process's too), and how many processes'
+    could not be (a scan that found nothing there proves nothing)."""
+    out: list[tuple[int, str]] = []
+    denied = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{name}/fd")
+        except FileNotFoundError:
+            continue                    # gone meanwhile
+        except OSError:
+            denied += 1
+            continue
+        out.extend((int(name), fd) for fd in fds)
+    return out, denied
+
+
 def below(path: str, top: str) -> str:
     """`os.path.relpath(path, top)` for absolute paths, without its two
     abspath calls where `path` is `top` or written plainly below it (the
