@@ -362,7 +362,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
                     break
                 if isinstance(rec, Unreadable):
                     _err(f"run {d.id}: its record is unreadable ({rec.reason}) and its owner is gone")
-                elif rec is None and d.load_run() is None:
+                elif rec is None and d.never_described():
                     never = True          # as ls, status and cancel say: nothing ran, nothing to adopt
                     _err(f"run {d.id} never started: its supervisor died before the spawn "
                          "(no run.json, no record); `contain gc` removes it")

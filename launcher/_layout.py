@@ -227,6 +227,15 @@ class RunDir(RunDirBase):
         finally:
             os.close(fd)
 
+    def never_described(self) -> bool:
+        """No run.json and no run tag: the owner writes both before the spawn,
+        so a run without either, whose owner is gone, started nothing (a tag
+        with no run.json is a run whose files were removed, adoptable from
+        the tag)."""
+        from . import _tags
+
+        return self.load_run() is None and _tags.read(self.path, _tags.RUN_TAG).value is None
+
     def load_run(self) -> RunInfo | Unreadable | None:
         """run.json, checked: RunInfo, Unreadable (with why), or None (none)."""
         return self._load("run.json", MAX_RUN_INFO, lambda o: parse_run_info(o, self.id))

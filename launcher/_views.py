@@ -188,8 +188,9 @@ def fill_view(d: RunDir, view: dict[str, Any], live: bool, summary: bool = False
         if isinstance(info, Unreadable):
             view["state"], view["unreadable"] = UNREADABLE, info.reason
         elif info is None and owner is not True:
-            view["state"], view["unreadable"] = UNREADABLE, ("no run.json and no record: it never started"
-                                                              if owner is False else "cannot be read")
+            view["state"], view["unreadable"] = UNREADABLE, (
+                "cannot be read" if owner is not False else "no run.json and no record: it never started"
+                if d.never_described() else "no run.json and no record, but its tag says it was described")
         else:
             view["state"] = "RUNNING"       # being born, or an orphan before its first record
     if view["state"] == UNREADABLE and owner is False:

@@ -92,3 +92,37 @@ def test_a_stray_cgroup_that_holds_a_process_keeps_its_run(box):
     finally:
         sleeper.kill()
         sleeper.wait(10)
+
+
+def test_a_run_whose_run_json_was_removed_is_not_called_never_started(box):
+    """Without run.json and record but with its tag, a run was described:
+    its files were removed (by its user, or a worker that can reach them),
+    and its worker may live. `wait` and `ls` said "never started" on the
+    missing run.json alone; they say so only when the tag is missing too,
+    and `cancel` adopts the run from its tag."""
+    from _proc import contain_cmd, holders, wait_holders
+
+    proc = subprocess.Popen(contain_cmd("run", "--id", "t", "--", "sleep", "300"), env=box.env,
+                            stderr=subprocess.DEVNULL)
+    try:
+        run_dir = os.path.join(box.state_dir, "runs", "t")
+        deadline = time.monotonic() + 20
+        while not os.path.exists(os.path.join(run_dir, "record.json")) and time.monotonic() < deadline:
+            time.sleep(0.02)                 # the RUNNING record: run.json and the tag are written by then
+        assert len(wait_holders(box.token, 2)) >= 2, "workload did not start"
+        for name in ("run.json", "record.json", "summary.json"):
+            if os.path.exists(os.path.join(run_dir, name)):
+                os.unlink(os.path.join(run_dir, name))
+        proc.kill()
+        proc.wait(10)
+        p = run_contain(box.env, "wait", "t")
+        assert "Traceback" not in p.stderr and "never started" not in p.stderr, p.stderr
+        p = run_contain(box.env, "ls")
+        assert "never started" not in p.stdout, p.stdout
+        p = run_contain(box.env, "cancel", "t", "--wait")
+        assert "Traceback" not in p.stderr and "never started" not in p.stderr, p.stderr
+        assert holders(box.token) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
