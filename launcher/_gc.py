@@ -149,7 +149,11 @@ def _status(st: StateDir, e: Entry, now: float) -> str:
                 # free one means its supervisor is gone, not still starting.
                 if lock < 0 and now - e.mtime <= CLAIM_STALE_S:
                     return "live"
-                from ._strays import claimed_uid        # rare: not loaded for every claim's prune
+                from . import _tags                     # rare: not loaded for every claim's prune
+                from ._strays import claimed_uid
+
+                if _tags.read(path, _tags.RUN_TAG).value is not None:
+                    return "live"      # described once (its run.json removed): `contain cancel` adopts it from the tag
 
                 e.stray_uid = claimed_uid(fd)
                 return "ended"

@@ -119,6 +119,9 @@ def test_a_run_whose_run_json_was_removed_is_not_called_never_started(box):
         assert "Traceback" not in p.stderr and "never started" not in p.stderr, p.stderr
         p = run_contain(box.env, "ls")
         assert "never started" not in p.stdout, p.stdout
+        age(box, "t")
+        p = run_contain(box.env, "gc")
+        assert os.path.isdir(run_dir), "gc removed a described run whose worker lives"
         p = run_contain(box.env, "cancel", "t", "--wait")
         assert "Traceback" not in p.stderr and "never started" not in p.stderr, p.stderr
         assert holders(box.token) == []
