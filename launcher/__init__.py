@@ -24,9 +24,9 @@ _EXPORTS = {
     "StopRecord": "._record",
     "CancelRecord": "._record",
     "Unknown": "._record",
-    "State": "._state",
-    "Outcome": "._state",
-    "Effect": "._state",
+    "State": "._enums",
+    "Outcome": "._enums",
+    "Effect": "._enums",
     "LauncherError": "._errors",
     "SpawnFailed": "._errors",
     "ContainmentUnavailable": "._errors",
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from ._doctor import capabilities as capabilities
     from ._record import CancelRecord as CancelRecord, StopRecord as StopRecord, Unknown as Unknown
     from ._scan import ProcessInfo as ProcessInfo, scan_processes as scan_processes
-    from ._state import Effect as Effect, Outcome as Outcome, State as State
+    from ._enums import Effect as Effect, Outcome as Outcome, State as State
     from ._supervisor import Supervisor as Supervisor
     from ._worker import Worker as Worker, run as run, spawn as spawn
 

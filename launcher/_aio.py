@@ -206,7 +206,7 @@ class AsyncWorker(RunHandle):
                 self._error = e
             finally:
                 try:
-                    if run.snap.terminal or run.snap.phase is Phase.UNCONFIRMED:
+                    if run.snap.terminal or run.snap.phase == Phase.UNCONFIRMED:
                         run.finish()         # as Run.supervise() does
                 finally:
                     self._ended.set()

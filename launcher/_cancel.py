@@ -127,11 +127,11 @@ def _run_uid_elsewhere(layout: RunDir) -> str | None:
     if rec is not None and isinstance(rec.get("run_uid"), str):
         return str(rec["run_uid"])
     from . import _tags
-    from ._runfiles import UID_RE
+    from ._names import valid_uid
 
     tag = _tags.read(layout.path, _tags.RUN_TAG).value
     uid = tag.get("run_uid") if tag is not None else None
-    return uid if isinstance(uid, str) and UID_RE.match(uid) else None
+    return uid if valid_uid(uid) else None
 
 
 def _await(layout: RunDir, op: str, info: dict[str, Any], wait: bool, timeout: float | None) -> CancelRecord:

@@ -9,7 +9,7 @@ every run's cost (benchmarks/bench_cli.py). A plain `contain run [OPTIONS]
 from __future__ import annotations
 
 import os
-import signal
+from . import _signals as signal
 import sys
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:

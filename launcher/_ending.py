@@ -34,7 +34,7 @@ def settle_tree(run: Run, terminal: bool) -> None:
             run.usage.finish(run.facts, run.container, run.pid)
             problem = run.container.remove()
             run.facts.cleanup.update(container_removed=problem is None, detail=problem)
-    if run.snap.phase is S.Phase.REAPED:
+    if run.snap.phase == S.Phase.REAPED:
         for hook in run.end_hooks:
             hook(run)
     if run.watch is not None:
@@ -93,14 +93,14 @@ def abandon(run: Run, err: BaseException) -> None:
     why = "interrupted" if isinstance(err, KeyboardInterrupt) else f"{type(err).__name__}: {err}"
     try:
         run.facts.notes.append(f"the owner loop failed ({why}): contain stopped the run itself")
-        if not run.snap.terminal and run.snap.phase is not S.Phase.UNCONFIRMED:
+        if not run.snap.terminal and run.snap.phase != S.Phase.UNCONFIRMED:
             if not run.snap.stopping:
                 run.facts.set("cancel_requested", True, "the owner loop failed", {"by": "contain", "error": why})
                 run.feed(S.Event.CANCEL)
                 run.publish()
             now = time.monotonic()
             ev = run.stop.begin(now, 0.0) if run.stop.stage is None else run.stop.observe()
-            if ev is None or ev is S.Event.OBSERVE_FAILED:
+            if ev is None or ev == S.Event.OBSERVE_FAILED:
                 ev = run.stop.wait_empty(now + run.opts.kill_timeout)
             run.feed(ev)
         run.finish()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import select
-import signal
+from . import _signals as signal
 import sys
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 from . import _safefs as F
 from ._ofdlock import lock_held
-from ._runfiles import ID_RE, MAX_RECORD, TERMINAL, iso_epoch, loads, parse_record
+from ._names import valid_id
+from ._runfiles import MAX_RECORD, TERMINAL, iso_epoch, loads, parse_record
 from ._safefs import UnsafePath
 from ._statedir import PRUNE_SLACK, StateDir, claim_lock, claim_unlock, keep_runs
 
@@ -81,7 +82,7 @@ def _kind(name: str) -> str | None:
         return "claim"
     if name.startswith(".gc-"):
         return "gc"
-    if ID_RE.match(name):
+    if valid_id(name):
         return "run"
     return None     # .claim.lock and anything else: not ours to remove
 

@@ -84,4 +84,4 @@ class RunHandle:
                       state_dir=os.path.dirname(os.path.dirname(self._run.layout.path)))
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} id={self.id} pid={self.pid} state={self._run.snap.state.value}>"
+        return f"<{type(self).__name__} id={self.id} pid={self.pid} state={self._run.snap.state}>"

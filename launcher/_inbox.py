@@ -16,7 +16,7 @@ functions of _state.py. See docs/protocol.md.
 from __future__ import annotations
 
 import os
-import signal
+from . import _signals as signal
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import Any
@@ -46,7 +46,7 @@ _MAX_ANSWERED_REJECTIONS = 100    # journal lines and `unknown` answers for line
 
 def _rejected_only(ack: dict[str, Any]) -> bool:
     """An answer written for an inbox line that was not a request."""
-    return ack.get("effect") == S.Effect.UNKNOWN.value and str(ack.get("detail") or "").startswith("rejected: ")
+    return ack.get("effect") == S.Effect.UNKNOWN and str(ack.get("detail") or "").startswith("rejected: ")
 
 
 class Arrival:
@@ -54,7 +54,7 @@ class Arrival:
 
     __slots__ = ("op", "req", "effect", "ack")
 
-    def __init__(self, op: str, req: dict[str, Any], effect: S.Effect, ack: dict[str, Any]) -> None:
+    def __init__(self, op: str, req: dict[str, Any], effect: str, ack: dict[str, Any]) -> None:
         self.op = op
         self.req = req
         self.effect = effect
@@ -134,7 +134,7 @@ class Inbox:
                 # this op id later still applies (arrive, load).
                 self.layout.write_ack(op, {"op_id": op, "run_id": self.run_id, "run_uid": self.run_uid,
                                            "requested_at": None, "acknowledged_at": now_iso(),
-                                           "effect": S.Effect.UNKNOWN.value, "state": None,
+                                           "effect": S.Effect.UNKNOWN, "state": None,
                                            "detail": f"rejected: {rej.reason}"})
             except (LauncherError, OSError):
                 continue
@@ -159,25 +159,25 @@ class Inbox:
         ack = {"op_id": op, "run_id": self.run_id, "run_uid": self.run_uid,
                "requested_at": req.get("requested_at"), "acknowledged_at": now_iso(), "by": req.get("by")}
         if req.get("run_uid") not in (None, self.run_uid):
-            ack.update(effect=S.Effect.UNKNOWN.value, state=snap.state.value,
+            ack.update(effect=S.Effect.UNKNOWN, state=snap.state,
                        detail=f"refused: run uid {req.get('run_uid')} is not the current run ({self.run_uid})")
             self.write(op, ack, durable=snap.terminal)
             return None
         return Arrival(op, req, S.effect_on_arrival(snap), ack)
 
     def acknowledge(self, arrival: Arrival, snap: S.Snapshot) -> None:
-        ack = dict(arrival.ack, effect=arrival.effect.value, state=snap.state.value,
-                   outcome=None if snap.outcome is None else snap.outcome.value)
+        ack = dict(arrival.ack, effect=arrival.effect, state=snap.state,
+                   outcome=snap.outcome)
         self.write(arrival.op, ack, durable=snap.terminal)
 
     def settle(self, snap: S.Snapshot, *, emptied: bool = False) -> None:
         if self.layout is None:
             return
         for op, ack in list(self.ops.items()):
-            eff = S.effect_at_end(S.Effect(ack["effect"]), snap, emptied=emptied)
-            if eff.value != ack["effect"] or ack.get("state") != snap.state.value:
-                ack = dict(ack, effect=eff.value, state=snap.state.value, settled_at=now_iso(),
-                           outcome=None if snap.outcome is None else snap.outcome.value)
+            eff = S.effect_at_end(S.checked(S.Effect, ack["effect"]), snap, emptied=emptied)
+            if eff != ack["effect"] or ack.get("state") != snap.state:
+                ack = dict(ack, effect=eff, state=snap.state, settled_at=now_iso(),
+                           outcome=snap.outcome)
                 self.write(op, ack, durable=snap.terminal)
 
     def write(self, op: str, ack: dict[str, Any], *, durable: bool) -> None:
@@ -203,10 +203,7 @@ class Inbox:
         signal's operation was already requested."""
         if self.layout is None:
             return False
-        try:
-            name = signal.Signals(signum).name
-        except ValueError:
-            name = str(signum)
+        name = signal.name_of(signum) or str(signum)
         op = f"signal-{name}-{os.getpid()}-{self._nonce}"
         if op in self.ops or op in self.signal_ops:
             return False

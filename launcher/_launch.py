@@ -175,7 +175,7 @@ def cancelled_before_spawn(run: Run) -> bool:
     stopping or ended (the spawn is skipped)."""
     run.stop.never_ran = True
     run.turn()
-    if run.snap.phase is S.Phase.RUNNING:
+    if run.snap.phase == S.Phase.RUNNING:
         run.stop.never_ran = False
         return False
     run.facts.layers["root_exit"] = not_measured("cancelled before the spawn: no worker was started")
@@ -211,7 +211,7 @@ def spawn_failed(run: Run, err: LauncherError, *, ran: bool = False) -> None:
         run.feed(S.Event.TREE_GONE)
     else:
         ev = run.stop.begin(time.monotonic(), 0.0)
-        if ev is None or ev is S.Event.OBSERVE_FAILED:
+        if ev is None or ev == S.Event.OBSERVE_FAILED:
             ev = run.stop.wait_empty(run.stop.deadline)
         run.feed(ev)
     run.finish()

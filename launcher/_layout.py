@@ -43,7 +43,6 @@ nothing survives the crash fsync protects against, so it is skipped there
 from __future__ import annotations
 
 import errno
-import json
 import os
 import sys
 import time
@@ -54,6 +53,7 @@ if TYPE_CHECKING:
 from . import _fifos, _gc, _requests
 from . import _safefs as F
 from ._errors import RunConflict
+from ._jsonenc import dumps
 from ._ofdlock import take_lock
 from ._record import now_iso
 from ._requests import InboxRead, op_filename
@@ -300,7 +300,7 @@ class RunDir(RunDirBase):
 
     def journal(self, event: str, sync: bool = False, **fields: Any) -> None:
         """Append one line to the journal (diagnostic). Raises PersistError."""
-        line = (json.dumps({"at": now_iso(), "event": event, **fields}, separators=(",", ":")) + "\n").encode()
+        line = (dumps({"at": now_iso(), "event": event, **fields}, compact=True) + "\n").encode()
         with self._mu:
             fd = self._journal_fd
             if fd < 0:
@@ -325,7 +325,7 @@ class RunDir(RunDirBase):
         out = []
         for line in (data or b"").splitlines():
             try:
-                obj = json.loads(line)
+                obj = loads(line, "journal.ndjson")
             except ValueError:
                 continue
             if isinstance(obj, dict):

@@ -4,7 +4,6 @@ ValueError here into a usage error (exit 2).
 """
 from __future__ import annotations
 
-import re
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import Any
@@ -13,14 +12,16 @@ if TYPE_CHECKING:
 LIMIT_CONTROLLER = {"memory_max": "memory", "pids_max": "pids", "cpu_max": "cpu"}
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
+_BYTES = r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*"
 
 
 def parse_bytes(text: str) -> int:
     """`--memory-max`: bytes, with an optional K, M, G or T suffix (powers of
     1024, as systemd's MemoryMax= and docker's --memory read them; "KiB",
     "MiB"... and a trailing "B" are accepted too)."""
-    m = _BYTES.match(str(text))
+    import re     # lazy: only a run with --memory-max parses a size (`re` costs 1.5 ms, _jsonenc.py)
+
+    m = re.fullmatch(_BYTES, str(text), re.IGNORECASE)
     if not m:
         raise ValueError(f"{text!r} is not a size (e.g. 268435456, 256M, 1.5G)")
     value = int(float(m.group(1)) * _SUFFIX[m.group(2).upper()]) if "." in m.group(1) else \

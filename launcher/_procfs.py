@@ -20,9 +20,7 @@ import os
 import posixpath
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
-    from typing import NamedTuple
-else:
-    from collections import namedtuple
+    from typing import Any
 
 
 # -- /proc/<pid>/stat ---------------------------------------------------------
@@ -135,15 +133,31 @@ def cgroup_of(pid: int | str, *, missing_ok: bool = False) -> str | None:
 
 # -- /proc/self/mountinfo -----------------------------------------------------
 
-if TYPE_CHECKING:
-    class Mount(NamedTuple):
-        point: str            # field 5: where it is mounted
-        root: str             # field 4: the mount's root inside its filesystem
-        fstype: str           # after " - "
-        options: tuple[str, ...]         # per-mount options (field 6), in the kernel's order
-        super_options: tuple[str, ...]   # superblock options (last field)
-else:
-    Mount = namedtuple("Mount", ("point", "root", "fstype", "options", "super_options"))
+class Mount:
+    """One line of mountinfo. A class, not a namedtuple: `collections`
+    costs `contain run` 1 ms to import (see _state.py)."""
+
+    __slots__ = ("point", "root", "fstype", "options", "super_options")
+
+    def __init__(self, point: str, root: str, fstype: str, options: tuple[str, ...],
+                 super_options: tuple[str, ...]) -> None:
+        self.point = point                   # field 5: where it is mounted
+        self.root = root                     # field 4: the mount's root inside its filesystem
+        self.fstype = fstype                 # after " - "
+        self.options = options               # per-mount options (field 6), in the kernel's order
+        self.super_options = super_options   # superblock options (last field)
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.point, self.root, self.fstype, self.options, self.super_options)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mount) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return "Mount(%r, %r, %r, %r, %r)" % self._key()
 
 
 def _unescape(field: str) -> str:

@@ -7,7 +7,6 @@ the other.
 """
 from __future__ import annotations
 
-import json
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
@@ -68,6 +67,21 @@ def not_measured(reason: str) -> dict[str, Any]:
     return {"observed": None, "at": None, "via": "none", "detail": reason}
 
 
+def _plain(v: Any) -> Any:
+    """A deep copy of JSON-shaped data as json.loads(json.dumps(v)) would
+    make it (tuples become lists), without importing `json` (_jsonenc.py).
+    Keys that are not strings take that round trip itself."""
+    if isinstance(v, dict):
+        if not all(type(k) is str for k in v):
+            import json
+
+            return json.loads(json.dumps(v))
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
+
+
 class _View:
     """Read-only attribute access over a stored JSON object."""
 
@@ -101,7 +115,10 @@ class _View:
         return _View(v) if isinstance(v, dict) else v
 
     def to_dict(self) -> dict[str, Any]:
-        return json.loads(json.dumps(self._d))
+        """A deep copy, as JSON would give it back."""
+        out = _plain(self._d)
+        assert isinstance(out, dict)
+        return out
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _View) and self._d == other._d

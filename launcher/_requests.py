@@ -11,7 +11,6 @@ does not fit is rejected with the reason, never raised at the owner.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import stat
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
@@ -22,6 +21,7 @@ if TYPE_CHECKING:
 
 from . import _safefs as F
 from ._errors import RunConflict
+from ._jsonenc import dumps
 from ._runfiles import (MAX_ACK, MAX_LINE, Rejected, Request, encode, loads, parse_ack, parse_nested,
                         parse_request, valid_op_id)
 from ._safefs import UnsafePath
@@ -80,7 +80,7 @@ def append_request(d: RunDir, req: dict[str, Any]) -> None:
     before anyone may act on it, then the owner is poked. Raises ValueError
     (too large), PersistError (not durable: nothing may be signalled on its
     behalf)."""
-    data = (json.dumps(req, separators=(",", ":")) + "\n").encode()
+    data = (dumps(req, compact=True) + "\n").encode()
     if len(data) > MAX_LINE - 1:
         raise ValueError("cancel request too large")
     cfd = d.cancellations_fd(write=True, create=True)
@@ -265,7 +265,7 @@ def append_nested(d: RunDir, entry: dict[str, Any]) -> None:
     (O_NOFOLLOW, 0600). Raises ValueError (not a registration, too long),
     UnsafePath, PersistError."""
     parse_nested(entry)
-    line = (json.dumps(entry, separators=(",", ":")) + "\n").encode()
+    line = (dumps(entry, compact=True) + "\n").encode()
     if len(line) > MAX_LINE - 1:
         raise ValueError("nested run registration too large")
     fd = d.dir_fd(write=True)

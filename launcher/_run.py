@@ -28,7 +28,7 @@ worker's status instead of "worker running".
 """
 from __future__ import annotations
 
-import signal
+from . import _signals as signal
 import _thread     # its RLock: `threading` (0.5 ms to import here) stays off the CLI's run path
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
@@ -135,7 +135,7 @@ class Run:
         except BaseException as e:
             _ending.abandon(self, e)
             raise
-        if self.snap.terminal or self.snap.phase is S.Phase.UNCONFIRMED:
+        if self.snap.terminal or self.snap.phase == S.Phase.UNCONFIRMED:
             self.finish()
         assert self._final is not None
         return self._final
@@ -145,7 +145,7 @@ class Run:
         unconfirmed stop has been retried `UNCONFIRMED_RETRIES` times."""
         if self.snap.terminal:
             return False
-        return not (self.snap.phase is S.Phase.UNCONFIRMED and self.stop.kill_rounds > UNCONFIRMED_RETRIES)
+        return not (self.snap.phase == S.Phase.UNCONFIRMED and self.stop.kill_rounds > UNCONFIRMED_RETRIES)
 
     def finished(self) -> bool:
         """Whether the owner loop has written its last record."""
@@ -168,7 +168,7 @@ class Run:
         if self._signals or self.inbox.backlog:
             return time.monotonic()       # a signal delivered before the wake-up pipe existed; more to read
         t = self.stop.next_deadline()
-        if self._deadline_timeout and self.snap.phase is S.Phase.RUNNING:
+        if self._deadline_timeout and self.snap.phase == S.Phase.RUNNING:
             t = min(t, self._deadline_timeout)
         if self.container is not None and self.container.backend == "none" and self.snap.stopping:
             t = min(t, time.monotonic() + 0.02)   # degraded mode has no emptiness event
@@ -193,7 +193,7 @@ class Run:
             self._check_root()
             if self.opts.subreaper:
                 self._root_ended(host.reap_orphans(self.root, keep=self.container.owns))
-            if self._deadline_timeout and self.snap.phase is S.Phase.RUNNING and now >= self._deadline_timeout:
+            if self._deadline_timeout and self.snap.phase == S.Phase.RUNNING and now >= self._deadline_timeout:
                 self.feed(S.Event.TIMEOUT)
                 self.journal("timeout", after=self.opts.timeout)
                 self._begin_stop(now)
@@ -201,7 +201,7 @@ class Run:
                 self._check_root()
                 ev = self.stop.observe() if self.stop.stage is not None else None
                 if ev is not None:
-                    self._check_root(wait=ev is not S.Event.OBSERVE_FAILED)
+                    self._check_root(wait=ev != S.Event.OBSERVE_FAILED)
                     self.feed(ev)
                 if not self.snap.terminal:
                     self._advance(now)
@@ -220,7 +220,7 @@ class Run:
             return
         self.facts.root_exited(ex.exit_code, ex.signal, ex.layer)
         was_stopping = self.snap.stopping
-        self.feed(S.Event.ROOT_EXITED, S.Outcome(ex.how) if ex.how else None)
+        self.feed(S.Event.ROOT_EXITED, S.checked(S.Outcome, ex.how) if ex.how else None)
         self.journal("root_exited", exit_code=self.facts.exit_code, signal=self.facts.signal)
         if not was_stopping:
             self._begin_stop(time.monotonic(), linger=self.opts.linger)
@@ -231,16 +231,16 @@ class Run:
             if arrival is None:
                 continue
             grace, signum = grace_of(req), self.inbox.signal_of(arrival.op)
-            if arrival.effect is S.Effect.CANCEL_REQUESTED and not self.facts.observed("cancel_requested"):
+            if arrival.effect == S.Effect.CANCEL_REQUESTED and not self.facts.observed("cancel_requested"):
                 self.facts.cancel_requested(arrival.op, req)
                 self._cancel_grace = grace
             before = self.snap
             self.feed(S.Event.CANCEL)
             self.inbox.acknowledge(arrival, self.snap)
-            self.journal("cancel", op_id=arrival.op, effect=arrival.effect.value)
+            self.journal("cancel", op_id=arrival.op, effect=arrival.effect)
             if self.snap.stopping and not before.stopping:
                 self._begin_stop(time.monotonic(), grace=self._cancel_grace, signum=signum)
-            elif before.phase is S.Phase.UNCONFIRMED:
+            elif before.phase == S.Phase.UNCONFIRMED:
                 self.stop.retry(time.monotonic())
             elif before.stopping:
                 self.stop.shorten(time.monotonic(), grace, signum)   # ends a linger; a shorter grace
@@ -259,7 +259,7 @@ class Run:
         ev = self.stop.begin(now, self.opts.grace if grace is None else grace,
                              signum=signum or signal.SIGTERM, linger=linger)
         if ev is not None:
-            self._check_root(wait=ev is not S.Event.OBSERVE_FAILED)
+            self._check_root(wait=ev != S.Event.OBSERVE_FAILED)
             self.feed(ev)
         elif self.stop.stage == "linger":
             self.publish()          # readers see the worker's end and what lingers
@@ -269,13 +269,13 @@ class Run:
             self._begin_stop(now)
             return
         ev = self.stop.advance(now)
-        if ev is S.Event.DEADLINE:
+        if ev == S.Event.DEADLINE:
             self.feed(ev)
             self.journal("deadline", after=self.opts.kill_timeout)
             self.publish()
             self.stop.retry(now)
 
-    def feed(self, ev: S.Event, how: S.Outcome | None = None) -> None:
+    def feed(self, ev: str, how: str | None = None) -> None:
         self.snap = S.step(self.snap, ev, how)
 
     def journal(self, event: str, **fields: Any) -> None:
@@ -326,7 +326,7 @@ class Run:
                 self.facts.notes.append(self.stats_error)
                 rec = self.publish()
         self.inbox.settle(self.snap, emptied=self.facts.observed("container_empty"))
-        self.journal("ended" if terminal else "unconfirmed", state=self.snap.state.value)
+        self.journal("ended" if terminal else "unconfirmed", state=self.snap.state)
         if self.layout is not None:
             self.layout.release()
             # Readers believe a final record or settled ack only once the

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import Any, Mapping
@@ -15,9 +14,7 @@ from ._controllers import (DOCTOR_HINT, Route, V1Hierarchy, plan, read_file, v1_
 from ._errors import ContainmentUnavailable
 from ._limits import Limits
 from ._procfs import cgroups_of, read_stat
-
-RUN_NAME = re.compile(r"^(run|sub)-[A-Za-z0-9._-]{1,128}-[0-9a-f]{8}$")
-
+from ._names import run_name
 
 def _write(path: str, value: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -78,7 +75,7 @@ class RunCgroups:
         ContainmentUnavailable says why (the CLI's 125)."""
         env = os.environ if env is None else env
         limits = limits or Limits()
-        if not RUN_NAME.match(name):
+        if not run_name(name):
             raise ValueError(f"not a run cgroup name: {name!r}")
         v2_base = os.path.dirname(v2_dir) if v2_dir else None
         routes = plan(limits, v2_base=v2_base, env=env, hierarchies=hierarchies)
@@ -412,7 +409,7 @@ class RunCgroups:
         refused with ValueError, so a forged file cannot make us read or
         remove another cgroup."""
         name = desc.get("name")
-        if not isinstance(name, str) or not RUN_NAME.match(name):
+        if not run_name(name):
             raise ValueError("run cgroups: no valid name")
         if v2_dir is not None and os.path.basename(v2_dir) != name:
             raise ValueError(f"run cgroups: {name} does not match the v2 directory {v2_dir}")

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 from . import _safefs as F
 from ._errors import RunNotFound
 from ._ofdlock import drop_lock, lock_held, take_lock
-from ._runfiles import ID_RE
+from ._names import valid_id
 from ._safefs import UnsafePath
 from ._statedir import FILE_MODE, RUN_DIR_MODE, StateDir, location
 
@@ -42,7 +42,7 @@ def _any_of(dir_fd: int, names: tuple[str, ...]) -> bool:
 
 
 def check_id(run_id: str) -> str:
-    if not isinstance(run_id, str) or not ID_RE.match(run_id):
+    if not valid_id(run_id):
         raise ValueError(f"invalid run id {run_id!r}: use letters, digits, '.', '_' or '-' (at most 100)")
     return run_id
 
@@ -140,7 +140,7 @@ class RunDirBase:
             return
         with st:
             with os.scandir(st.runs_fd) as it:
-                names = sorted(e.name for e in it if ID_RE.match(e.name))
+                names = sorted(e.name for e in it if valid_id(e.name))
             root = os.path.join(st.path, "runs") + "/"
             for n in names:
                 yield cls(root + n, _state=st)
@@ -150,7 +150,7 @@ class RunDirBase:
     def _open_fd(self, write: bool) -> int:
         """A new fd of this run's directory, verified. Caller closes it."""
         runs_root = os.path.dirname(self.path)
-        if os.path.basename(runs_root) != "runs" or not ID_RE.match(self.id):
+        if os.path.basename(runs_root) != "runs" or not valid_id(self.id):
             raise UnsafePath(self.path, "is not a run directory (<state>/runs/<id>)")
         st = self._state
         if st is not None and st.runs_fd >= 0 and (st.write or not write):

@@ -17,14 +17,14 @@ Each raises ValueError (a `Rejected` for requests) with a one-line reason.
 """
 from __future__ import annotations
 
-import json
 import math
-import re
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import Any
 
-from ._state import TERMINAL_STATES, Effect, Outcome, State
+from ._jsonenc import dumps
+from ._names import valid_id, valid_iso, valid_uid
+from ._state import TERMINAL_STATES, Effect, Outcome, State, names
 
 # Bounds on what is read; anything larger was not written by an owner.
 # run.json and the record both carry argv, which exec accepts up to 6 MiB
@@ -49,24 +49,20 @@ MAX_ACK = 1 << 20
 # One inbox line (a request the requester may write: see append_request).
 MAX_LINE = 4096
 
-ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-UID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-ISO_RE = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,9})?Z$")
-_ISO_MATCH = ISO_RE.match
 MAX_OP_ID = 200
 PID_MAX = 1 << 22          # PID_MAX_LIMIT (include/linux/threads.h)
 
-STATES = frozenset(s.value for s in State)
+STATES = frozenset(names(State).values())
 TERMINAL = TERMINAL_STATES
-OUTCOMES = frozenset(o.value for o in Outcome)
-EFFECTS = frozenset(e.value for e in Effect)
+OUTCOMES = frozenset(names(Outcome).values())
+EFFECTS = frozenset(names(Effect).values())
 BACKENDS = frozenset({"cgroup2", "pidns", "job-object", "none"})
 
 
 def iso_epoch(s: Any) -> float | None:
     """Seconds since the epoch of a time as now_iso writes it
     (`YYYY-MM-DDTHH:MM:SS[.ffffff]Z`), or None for anything else."""
-    if type(s) is not str or not _ISO_MATCH(s):
+    if not valid_iso(s):
         return None
     import calendar
 
@@ -96,11 +92,17 @@ def encode(obj: Any, *, pretty: bool = False) -> bytes:
     state directory (`contain status` is how people read those); pretty only
     for --record FILE, since json's indent switches to the pure-Python
     encoder (0.2-0.3 ms for a record with its accounting)."""
-    return (json.dumps(obj, indent=2 if pretty else None) + "\n").encode()
+    if pretty:
+        import json     # lazy, like the decoder: the run path encodes with _jsonenc
+
+        return (json.dumps(obj, indent=2) + "\n").encode()
+    return (dumps(obj) + "\n").encode()
 
 
 def loads(data: bytes, what: str) -> Any:
     try:
+        import json     # lazy: `json` imports `re` (_jsonenc.py)
+
         return json.loads(data)
     except RecursionError:
         raise ValueError(f"{what}: nested too deeply") from None
@@ -120,7 +122,7 @@ def _opt_str(d: dict[str, Any], key: str, what: str, limit: int = 4096) -> None:
 
 def _opt_iso(d: dict[str, Any], key: str, what: str) -> None:
     v = d.get(key)
-    if v is not None and not (isinstance(v, str) and ISO_RE.match(v)):
+    if v is not None and not valid_iso(v):
         raise ValueError(f"{what}: {key} is not an ISO-8601 UTC time")
 
 
@@ -205,11 +207,11 @@ def parse_run_info(obj: Any, expect_id: str | None = None) -> RunInfo:
     if not isinstance(obj, dict):
         raise ValueError(f"{what} is not a JSON object")
     rid, uid = obj.get("run_id"), obj.get("run_uid")
-    if not isinstance(rid, str) or not ID_RE.match(rid):
+    if not valid_id(rid):
         raise ValueError(f"{what}: run_id is not a run id")
     if expect_id is not None and rid != expect_id:
         raise ValueError(f"{what} describes run {rid!r}, not {expect_id!r}")
-    if not isinstance(uid, str) or not UID_RE.match(uid):
+    if not valid_uid(uid):
         raise ValueError(f"{what}: run_uid is not a run uid")
     info = RunInfo()
     info.raw, info.run_id, info.run_uid = obj, rid, uid
@@ -249,7 +251,7 @@ def _evidence(v: Any, what: str) -> None:
         if o is not None and o is not True and o is not False:
             raise ValueError(f"{what}: evidence layer {str(layer)[:40]!r}: observed is not true, false or null")
         at = ev.get("at")
-        if at is not None and (type(at) is not str or not _ISO_MATCH(at)):
+        if at is not None and not valid_iso(at):
             raise ValueError(f"{what}: evidence layer {str(layer)[:40]!r}: at is not an ISO-8601 UTC time")
         via = ev.get("via")
         if via is not None and type(via) is not str:
@@ -282,12 +284,12 @@ def parse_record(obj: Any, expect_id: str | None = None, *, summary: bool = Fals
     if state in TERMINAL and out is None:
         raise ValueError(f"{what}: a {state} record has no outcome")
     rid = obj.get("run_id")
-    if rid is not None and not (isinstance(rid, str) and ID_RE.match(rid)):
+    if rid is not None and not valid_id(rid):
         raise ValueError(f"{what}: run_id is not a run id")
     if expect_id is not None and rid is not None and rid != expect_id:
         raise ValueError(f"{what} is the record of run {rid!r}, not {expect_id!r}")
     uid = obj.get("run_uid")
-    if not isinstance(uid, str) or not UID_RE.match(uid):
+    if not valid_uid(uid):
         raise ValueError(f"{what}: run_uid is not a run uid")
     for key in ("exit_code", "signal"):
         if obj.get(key) is not None and not _is_int(obj[key]):
@@ -333,7 +335,7 @@ def parse_ack(obj: Any, expect_op: str | None = None) -> dict[str, Any]:
     if out is not None and (not isinstance(out, str) or out not in OUTCOMES):
         raise ValueError(f"{what} of {op!r}: outcome is not an outcome")
     uid = obj.get("run_uid")
-    if uid is not None and not (isinstance(uid, str) and UID_RE.match(uid)):
+    if uid is not None and not valid_uid(uid):
         raise ValueError(f"{what} of {op!r}: run_uid is not a run uid")
     for key in ("run_id", "detail"):
         _opt_str(obj, key, f"{what} of {op!r}")
@@ -349,9 +351,9 @@ def parse_nested(obj: Any) -> dict[str, Any]:
     what = "nested.ndjson line"
     if not isinstance(obj, dict):
         raise ValueError(f"{what} is not a JSON object")
-    if not isinstance(obj.get("id"), str) or not ID_RE.match(obj["id"]):
+    if not valid_id(obj.get("id")):
         raise ValueError(f"{what}: id is not a run id")
-    if not isinstance(obj.get("run_uid"), str) or not UID_RE.match(obj["run_uid"]):
+    if not valid_uid(obj.get("run_uid")):
         raise ValueError(f"{what}: run_uid is not a run uid")
     _abs_path(obj.get("cgroup"), what, "cgroup")
     if obj.get("cgroup") is None:
@@ -428,12 +430,12 @@ def parse_request(line: bytes, offset: int, run_uid: str | None = None, *,
     uid = obj.get("run_uid")
     if uid is None and not require_uid:
         uid = ""
-    elif not isinstance(uid, str) or not UID_RE.match(uid):
+    elif not valid_uid(uid):
         raise Rejected("run_uid is missing or not a run uid", offset, op)
     if run_uid is not None and uid != run_uid:
         raise Rejected(f"refused: run uid {uid} is not the current run ({run_uid})", offset, op)
     at = obj.get("requested_at")
-    if at is not None and not (isinstance(at, str) and ISO_RE.match(at)):
+    if at is not None and not valid_iso(at):
         raise Rejected("requested_at is not an ISO-8601 UTC time", offset, op)
     grace = obj.get("grace")
     if grace is not None:

@@ -27,7 +27,7 @@ Anchored on GNU `timeout` and `docker run`'s signal proxy:
 from __future__ import annotations
 
 import os
-import signal
+from . import _signals as signal
 import sys
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ class SignalProxy:
         self._announced = False
         # Read before anything is installed: Python itself leaves a SIGINT
         # that was ignored at start-up ignored (no KeyboardInterrupt handler).
-        self.ignored = frozenset(int(s) for s in CANCEL_SIGNALS if signal.getsignal(s) is signal.SIG_IGN)
+        self.ignored = frozenset(int(s) for s in CANCEL_SIGNALS if signal.getsignal(s) == signal.SIG_IGN)
 
     def install(self) -> None:
         for s in CANCEL_SIGNALS:
@@ -74,7 +74,7 @@ class SignalProxy:
             return
         self._announced = True
         left = max(0.0, stop.grace)
-        name = signal.Signals(stop.signum).name if stop.signum in signal.valid_signals() else str(stop.signum)
+        name = signal.name_of(stop.signum) or str(stop.signum)
         self.say(f"stopping run {self.run.id}: {name} sent, SIGKILL in {left:g} s (Ctrl-C again kills now)")
 
 

@@ -15,16 +15,35 @@ Rules the table encodes (CONTRACT.md):
   A container that could have been left gives `EMPTY_LEAVABLE`: `EXITED`.
 - `UNCONFIRMED` is not terminal: a new cancel reopens the stop.
 - Terminal states absorb every event.
+
+Every set of names is a class of str constants, not an `enum`: `enum` and
+what it imports (functools, collections) cost `contain run` 2.3 ms of its
+start-up, a sixth of what the whole run may take over a plain
+`subprocess.call` (docs/performance.md). The public `launcher.State`,
+`Outcome` and `Effect` are StrEnums of these same names (_enums.py).
+Compare with `==`: a value read from a file is an equal string, not the
+same object.
 """
 from __future__ import annotations
 
-import enum
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
-if TYPE_CHECKING:
-    from typing import NamedTuple
 
 
-class State(enum.StrEnum):
+def names(of: type) -> dict[str, str]:
+    """NAME -> value of one set of names, in definition order."""
+    return {k: v for k, v in vars(of).items() if k.isupper() and isinstance(v, str)}
+
+
+def checked(of: type, value: object) -> str:
+    """`value` if it is one of `of`'s values (the canonical constant), else
+    ValueError, as `Enum(value)` would raise."""
+    for v in names(of).values():
+        if v == value:
+            return v
+    raise ValueError(f"{value!r} is not a valid {of.__name__}")
+
+
+class State:
     RUNNING = "RUNNING"
     REAPED = "REAPED"
     EXITED = "EXITED"
@@ -32,7 +51,7 @@ class State(enum.StrEnum):
     BREACHED = "BREACHED"
 
 
-class Outcome(enum.StrEnum):
+class Outcome:
     EXITED = "exited"
     SIGNALED = "signaled"
     CANCELLED = "cancelled"
@@ -40,7 +59,7 @@ class Outcome(enum.StrEnum):
     SPAWN_FAILED = "spawn_failed"
 
 
-class Phase(enum.StrEnum):
+class Phase:
     """Finer than State: RUNNING and STOPPING both read as State.RUNNING."""
 
     RUNNING = "running"          # live, nothing asked it to stop
@@ -51,7 +70,7 @@ class Phase(enum.StrEnum):
     BREACHED = "breached"
 
 
-class Event(enum.StrEnum):
+class Event:
     ROOT_EXITED = "root_exited"      # carries how: Outcome.EXITED or Outcome.SIGNALED
     CANCEL = "cancel"                # a durable cancel request reached the owner
     TIMEOUT = "timeout"
@@ -68,8 +87,7 @@ TERMINAL = frozenset({Phase.REAPED, Phase.EXITED, Phase.BREACHED})
 
 # The one definition of which contract states are final (and which are not):
 # every reader of a record (ls, status, wait, cancel, adoption, the layout's
-# liveness check) asks these. StrEnum members hash as their strings, so a
-# state read from JSON is looked up as it is.
+# liveness check) asks these; a state read from JSON is looked up as it is.
 TERMINAL_STATES = frozenset({State.REAPED, State.EXITED, State.BREACHED})
 LIVE_STATES = frozenset({State.RUNNING, State.UNCONFIRMED})
 
@@ -83,7 +101,7 @@ _STATE_OF = {
 }
 
 # (phase, event) -> next phase. A pair that is missing leaves the phase as it is.
-_NEXT: dict[tuple[Phase, Event], Phase] = {
+_NEXT: dict[tuple[str, str], str] = {
     (Phase.RUNNING, Event.ROOT_EXITED): Phase.STOPPING,
     (Phase.RUNNING, Event.CANCEL): Phase.STOPPING,
     (Phase.RUNNING, Event.TIMEOUT): Phase.STOPPING,
@@ -112,21 +130,27 @@ _OUTCOME_OF = {
 }
 
 
-if TYPE_CHECKING:
-    class _SnapshotFields(NamedTuple):
-        phase: Phase = Phase.RUNNING
-        outcome: Outcome | None = None
-else:
-    from collections import namedtuple
-
-    _SnapshotFields = namedtuple("Snapshot", ("phase", "outcome"), defaults=(Phase.RUNNING, None))
-
-
-class Snapshot(_SnapshotFields):
+class Snapshot(tuple[str, "str | None"]):
+    """(phase, outcome): immutable, compared and hashed as a tuple (a
+    namedtuple would import collections, see above)."""
     __slots__ = ()
 
+    def __new__(cls, phase: str = Phase.RUNNING, outcome: str | None = None) -> Snapshot:
+        return tuple.__new__(cls, (phase, outcome))
+
     @property
-    def state(self) -> State:
+    def phase(self) -> str:
+        return self[0]
+
+    @property
+    def outcome(self) -> str | None:
+        return self[1]
+
+    def __repr__(self) -> str:
+        return f"Snapshot(phase={self[0]!r}, outcome={self[1]!r})"
+
+    @property
+    def state(self) -> str:
         return _STATE_OF[self.phase]
 
     @property
@@ -139,14 +163,14 @@ class Snapshot(_SnapshotFields):
         return self.phase in (Phase.STOPPING, Phase.UNCONFIRMED)
 
 
-def step(snap: Snapshot, event: Event, how: Outcome | None = None) -> Snapshot:
+def step(snap: Snapshot, event: str, how: str | None = None) -> Snapshot:
     """Apply one event. `how` says how the root exited, for ROOT_EXITED."""
     if snap.terminal:
         return snap
     phase = _NEXT.get((snap.phase, event), snap.phase)
     outcome = snap.outcome
     if outcome is None:
-        if event is Event.ROOT_EXITED:
+        if event == Event.ROOT_EXITED:
             outcome = how or Outcome.EXITED
         else:
             outcome = _OUTCOME_OF.get(event)
@@ -156,19 +180,19 @@ def step(snap: Snapshot, event: Event, how: Outcome | None = None) -> Snapshot:
 def from_record(state: str, outcome: str | None) -> Snapshot:
     """The snapshot an adopter resumes from, given only the last record.
     RUNNING with an outcome means a stop was under way (STOPPING)."""
-    out = Outcome(outcome) if outcome else None
+    out = checked(Outcome, outcome) if outcome else None
     phase = {
         State.REAPED: Phase.REAPED,
         State.EXITED: Phase.EXITED,
         State.BREACHED: Phase.BREACHED,
         State.UNCONFIRMED: Phase.UNCONFIRMED,
-    }.get(State(state))
+    }.get(checked(State, state))
     if phase is None:
         phase = Phase.STOPPING if out is not None else Phase.RUNNING
     return Snapshot(phase, out)
 
 
-class Effect(enum.StrEnum):
+class Effect:
     """What one cancel operation did (CONTRACT.md, "Cancel operations")."""
 
     CANCEL_REQUESTED = "cancel_requested"
@@ -177,28 +201,28 @@ class Effect(enum.StrEnum):
     UNKNOWN = "unknown"
 
 
-def effect_on_arrival(before: Snapshot) -> Effect:
+def effect_on_arrival(before: Snapshot) -> str:
     """The effect of a cancel that reaches the owner in state `before`.
 
     A cancel joins a stop that a cancel started; it never takes credit for a
     run that had already ended or whose outcome something else decided."""
     if before.terminal:
         return Effect.NOT_LIVE
-    if before.outcome is None or before.outcome is Outcome.CANCELLED:
+    if before.outcome is None or before.outcome == Outcome.CANCELLED:
         return Effect.CANCEL_REQUESTED
     return Effect.NOT_LIVE
 
 
-def effect_at_end(first: Effect, final: Snapshot, *, emptied: bool = False) -> Effect:
+def effect_at_end(first: str, final: Snapshot, *, emptied: bool = False) -> str:
     """The settled effect of an operation once the run is `final`.
     `emptied`: the run's container was observed empty (its container_empty
     layer is true). CONTRACT.md: `cancelled` is "this operation's stop ended
     the run and the container was observed empty", which REAPED implies,
     and an EXITED run whose cgroup emptied also says (a member could have
     left it unseen: the state says that, the effect does not need to)."""
-    if first is not Effect.CANCEL_REQUESTED or final.outcome is not Outcome.CANCELLED:
+    if first != Effect.CANCEL_REQUESTED or final.outcome != Outcome.CANCELLED:
         return first
-    if final.phase is Phase.REAPED or (final.phase is Phase.EXITED and emptied):
+    if final.phase == Phase.REAPED or (final.phase == Phase.EXITED and emptied):
         return Effect.CANCELLED
     # Still stopping, or ended without an observed-empty container (degraded
     # mode, a breach): the stop was issued, not proven.
@@ -214,13 +238,13 @@ def exit_status(snap: Snapshot, exit_code: int | None, signal: int | None) -> in
     worker did: a worker that traps SIGTERM and exits 0 must not read as a
     success. (One cancelled by a signal to `contain` dies by that signal:
     the CLI's business, _sigproxy.py.)"""
-    if snap.outcome is Outcome.SPAWN_FAILED:
+    if snap.outcome == Outcome.SPAWN_FAILED:
         return exit_code if exit_code is not None else 125
     if snap.phase in (Phase.UNCONFIRMED, Phase.BREACHED):
         return 125        # the stop did not hold: that comes before why it was stopped (a timeout)
-    if snap.outcome is Outcome.TIMED_OUT:
+    if snap.outcome == Outcome.TIMED_OUT:
         return 124
-    if snap.outcome is Outcome.CANCELLED:
+    if snap.outcome == Outcome.CANCELLED:
         return EXIT_CANCELLED
     if signal is not None:
         return 128 + signal

@@ -33,7 +33,7 @@ ends REAPED with nothing signalled, and the record says what lingered.
 from __future__ import annotations
 
 import os
-import signal
+from . import _signals as signal
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 from . import _state as S
 from ._identity import ProcessIdentity
-from ._platform.exits import signal_name
+from ._signals import signal_name
 from ._procfs import read_comm
 from ._record import not_measured, now_iso
 
@@ -78,10 +78,10 @@ class StopSequence:
 
     # -- acting --------------------------------------------------------------
 
-    def begin(self, now: float, grace: float, *, signum: int = signal.SIGTERM, linger: float = 0.0) -> S.Event | None:
+    def begin(self, now: float, grace: float, *, signum: int = signal.SIGTERM, linger: float = 0.0) -> str | None:
         self.began_at = self.began_at or now
         ev = self.observe()
-        if ev is not None and ev is not S.Event.OBSERVE_FAILED:
+        if ev is not None and ev != S.Event.OBSERVE_FAILED:
             if linger > 0 and self.facts.linger is None:
                 # Empty already: the linger asked for took no time (the record
                 # says so rather than leave out what was asked).
@@ -131,7 +131,7 @@ class StopSequence:
         elif self.stage == "term":
             self.shorten(now, 0.0)
 
-    def advance(self, now: float) -> S.Event | None:
+    def advance(self, now: float) -> str | None:
         if self.stage is None or now < self.deadline:
             return None
         if self.stage == "linger":
@@ -226,7 +226,7 @@ class StopSequence:
 
     # -- observing -----------------------------------------------------------
 
-    def observe(self) -> S.Event | None:
+    def observe(self) -> str | None:
         c, facts = self.container, self.facts
         try:
             populated = c.populated()
@@ -295,13 +295,13 @@ class StopSequence:
             return "the fork ledger saw every fork of the run", ""
         return None, f"not sealed ({sealed_reason}), and {missing}"
 
-    def wait_empty(self, deadline: float) -> S.Event:
+    def wait_empty(self, deadline: float) -> str:
         """Block until the container is observed empty or `deadline`
         (monotonic) passes; the last observation (a failed spawn's stop,
         which has no owner loop around it)."""
         while True:
             ev = self.observe()
-            if ev is not None and ev is not S.Event.OBSERVE_FAILED:
+            if ev is not None and ev != S.Event.OBSERVE_FAILED:
                 return ev
             if time.monotonic() > deadline:
                 return S.Event.DEADLINE

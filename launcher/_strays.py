@@ -9,7 +9,7 @@ import os
 from . import _safefs as F
 from ._controllers import read_file, v1_base_for, v1_hierarchies
 from ._procfs import cgroups_of
-from ._runcgroups import RUN_NAME
+from ._names import run_name
 from ._runfiles import loads
 
 
@@ -22,7 +22,7 @@ def remove_strays(run_id: str, uid: str) -> str | None:
     started in them. A cgroup that holds a process is left, and the reason
     returned (then the run is not one that never started)."""
     name = f"run-{run_id}-{uid[:8]}"
-    if not RUN_NAME.match(name):
+    if not run_name(name):
         return None                  # not a name a run of ours has (a forged journal)
     dirs: list[str] = []
     from ._platform.cgroups import expected_base

@@ -42,10 +42,10 @@ def stopped_leftovers(rec: dict[str, Any]) -> bool:
 
 
 def _signame(n: Any) -> str:
-    import signal
+    from . import _signals as signal
 
     try:
-        return signal.Signals(int(n)).name
+        return signal.signal_name(int(n))
     except (TypeError, ValueError):
         return f"signal {n}"
 

@@ -31,8 +31,11 @@ only hiding the state directory from it would.
 from __future__ import annotations
 
 import errno
-import json
 import os
+
+from ._jsonenc import dumps
+from ._runfiles import loads
+
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import Any
@@ -59,7 +62,7 @@ def dir_key(path: str) -> str | None:
 
 def write(path: str, name: str, value: dict[str, Any]) -> str | None:
     """Set a tag on `path` (never through a symlink). None, or why not."""
-    data = json.dumps(value, separators=(",", ":")).encode()
+    data = dumps(value, compact=True).encode()
     if len(data) > MAX_BYTES:
         return f"tag {name} on {path}: {len(data)} bytes, more than {MAX_BYTES}"
     try:
@@ -97,7 +100,7 @@ def read(path: str, name: str) -> TagRead:
             return TagRead(None, False, f"{full} on {path}: {os.strerror(e.errno)}")
         return TagRead(None, True, f"{full} on {path}: {os.strerror(e.errno or 0)}")
     try:
-        value = json.loads(data)
+        value = loads(data, full)
     except ValueError:
         return TagRead(None, True, f"{full} on {path} is not JSON")
     if not isinstance(value, dict):
@@ -165,7 +168,7 @@ class RunTag:
 
     def update(self, **fields: Any) -> str | None:
         self.value.update(fields)
-        data = json.dumps(self.value, separators=(",", ":"), sort_keys=True).encode()
+        data = dumps(self.value, compact=True, sort_keys=True).encode()
         if data == self._written:
             return self.problem
         self.problem = write(self.run_dir, RUN_TAG, self.value)

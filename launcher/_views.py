@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
+from . import _signals as signal
 import time
 from typing import Any
 
@@ -41,10 +41,7 @@ def age(s: Any, now: float | None = None) -> str:
 
 
 def signame(n: Any) -> str:
-    try:
-        return signal.Signals(n).name
-    except (ValueError, TypeError):
-        return f"signal {n}"
+    return signal.signal_name(n)
 
 
 # -- one run as a reader sees it --------------------------------------------------

@@ -116,3 +116,19 @@ def test_type_checking_block_names_every_landed_export() -> None:
 
 def test_py_typed_is_shipped() -> None:
     assert os.path.isfile(os.path.join(HERE, "py.typed"))
+
+
+@pytest.mark.parametrize("name", ["State", "Outcome", "Effect"])
+def test_public_enums_are_the_engines_names(name: str) -> None:
+    """launcher.State/Outcome/Effect are StrEnums; the engine uses _state's
+    str constants (no `enum` on the run path). Same members, same values,
+    and a record's plain string equals its member."""
+    import enum
+
+    from launcher import _state
+
+    public = getattr(launcher, name)
+    assert issubclass(public, enum.StrEnum)
+    assert {m.name: m.value for m in public} == _state.names(getattr(_state, name))
+    for value in _state.names(getattr(_state, name)).values():
+        assert public(value) == value

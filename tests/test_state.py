@@ -16,7 +16,7 @@ EVENTS = st.sampled_from([
 
 def apply(snap, ev, how):
     if ev == "SUPERVISOR_DIED":
-        return S.from_record(snap.state.value, None if snap.outcome is None else snap.outcome.value)
+        return S.from_record(snap.state, snap.outcome)
     return S.step(snap, ev, how)
 
 
@@ -29,8 +29,8 @@ def test_invariants_over_every_interleaving(events):
         before = snap
         snap = apply(snap, ev, how)
         # REAPED only from an observed-empty kernel container.
-        if snap.phase is S.Phase.REAPED and before.phase is not S.Phase.REAPED:
-            assert ev is E.EMPTY
+        if snap.phase == S.Phase.REAPED and before.phase != S.Phase.REAPED:
+            assert ev == E.EMPTY
         # Terminal states absorb everything.
         if before.terminal:
             assert snap == before
@@ -53,7 +53,7 @@ def test_adoption_resumes_exactly(prefix, suffix):
     snap = S.Snapshot()
     for ev, how in prefix:
         snap = apply(snap, ev, how)
-    adopted = S.from_record(snap.state.value, None if snap.outcome is None else snap.outcome.value)
+    adopted = S.from_record(snap.state, snap.outcome)
     assert (adopted.state, adopted.outcome) == (snap.state, snap.outcome)
     a, b = snap, adopted
     for ev, how in suffix:
@@ -63,68 +63,68 @@ def test_adoption_resumes_exactly(prefix, suffix):
 
 def test_natural_exit_first_makes_cancel_not_live():
     s = S.step(S.Snapshot(), E.ROOT_EXITED, S.Outcome.EXITED)
-    assert S.effect_on_arrival(s) is S.Effect.NOT_LIVE
+    assert S.effect_on_arrival(s) == S.Effect.NOT_LIVE
     s = S.step(s, E.CANCEL)
-    assert s.outcome is S.Outcome.EXITED
+    assert s.outcome == S.Outcome.EXITED
     s = S.step(s, E.EMPTY)
-    assert s.phase is S.Phase.REAPED and s.outcome is S.Outcome.EXITED
+    assert s.phase == S.Phase.REAPED and s.outcome == S.Outcome.EXITED
 
 
 def test_cancel_first_wins_over_a_later_exit():
     s = S.step(S.Snapshot(), E.CANCEL)
-    assert s.outcome is S.Outcome.CANCELLED
+    assert s.outcome == S.Outcome.CANCELLED
     s = S.step(s, E.ROOT_EXITED, S.Outcome.SIGNALED)
-    assert s.outcome is S.Outcome.CANCELLED
+    assert s.outcome == S.Outcome.CANCELLED
     end = S.step(s, E.EMPTY)
-    assert S.effect_at_end(S.Effect.CANCEL_REQUESTED, end) is S.Effect.CANCELLED
+    assert S.effect_at_end(S.Effect.CANCEL_REQUESTED, end) == S.Effect.CANCELLED
 
 
 def test_concurrent_cancels_join_one_stop():
     s = S.step(S.Snapshot(), E.CANCEL)
-    assert S.effect_on_arrival(s) is S.Effect.CANCEL_REQUESTED
+    assert S.effect_on_arrival(s) == S.Effect.CANCEL_REQUESTED
     s2 = S.step(s, E.CANCEL)
     assert s2 == s
 
 
 def test_unconfirmed_is_not_terminal_and_a_retry_reopens_the_stop():
     s = S.step(S.step(S.Snapshot(), E.CANCEL), E.DEADLINE)
-    assert s.state is S.State.UNCONFIRMED and not s.terminal
-    assert S.effect_at_end(S.Effect.CANCEL_REQUESTED, s) is S.Effect.CANCEL_REQUESTED
+    assert s.state == S.State.UNCONFIRMED and not s.terminal
+    assert S.effect_at_end(S.Effect.CANCEL_REQUESTED, s) == S.Effect.CANCEL_REQUESTED
     s = S.step(s, E.CANCEL)
-    assert s.phase is S.Phase.STOPPING
+    assert s.phase == S.Phase.STOPPING
     s = S.step(s, E.EMPTY)
-    assert s.state is S.State.REAPED and s.outcome is S.Outcome.CANCELLED
+    assert s.state == S.State.REAPED and s.outcome == S.Outcome.CANCELLED
 
 
 def test_kill_failure_is_unconfirmed_not_reaped():
     s = S.step(S.step(S.Snapshot(), E.CANCEL), E.OBSERVE_FAILED)
-    assert s.state is S.State.UNCONFIRMED
+    assert s.state == S.State.UNCONFIRMED
 
 
 def test_timeout_then_cancel_keeps_timed_out():
     s = S.step(S.step(S.Snapshot(), E.TIMEOUT), E.CANCEL)
-    assert s.outcome is S.Outcome.TIMED_OUT
-    assert S.effect_on_arrival(S.step(S.Snapshot(), E.TIMEOUT)) is S.Effect.NOT_LIVE
+    assert s.outcome == S.Outcome.TIMED_OUT
+    assert S.effect_on_arrival(S.step(S.Snapshot(), E.TIMEOUT)) == S.Effect.NOT_LIVE
 
 
 def test_breach_and_degraded_never_reaped():
     s = S.step(S.step(S.Snapshot(), E.CANCEL), E.EMPTY_ESCAPED)
-    assert s.state is S.State.BREACHED and S.step(s, E.EMPTY).state is S.State.BREACHED
+    assert s.state == S.State.BREACHED and S.step(s, E.EMPTY).state == S.State.BREACHED
     s = S.step(S.step(S.Snapshot(), E.ROOT_EXITED, S.Outcome.EXITED), E.TREE_GONE)
-    assert s.state is S.State.EXITED
+    assert s.state == S.State.EXITED
 
 
 def test_spawn_failure_still_needs_emptiness():
     s = S.step(S.Snapshot(), E.SPAWN_FAILED)
-    assert s.outcome is S.Outcome.SPAWN_FAILED and s.state is S.State.RUNNING
-    assert S.step(s, E.EMPTY).state is S.State.REAPED
+    assert s.outcome == S.Outcome.SPAWN_FAILED and s.state == S.State.RUNNING
+    assert S.step(s, E.EMPTY).state == S.State.REAPED
 
 
 def test_a_stop_that_did_not_hold_exits_125_even_after_a_timeout():
     """`--timeout` is 124 only when the stop after it held: a caller must
     never read "timed out and stopped" for a tree that may live on."""
     snap = S.step(S.step(S.Snapshot(), S.Event.TIMEOUT), S.Event.DEADLINE)
-    assert snap.phase is S.Phase.UNCONFIRMED
+    assert snap.phase == S.Phase.UNCONFIRMED
     assert S.exit_status(snap, None, None) == 125
     snap = S.step(S.step(S.Snapshot(), S.Event.TIMEOUT), S.Event.EMPTY_ESCAPED)
     assert S.exit_status(snap, None, 9) == 125

@@ -9,26 +9,33 @@ from __future__ import annotations
 import os
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
-    from typing import Any, NamedTuple
+    from typing import Any
 
 from .._errors import ContainmentUnavailable
 from .._policy import policy_env
 from .._procfs import below, cgroup_of, hierarchy_path, mount_path, mounts
 
 
-if TYPE_CHECKING:
-    class _HierarchyFields(NamedTuple):
-        mount: str        # where the cgroup2 filesystem is mounted
-        root: str         # the mount's root inside the hierarchy (mountinfo field 4)
-        nsdelegate: bool
-else:
-    from collections import namedtuple
+class Hierarchy:
+    """A cgroup2 mount this process can see (a class, not a namedtuple:
+    see _procfs.Mount)."""
 
-    _HierarchyFields = namedtuple("Hierarchy", ("mount", "root", "nsdelegate"))
+    __slots__ = ("mount", "root", "nsdelegate")
 
+    def __init__(self, mount: str, root: str, nsdelegate: bool) -> None:
+        self.mount = mount              # where the cgroup2 filesystem is mounted
+        self.root = root                # the mount's root inside the hierarchy (mountinfo field 4)
+        self.nsdelegate = nsdelegate
 
-class Hierarchy(_HierarchyFields):
-    __slots__ = ()
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Hierarchy) and (self.mount, self.root, self.nsdelegate) == \
+            (other.mount, other.root, other.nsdelegate)
+
+    def __hash__(self) -> int:
+        return hash((self.mount, self.root, self.nsdelegate))
+
+    def __repr__(self) -> str:
+        return f"Hierarchy({self.mount!r}, {self.root!r}, {self.nsdelegate!r})"
 
     def fs_path(self, cg_path: str) -> str:
         return mount_path(cg_path, self.root, self.mount)

@@ -1,8 +1,6 @@
 """How the worker ended, as its owner observed it: one type for every platform."""
 from __future__ import annotations
 
-import signal
-
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import Any
@@ -19,11 +17,3 @@ class RootExit:
         self.exit_code = exit_code
         self.signal = signal
         self.layer = layer
-
-
-def signal_name(signum: int) -> str:
-    """SIGTERM for 15; "signal N" for a number with no name here."""
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"

@@ -27,7 +27,7 @@ from .._procfs import cgroup_of
 from . import pidwall, posix, sealing
 from .cgroups import (Hierarchy, hierarchies, identify, kill_by_freezing, remove_made, resolve_base,
                       run_suffix, writable_procs_above)
-from .exits import signal_name
+from .._signals import signal_name
 from .posixwait import Root
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ between two scans is invisible; with it, a lost event can hide one too.
 from __future__ import annotations
 
 import os
-import signal
+from .. import _signals as signal
 import time
 from typing import Any
 
@@ -269,7 +269,7 @@ class Container:
 
     def terminate(self, sig: int = signal.SIGTERM) -> tuple[str, dict[str, Any]]:
         sent, failed = self._signal_all(sig)
-        return (f"{signal.Signals(sig).name}+SIGCONT by pidfd to {sent} process(es) seen",
+        return (f"{signal.signal_name(sig)}+SIGCONT by pidfd to {sent} process(es) seen",
                 {"signalled": sent, "failed": failed})
 
     def kill(self) -> str:

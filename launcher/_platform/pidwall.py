@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
+from .. import _signals as signal
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import Any
@@ -124,7 +124,7 @@ class PidWall:
     def terminate(self, sig: int) -> tuple[str, dict[str, Any]]:
         """The polite signal, to the init: it forwards a signal from outside
         to every member with kill(-1, sig), then SIGCONT (init.c)."""
-        name = signal.Signals(sig).name
+        name = signal.signal_name(sig)
         try:
             self.init.signal(sig)
         except ProcessLookupError:

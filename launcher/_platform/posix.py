@@ -54,7 +54,7 @@ init's (our child), `report_fd` its message socket. The driver's side:
 from __future__ import annotations
 
 import os
-import signal
+from .. import _signals as signal
 
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:

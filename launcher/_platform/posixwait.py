@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import select
-import signal
+from .. import _signals as signal
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:

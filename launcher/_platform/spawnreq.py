@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
-import signal as _signal
+from .. import _signals as _signal
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import Any, Callable, Iterable, Sequence
@@ -316,10 +316,7 @@ def raise_failure(rc: int, r: Any, req: SpawnRequest, paths: Sequence[str], cgro
         raise DiedAtBirth()
     what = req.argv[0]
     if r.signal and not r.child_errno:
-        try:
-            name = _signal.Signals(r.signal).name
-        except ValueError:
-            name = f"signal {r.signal}"
+        name = _signal.signal_name(r.signal)
         raise KilledBeforeExec(f"{what}: killed by {name} (signal {r.signal}) before exec, "
                                f"during {stage}", signal=r.signal, stage=stage, path=what)
     if stage == "exec":

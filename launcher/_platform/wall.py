@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import select
-import signal as _signal
+from .. import _signals as _signal
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import Any, Sequence

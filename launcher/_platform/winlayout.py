@@ -41,7 +41,8 @@ from .. import _requests
 from .._errors import RunConflict, RunNotFound
 from .._record import now_iso
 from .._requests import INBOX_CHUNK, MAX_ACKS, InboxRead, op_filename, parse_chunk
-from .._runfiles import (ID_RE, MAX_ACK, MAX_LINE, MAX_RECORD, MAX_RUN_INFO, Rejected, RunInfo, Unreadable, encode,
+from .._names import valid_id
+from .._runfiles import (MAX_ACK, MAX_LINE, MAX_RECORD, MAX_RUN_INFO, Rejected, RunInfo, Unreadable, encode,
                          loads, parse_ack, parse_nested, parse_record, parse_run_info)
 from .._safefs import UnsafePath
 from .._state import LIVE_STATES
@@ -97,7 +98,7 @@ class RunDir:
             st = StateDir.open(sd, write=False)
         except FileNotFoundError:
             return
-        for n in sorted(e.name for e in os.scandir(st.runs) if ID_RE.match(e.name)):
+        for n in sorted(e.name for e in os.scandir(st.runs) if valid_id(e.name)):
             yield cls(os.path.join(st.runs, n))
 
     @classmethod
@@ -123,7 +124,7 @@ class RunDir:
             d._create(st, info)
             keep = keep_runs()
             # (Counting names is cheap; reading every record is not.)
-            if keep > 0 and sum(1 for e in os.scandir(st.runs) if ID_RE.match(e.name)) > keep + PRUNE_SLACK:
+            if keep > 0 and sum(1 for e in os.scandir(st.runs) if valid_id(e.name)) > keep + PRUNE_SLACK:
                 try:
                     collect(st, cls, prune_to=keep)    # the retention bound (docs/protocol.md)
                 except OSError:

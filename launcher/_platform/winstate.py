@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from typing import Any, Mapping
 
 from .._errors import RunConflict
-from .._runfiles import ID_RE
+from .._names import valid_id
 from .._safefs import PersistError, UnsafePath
 from .._statedir import CLAIM_WAIT_S, StateDirError
 from . import winfs, winsync
@@ -126,7 +126,7 @@ class Watcher:
 
 
 def check_id(run_id: str) -> None:
-    if not isinstance(run_id, str) or not ID_RE.match(run_id):
+    if not valid_id(run_id):
         raise ValueError(f"invalid run id {run_id!r}: use letters, digits, '.', '_' or '-' (at most 100)")
 
 
@@ -192,7 +192,7 @@ def collect(st: StateDir, make: Any, *, older_than: float | None = None, keep: i
             if not winfs.lock_held(os.path.join(path, "owner.lock")):
                 ended.append((0.0, n))     # the oldest of all: nothing runs in them
             continue
-        if not ID_RE.match(n):
+        if not valid_id(n):
             continue
         d = make(path)
         if d.owner_alive():
@@ -209,7 +209,7 @@ def collect(st: StateDir, make: Any, *, older_than: float | None = None, keep: i
             res.unreadable += 1
     ended.sort(reverse=True)
     if prune_to is not None:
-        runs = sum(1 for n in names if ID_RE.match(n))
+        runs = sum(1 for n in names if valid_id(n))
         chosen = [n for _t, n in ended if n.startswith(".")]
         chosen += [n for _t, n in reversed(ended) if not n.startswith(".")][:max(0, runs - prune_to)]
     else:

@@ -1,0 +1,44 @@
+"""The names and times contain writes (run ids, run uids, its cgroup
+leaves, UTC times), checked without `re`: `re` costs `contain run` 1.5 ms
+to import (see _jsonenc.py). ASCII only, and the whole string: nothing
+after the last character, not even a newline (which `$` would allow).
+"""
+from __future__ import annotations
+
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import TypeGuard
+
+ALNUM = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
+ID_CHARS = ALNUM | frozenset("._-")
+_UID_CHARS = ALNUM | frozenset("_-")
+
+
+def valid_id(s: object) -> TypeGuard[str]:
+    """A run id: [A-Za-z0-9][A-Za-z0-9._-]{0,99}."""
+    return type(s) is str and 0 < len(s) <= 100 and s[0] in ALNUM and ID_CHARS.issuperset(s)
+
+
+def valid_uid(s: object) -> TypeGuard[str]:
+    """A run uid: [A-Za-z0-9_-]{1,64}."""
+    return type(s) is str and 0 < len(s) <= 64 and _UID_CHARS.issuperset(s)
+
+
+def valid_iso(s: object) -> TypeGuard[str]:
+    """A UTC time as now_iso writes it: YYYY-MM-DDTHH:MM:SS[.1-9 digits]Z."""
+    if type(s) is not str or not 20 <= len(s) <= 30 or not s.isascii() or s[-1] != "Z" \
+            or s[4] != "-" or s[7] != "-" or s[10] != "T" or s[13] != ":" or s[16] != ":":
+        return False
+    frac = s[19:-1]
+    return (s[:4] + s[5:7] + s[8:10] + s[11:13] + s[14:16] + s[17:19]).isdigit() and \
+        (frac == "" or (frac[0] == "." and len(frac) >= 2 and frac[1:].isdigit()))
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def run_name(name: object) -> TypeGuard[str]:
+    """A leaf this code names (cgroups.run_cgroup_name): (run|sub)-ID-UID8,
+    ID of [A-Za-z0-9._-]{1,128}, UID8 eight lowercase hex digits."""
+    return type(name) is str and name[:4] in ("run-", "sub-") and 14 <= len(name) <= 141 and \
+        name[-9] == "-" and _HEX.issuperset(name[-8:]) and ID_CHARS.issuperset(name[4:-9])
