@@ -146,6 +146,11 @@ class Snapshot(tuple[str, "str | None"]):
     def outcome(self) -> str | None:
         return self[1]
 
+    def __getnewargs__(self) -> tuple[str, str | None]:
+        # copy and pickle call __new__ with these: tuple's own would pass the
+        # whole tuple as `phase` (namedtuple defines this for the same reason)
+        return (self[0], self[1])
+
     def __repr__(self) -> str:
         return f"Snapshot(phase={self[0]!r}, outcome={self[1]!r})"
 

@@ -130,3 +130,18 @@ def test_a_stop_that_did_not_hold_exits_125_even_after_a_timeout():
     assert S.exit_status(snap, None, 9) == 125
     snap = S.step(S.step(S.Snapshot(), S.Event.TIMEOUT), S.Event.EMPTY)
     assert S.exit_status(snap, None, 15) == 124
+
+
+def test_a_snapshot_survives_copy_and_pickle():
+    """Snapshot is a tuple subclass whose __new__ takes (phase, outcome): a
+    copy or an unpickling that handed it tuple's own __getnewargs__ (the
+    whole tuple as one argument) would come back as phase=('reaped',
+    'cancelled'), outcome=None, a state no table knows (a namedtuple, which
+    Snapshot was, defines __getnewargs__ for exactly this)."""
+    import copy
+    import pickle
+
+    snap = S.Snapshot(S.Phase.REAPED, S.Outcome.CANCELLED)
+    for again in (copy.copy(snap), copy.deepcopy(snap), pickle.loads(pickle.dumps(snap))):
+        assert again == snap
+        assert (again.phase, again.outcome, again.state) == (S.Phase.REAPED, S.Outcome.CANCELLED, S.State.REAPED)
