@@ -1,0 +1,56 @@
+"""Review 8: what 31adc00 (the run path without re, enum, json, collections
+or the signal wrapper) changed that a user or the engine would notice.
+
+Each test failed on the code it was written against. Real runs; survival
+is decided by the test's own /proc scan (the `contained` fixtures).
+"""
+from __future__ import annotations
+
+import enum
+import os
+from typing import Iterator
+
+import pytest
+
+import launcher
+from launcher import _names
+
+
+class Job(enum.StrEnum):
+    NIGHTLY = "nightly-1"
+
+
+class Tagged(str):
+    """A str subclass that misreports itself: the check reads its characters."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __iter__(self) -> Iterator[str]:
+        return iter("a")
+
+
+def test_a_run_id_that_is_a_str_subclass_names_the_run_as_its_characters_do() -> None:
+    # ID_RE.match read a str subclass's characters; _names' `type(s) is str`
+    # refused every StrEnum member and numpy.str_ as "not a run id".
+    assert _names.valid_id(Job.NIGHTLY) and _names.valid_uid(Job.NIGHTLY)
+    assert _names.valid_iso(type("T", (str,), {})("2026-12-01T18:38:49.123Z"))
+    assert _names.run_name(type("N", (str,), {})("run-nightly-1-0123abcd"))
+    # ... and by its own characters, whatever its __len__/__iter__ claim.
+    assert not _names.valid_id(Tagged("bad id/../x"))
+    assert not _names.valid_uid(Tagged("x" * 65))
+    for not_str in (None, 1, b"abc", ["abc"]):
+        assert not _names.valid_id(not_str) and not _names.valid_uid(not_str)
+        assert not _names.valid_iso(not_str) and not _names.run_name(not_str)
+
+
+@pytest.mark.timeout(60)
+def test_the_library_runs_under_an_id_given_as_a_str_enum_member(contained: dict) -> None:
+    # launcher.run(argv, id=Job.NIGHTLY) ran before 31adc00; after it the
+    # claim raised ValueError "invalid run id 'nightly-1'" for a valid id.
+    rec = launcher.run(["true"], id=Job.NIGHTLY, env=contained["env"])
+    assert rec.terminal and rec.exit_code == 0, rec.to_dict()
+    assert rec.to_dict()["run_id"] == "nightly-1"
+    assert os.path.isdir(os.path.join(contained["state_dir"], "runs", "nightly-1"))
+    again = launcher.run(["true"], id=Job.NIGHTLY, env=contained["env"])    # the ended run's id is free again
+    assert again.terminal and again.exit_code == 0, again.to_dict()
