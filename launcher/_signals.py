@@ -18,19 +18,25 @@ else:
 
     import _signal
 
-_names: dict[int, str] = {}
+_names: dict[int, str] | None = None
 
 
 def name_of(signum: object) -> str | None:
     """SIGTERM for 15, as `signal.Signals(15).name` says; None for a number
     with no name. Of two names for one number (SIGIOT and SIGABRT) the
     first in sorted order, as enum's `_convert_` picks for `Signals`."""
-    if not _names:
+    global _names
+    names = _names
+    if names is None:
+        # Built whole, then published: an owner thread that names a signal
+        # while another builds the table must never read a part of it.
+        names = {}
         src = vars(_signal)
         for k in sorted(src, key=lambda k: (src[k], k) if isinstance(src[k], int) else (0, k)):
             if (k.isupper() and k.startswith("SIG") and not k.startswith("SIG_")) or k.startswith("CTRL_"):
-                _names.setdefault(src[k], k)
-    return _names.get(signum) if isinstance(signum, int) else None
+                names.setdefault(src[k], k)
+        _names = names
+    return names.get(signum) if isinstance(signum, int) else None
 
 
 def signal_name(signum: object) -> str:

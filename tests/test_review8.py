@@ -54,3 +54,39 @@ def test_the_library_runs_under_an_id_given_as_a_str_enum_member(contained: dict
     assert os.path.isdir(os.path.join(contained["state_dir"], "runs", "nightly-1"))
     again = launcher.run(["true"], id=Job.NIGHTLY, env=contained["env"])    # the ended run's id is free again
     assert again.terminal and again.exit_code == 0, again.to_dict()
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(60)
+def test_threads_that_name_a_signal_first_at_once_all_get_its_name() -> None:
+    # _signals.name_of filled its module-wide table in place on first use
+    # and took a non-empty table as complete: a library caller's second
+    # owner thread, naming SIGTERM while the first was still filling it,
+    # got None, and its record said "signal 15 sent" for SIGTERM
+    # (signal.Signals(15).name, before 31adc00, had no such window).
+    # Forked: a tiny switch interval and a reloaded module are ours only.
+    import importlib
+    import sys
+    import threading
+
+    from launcher import _signals
+
+    sys.setswitchinterval(1e-6)
+    wrong: list[object] = []
+    for _ in range(500):
+        importlib.reload(_signals)             # a fresh table, as in a new process
+        start = threading.Barrier(6)
+        got: list[object] = []
+
+        def name() -> None:
+            start.wait(10)
+            got.append(_signals.signal_name(15))
+
+        threads = [threading.Thread(target=name) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        wrong += [g for g in got if g != "SIGTERM"]
+        assert len(got) == 6
+    assert wrong == [], f"{len(wrong)} of 3000 namings were wrong: {wrong[:3]}"
