@@ -79,6 +79,14 @@ def _plain(v: Any) -> Any:
         return {k: _plain(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
+    # A subclass of a JSON scalar (a caller's StrEnum argv or id, an
+    # IntEnum, numpy.str_) comes back as the plain value, as from JSON.
+    if isinstance(v, str) and type(v) is not str:
+        return str.__str__(v)
+    if isinstance(v, int) and type(v) is not int and type(v) is not bool:
+        return int.__int__(v)
+    if isinstance(v, float) and type(v) is not float:
+        return float.__float__(v)
     return v
 
 

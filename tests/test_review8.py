@@ -90,3 +90,35 @@ def test_threads_that_name_a_signal_first_at_once_all_get_its_name() -> None:
         wrong += [g for g in got if g != "SIGTERM"]
         assert len(got) == 6
     assert wrong == [], f"{len(wrong)} of 3000 namings were wrong: {wrong[:3]}"
+
+
+class Arg(enum.StrEnum):
+    TRUE = "true"
+
+
+class IntLike(int):
+    pass
+
+
+class FloatLike(float):
+    pass
+
+
+@pytest.mark.timeout(60)
+def test_to_dict_gives_json_types_for_arguments_given_as_str_subclasses(contained: dict) -> None:
+    # to_dict() was json.loads(json.dumps(record)): plain str, int, float.
+    # Its copy without json kept the caller's StrEnum argv (and run id) as
+    # they came, so yaml.safe_dump, `type(x) is str` and pickling against
+    # a program without the enum all broke on a record of the same run.
+    import pickle
+
+    from launcher._record import StopRecord
+
+    rec = launcher.run([Arg.TRUE], id=Job.NIGHTLY, env=contained["env"])
+    d = rec.to_dict()
+    assert d["argv"] == ["true"] and type(d["argv"][0]) is str
+    assert d["run_id"] == "nightly-1" and type(d["run_id"]) is str
+    # Every scalar a subclass of a JSON type comes back as that type.
+    d = StopRecord({"a": [Job.NIGHTLY, IntLike(15), FloatLike(1.5), True, None, 2]}).to_dict()
+    assert [type(x) for x in d["a"]] == [str, int, float, bool, type(None), int] and d["a"][:3] == ["nightly-1", 15, 1.5]
+    assert b"Job" not in pickle.dumps(rec.to_dict())
