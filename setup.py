@@ -1,5 +1,17 @@
-# cffi has no pyproject-only form for API-mode modules yet (cffi#55): this
-# file exists only to name the extension builder.
+# cffi has no pyproject-only form for API-mode modules yet (cffi#55), and
+# pyproject cannot choose the `contain` command per platform.
+import sys
+
 from setuptools import setup
 
-setup(cffi_modules=["launcher/_native/build.py:ffibuilder"])
+if sys.platform == "win32":
+    # Windows needs pip's .exe launcher, which only a console script gets.
+    command = {"entry_points": {"console_scripts": ["contain = launcher._cli:console"]}}
+else:
+    # A script of our own (bin/contain): pip's console-script wrapper imports
+    # `re` before pip 25.0, a sixth of what `contain run` may cost over a
+    # plain subprocess.call (docs/performance.md, "Start-up").
+    # (No console scripts, said explicitly: pyproject.toml declares them dynamic.)
+    command = {"scripts": ["bin/contain"], "entry_points": {"console_scripts": []}}
+
+setup(cffi_modules=["launcher/_native/build.py:ffibuilder"], **command)

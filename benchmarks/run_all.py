@@ -42,10 +42,13 @@ def table(res: dict[str, Any]) -> str:
         out.append(f"\n## cli: whole process, {cli['repeats']} alternating runs each (median ms)")
         for k, v in cli["medians"].items():
             out.append(f"  {k:<50} {v['median_ms']:9.2f}")
-        out.append(f"  ratio console script / plain call  {_fmt(cli['ratio_console_script'])}  "
+        out.append(f"  ratio contain (as installed) / plain call  {_fmt(cli['ratio_console_script'])}  "
                    f"(target <= {cli['target']}: {'met' if cli['target_met'] else 'NOT met'})")
         out.append(f"  ratio python -m launcher / plain   {_fmt(cli['ratio_python_m'])}")
-        out.append(f"  ratio under python -S (no site hooks), console script / plain  {_fmt(cli.get('ratio_python_S'))}")
+        out.append(f"  ratio under python -S (no site hooks), contain / plain  {_fmt(cli.get('ratio_python_S'))}")
+        if cli.get('ratio_pip_wrapper') is not None:
+            out.append(f"  ratio pip's console-script wrapper / plain  {_fmt(cli['ratio_pip_wrapper'])} (this pip); "
+                       f"{_fmt(cli.get('ratio_pip_wrapper_before_25'))} (pip < 25.0, imports re)")
         out.append(f"  1-min load average at start, end: {cli.get('loadavg_start_end')}")
     sp = res.get("spawn")
     if sp:

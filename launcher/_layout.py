@@ -108,6 +108,8 @@ class RunDir(RunDirBase):
     the run (claim(), take_ownership()): then it holds the directory fds
     until release() (_rundir)."""
 
+    _final_written = False      # this object has put a final record.json in place (write_record)
+
     # -- claiming ----------------------------------------------------------
 
     @classmethod
@@ -252,7 +254,12 @@ class RunDir(RunDirBase):
         data = rec if isinstance(rec, bytes) else encode(rec)     # compact: the C encoder (pretty is --record's)
         fd = self.dir_fd(write=True)
         try:
-            st = F.replace_file(fd, "record.json", data, self.file("record.json"), mode=FILE_MODE, durable=durable)
+            # Only a final record is kept across a crash at any cost: the
+            # first one replaces a live run's, which says nothing run.json
+            # does not (replace_file, keep_old).
+            st = F.replace_file(fd, "record.json", data, self.file("record.json"), mode=FILE_MODE, durable=durable,
+                                keep_old=self._final_written)
+            self._final_written = self._final_written or durable
             if isinstance(rec, dict) and durable:
                 # What `ls` shows of a final record, beside it (a hint: never
                 # fsynced, believed only while it names this very
