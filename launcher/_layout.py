@@ -250,7 +250,10 @@ class RunDir(RunDirBase):
         """Replace record.json (atomic; fsynced when `durable`), then wake
         the waiters. `rec` may be already encoded (encode()): one encoding
         per record for every place it goes. Raises PersistError; the
-        previous record is then intact."""
+        previous record is then intact, except a live one that this
+        object's first final record replaced (keep_old=False): a failed
+        fsync after that rename removes record.json, and readers see a run
+        before its first record (run.json), which an adopter finishes."""
         data = rec if isinstance(rec, bytes) else encode(rec)     # compact: the C encoder (pretty is --record's)
         fd = self.dir_fd(write=True)
         try:
