@@ -38,15 +38,18 @@ def valid_uid(s: object) -> TypeGuard[str]:
     return s is not None and 0 < len(s) <= 64 and _UID_CHARS.issuperset(s)
 
 
+_ISO_SHAPE = "0000-00-00T00:00:00"
+_ASCII_DIGITS_TO_0 = str.maketrans("123456789", "000000000")
+
+
 def valid_iso(s: object) -> TypeGuard[str]:
-    """A UTC time as now_iso writes it: YYYY-MM-DDTHH:MM:SS[.1-9 digits]Z."""
+    """A UTC time as now_iso writes it: YYYY-MM-DDTHH:MM:SS[.1-9 digits]Z.
+    (By its shape, every ASCII digit made 0: `ls` checks four per run.)"""
     s = _text(s)
-    if s is None or not 20 <= len(s) <= 30 or not s.isascii() or s[-1] != "Z" \
-            or s[4] != "-" or s[7] != "-" or s[10] != "T" or s[13] != ":" or s[16] != ":":
+    if s is None or not 20 <= len(s) <= 30 or s[-1] != "Z" or s[:19].translate(_ASCII_DIGITS_TO_0) != _ISO_SHAPE:
         return False
     frac = s[19:-1]
-    return (s[:4] + s[5:7] + s[8:10] + s[11:13] + s[14:16] + s[17:19]).isdigit() and \
-        (frac == "" or (frac[0] == "." and len(frac) >= 2 and frac[1:].isdigit()))
+    return frac == "" or (frac[0] == "." and len(frac) >= 2 and frac.isascii() and frac[1:].isdigit())
 
 
 _HEX = frozenset("0123456789abcdef")
