@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import os
 import posixpath
-TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
-if TYPE_CHECKING:
-    from typing import Any
 
 
 # -- /proc/<pid>/stat ---------------------------------------------------------
@@ -147,17 +144,8 @@ class Mount:
         self.options = options               # per-mount options (field 6), in the kernel's order
         self.super_options = super_options   # superblock options (last field)
 
-    def _key(self) -> tuple[Any, ...]:
-        return (self.point, self.root, self.fstype, self.options, self.super_options)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Mount) and self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
     def __repr__(self) -> str:
-        return "Mount(%r, %r, %r, %r, %r)" % self._key()
+        return f"Mount({self.point!r}, {self.root!r}, {self.fstype!r}, {self.options!r}, {self.super_options!r})"
 
 
 def _unescape(field: str) -> str:

@@ -27,13 +27,6 @@ class Hierarchy:
         self.root = root                # the mount's root inside the hierarchy (mountinfo field 4)
         self.nsdelegate = nsdelegate
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Hierarchy) and (self.mount, self.root, self.nsdelegate) == \
-            (other.mount, other.root, other.nsdelegate)
-
-    def __hash__(self) -> int:
-        return hash((self.mount, self.root, self.nsdelegate))
-
     def __repr__(self) -> str:
         return f"Hierarchy({self.mount!r}, {self.root!r}, {self.nsdelegate!r})"
 
