@@ -119,7 +119,7 @@ def _start(run: Run) -> None:
     # once is not missed (_ledger.py).
     run.watch = run.stop.watch = EscapeWatch.before_spawn(run.container, req, v1=run.usage.cgroups)
     if req.pidns:
-        req.on_init = lambda init_pid: describe_wall(run, init_pid, req.userns)
+        req.on_init = lambda init_pid, start, ns: describe_wall(run, init_pid, start, ns, req.userns)
     t0 = time.time()
     try:
         run.usage.join(req)
@@ -154,7 +154,7 @@ def _start(run: Run) -> None:
     run.publish()
 
 
-def describe_wall(run: Run, init_pid: int, userns: str | None) -> None:
+def describe_wall(run: Run, init_pid: int, start: int | None, ns: int | None, userns: str | None) -> None:
     """The wall's init exists and waits: run.json and the tag name it before
     the worker can run, so an owner killed from here on leaves a wall its
     adopter re-attaches (and so proves emptiness through). Raises
@@ -162,7 +162,7 @@ def describe_wall(run: Run, init_pid: int, userns: str | None) -> None:
     from ._platform.pidwall import describe_init
 
     assert run.layout is not None
-    run.facts.pending_wall = describe_init(init_pid, userns)
+    run.facts.pending_wall = describe_init(init_pid, start, ns, userns)
     run.layout.write_run(run.facts.run_info(run, None))
 
 

@@ -8,6 +8,7 @@
 #include "wall.h"
 #include "clone.h"
 #include "child.h"
+#include "spawn.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -15,6 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -40,6 +42,26 @@ static int write_maps(int pidfd, const struct ct_wall_args *w) {
     if ((rc = ct_write_file(path, w->uid_map ? w->uid_map : "")) < 0) return rc;
     memcpy(p, "/gid_map", 9);
     return ct_write_file(path, w->gid_map ? w->gid_map : "");
+}
+
+/* The init's start time and PID namespace, read while it is our unreaped
+ * child (its pid cannot name another process) and before it can exit (an
+ * exited init has no ns links left): what run.json describes it by, read
+ * here in a few system calls rather than by Python's file objects while the
+ * init sheds its memory on the other CPU. -1 / 0 when unreadable. */
+static void init_identity(long pid, struct ct_wall_result *r) {
+    char path[48];
+    struct stat st;
+    r->init_start = -1;
+    r->init_ns = 0;
+    int proc = open("/proc", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (proc < 0) return;
+    long long start = -1;
+    if (ct_start_time_at(proc, pid, &start) == 0) r->init_start = start;
+    char *p = ct_put_int(path, pid);
+    memcpy(p, "/ns/pid", 8);
+    if (fstatat(proc, path, &st, 0) == 0) r->init_ns = (unsigned long long)st.st_ino;
+    close(proc);
 }
 
 int ct_wall_spawn(const struct ct_spawn_args *a, const struct ct_wall_args *w, struct ct_wall_result *r) {
@@ -105,6 +127,7 @@ int ct_wall_spawn(const struct ct_spawn_args *a, const struct ct_wall_args *w, s
     }
     int fl = fcntl(sv[0], F_GETFL);
     if (fl >= 0) fcntl(sv[0], F_SETFL, fl | O_NONBLOCK);
+    init_identity(pid, r);
     r->init_pid = (int)pid;
     r->init_pidfd = pidfd;
     r->report_fd = sv[0];

@@ -12,6 +12,8 @@ struct ct_wall_result {
     int stage;             /* of a failure of ct_wall_spawn itself (clone, maps) */
     int child_errno;
     int go_fd;             /* with hold: write one byte to let the init go on, then close; -1 otherwise */
+    long long init_start;  /* the init's start time (proc(5) field 22), -1: unread */
+    unsigned long long init_ns;  /* the inode of its /proc/<pid>/ns/pid, 0: unread */
 };
 
 int ct_wall_spawn(const struct ct_spawn_args *a, const struct ct_wall_args *w, struct ct_wall_result *r);

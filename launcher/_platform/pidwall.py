@@ -61,19 +61,14 @@ def unavailable(err: Any) -> bool:
     return getattr(err, "stage", None) in _WALL_STAGES and getattr(err, "errno", 0) in _UNAVAILABLE
 
 
-def describe_init(init_pid: int, userns: str | None) -> dict[str, Any]:
-    """PidWall.describe() of a wall whose init has just been cloned (our
-    unreaped child: its pid and start time cannot name another process),
-    before it does anything for the worker (SpawnRequest.on_init)."""
+def describe_init(init_pid: int, start_time: int | None, inode: int | None, userns: str | None) -> dict[str, Any]:
+    """PidWall.describe() of a wall whose init has just been cloned, before
+    it does anything for the worker (SpawnRequest.on_init): its start time
+    and PID namespace as the spawn read them right after the clone, while
+    it was our unreaped child (its pid cannot name another process)."""
     from .._identity import own_pidns
-    from .._procfs import read_stat
 
-    st = read_stat(init_pid)
-    try:
-        inode: int | None = os.stat(f"/proc/{init_pid}/ns/pid").st_ino
-    except OSError:
-        inode = None
-    return {"kind": "pidns", "init": {"pid": init_pid, "start_time": st[4] if st else None}, "inode": inode,
+    return {"kind": "pidns", "init": {"pid": init_pid, "start_time": start_time}, "inode": inode,
             "userns": userns, "counted_in": own_pidns()}
 
 

@@ -193,7 +193,7 @@ class SpawnRequest:
         # go). The run describes the init durably here, so an owner killed
         # at any later point leaves a wall its adopter can find. An exception
         # kills the init and fails the spawn.
-        self.on_init: Callable[[int], None] | None = None
+        self.on_init: Callable[[int, int | None, int | None], None] | None = None   # (pid, start time, pid ns inode)
 
 
 class Spawned:

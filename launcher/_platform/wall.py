@@ -288,17 +288,14 @@ def _after_clone(req: SpawnRequest, r: Any, rc: int, paths: Any, cgroup_fd: int)
         fail.child_errno = r.child_errno
         fail.candidate = -1
         raise_failure(rc, fail, req, paths, cgroup_fd >= 0)
-    init_ns = None
-    try:
-        # Read while the init waits for the go (or at least lives): once it
-        # has exited, even unreaped, its ns links are gone.
-        init_ns = os.stat(f"/proc/{r.init_pid}/ns/pid").st_ino
-    except OSError:
-        pass
+    # Read by ct_wall_spawn right after the clone, while the init was alive
+    # and unreaped: once it has exited its ns links are gone.
+    init_ns = int(r.init_ns) or None
     if r.go_fd >= 0:
         try:
             assert req.on_init is not None
-            req.on_init(r.init_pid)      # raises: spawn_wall kills the init (it never went on)
+            # raises: spawn_wall kills the init (it never went on)
+            req.on_init(r.init_pid, int(r.init_start) if r.init_start >= 0 else None, init_ns)
             os.write(r.go_fd, b"G")
         finally:
             os.close(r.go_fd)
