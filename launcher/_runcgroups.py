@@ -14,6 +14,7 @@ from ._controllers import (DOCTOR_HINT, Route, V1Hierarchy, plan, read_file, v1_
 from ._errors import ContainmentUnavailable
 from ._limits import Limits
 from ._procfs import cgroups_of, read_stat
+from ._platform.cgroups import rmdir_known
 from ._names import run_name
 
 def _write(path: str, value: str) -> None:
@@ -348,6 +349,8 @@ class RunCgroups:
         self.close_join_fds()
         problems = []
         for top in self.made:
+            if rmdir_known([top]):
+                continue                  # the usual end: no child cgroup, no task
             failed: list[OSError] = []
             dirs = [d for d, _s, _f in os.walk(top, topdown=False, onerror=failed.append)] or [top]
             for d in sorted(dirs, key=len, reverse=True):

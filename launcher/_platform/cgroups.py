@@ -162,6 +162,20 @@ def _make_dirs(path: str) -> list[str]:
     return made
 
 
+def rmdir_known(dirs: list[str]) -> bool:
+    """rmdir each of `dirs` (deepest first), stopping at the first that
+    fails. True if all are gone: the usual end of a run, whose cgroups hold
+    nothing but the leaves it made, without listing them first. False
+    leaves the rest to the caller's walk of what is there (an EBUSY of a
+    task still leaving, a child cgroup a worker made)."""
+    for d in dirs:
+        try:
+            os.rmdir(d)
+        except OSError:
+            return False
+    return True
+
+
 def remove_made(made: list[str]) -> None:
     """Remove the base directories a run made, deepest first, while they are
     empty: one that holds another run's cgroup stays (rmdir says EBUSY)."""

@@ -25,7 +25,7 @@ from .. import _tags
 from .._errors import ContainmentUnavailable, SpawnFailed
 from .._procfs import cgroup_of
 from . import pidwall, posix, sealing
-from .cgroups import (Hierarchy, hierarchies, identify, kill_by_freezing, remove_made, resolve_base,
+from .cgroups import (Hierarchy, hierarchies, identify, kill_by_freezing, remove_made, resolve_base, rmdir_known,
                       run_suffix, writable_procs_above)
 from .._signals import signal_name
 from .posixwait import Root
@@ -414,6 +414,9 @@ class Container:
                 os.close(fd)
         self._events_fd = self._dir_fd = -1
         problem = None
+        if rmdir_known([*reversed(self._leaves), self.dir]):
+            remove_made(self._made)       # the usual end: nothing below but the leaves we made
+            return None
         failed: list[OSError] = []
         dirs = [d for d, _s, _f in os.walk(self.dir, topdown=False, onerror=failed.append)] or [self.dir]
         for d in sorted(dirs, key=len, reverse=True):
