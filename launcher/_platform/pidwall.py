@@ -73,20 +73,24 @@ def describe_init(init_pid: int, start_time: int | None, inode: int | None, user
 
 
 class PidWall:
-    def __init__(self, init: Init, userns: str | None = None) -> None:
+    def __init__(self, init: Init, userns: str | None = None, inode: int | None = None) -> None:
         self.init = init
         self.userns = userns
-        self.inode: int | None = None
-        try:
-            self.inode = os.stat(f"/proc/{init.pid}/ns/pid").st_ino
-        except OSError:
-            pass
+        self.inode: int | None = inode
+        if inode is None:
+            try:
+                self.inode = os.stat(f"/proc/{init.pid}/ns/pid").st_ino
+            except OSError:
+                pass
 
     @classmethod
     def of(cls, sp: Spawned, userns: str | None = None) -> "PidWall":
-        w = cls(Init(sp.init_pid, sp.init_pidfd, sp.report_fd, sp.events), userns)
-        w.inode = w.inode or sp.init_ns       # an init already gone has no ns links left
-        w.init_identity = w.init.identity()
+        """The wall of a spawn, named as the spawn read its init right after
+        the clone (our unreaped child then: its pid named no other process,
+        and an init already gone has no ns links left)."""
+        w = cls(Init(sp.init_pid, sp.init_pidfd, sp.report_fd, sp.events), userns, sp.init_ns)
+        w.init_identity = ({"pid": sp.init_pid, "start_time": sp.init_start} if sp.init_start is not None
+                           else w.init.identity())
         return w
 
     init_identity: dict[str, Any] | None = None

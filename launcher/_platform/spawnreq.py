@@ -207,7 +207,7 @@ class Spawned:
     said before `spawn` returned (notes, or even the worker's exit)."""
 
     __slots__ = ("pid", "pidfd", "via", "wall", "init_pid", "init_pidfd", "report_fd", "events", "start_time",
-                 "init_ns")
+                 "init_ns", "init_start")
 
     def __init__(self, pid: int, pidfd: int, via: str = "", *, wall: str | None = None,
                  init_pid: int = -1, init_pidfd: int = -1, report_fd: int = -1,
@@ -222,6 +222,7 @@ class Spawned:
         self.report_fd = report_fd
         self.events: list[InitEvent] = events if events is not None else []
         self.init_ns: int | None = None   # the wall's PID namespace (inode), read while the init waited
+        self.init_start: int | None = None   # the init's start time, read right after the clone
 
 
 def candidates(argv0: str, env: dict[str, str]) -> list[str]:

@@ -192,12 +192,12 @@ def read_init_events(fd: int) -> list[InitEvent]:
 
 def pid_of_pidfd(pidfd: int) -> int:
     """The pid of a pidfd's process as this /proc names it (fdinfo "Pid:"),
-    -1 once it has been reaped."""
-    with open(f"/proc/self/fdinfo/{pidfd}") as f:
-        for line in f:
-            if line.startswith("Pid:"):
-                return int(line.split()[1])
-    raise OSError(errno.ENOTSUP, "fdinfo of a pidfd has no Pid line")
+    -1 once it has been reaped. Raises OSError."""
+    pid = ffi.new("long*")
+    rc = lib.ct_pid_via_fdinfo(pidfd, pid)
+    if rc < 0:
+        raise OSError(-rc, f"/proc/self/fdinfo/{pidfd}: {os.strerror(-rc)}")
+    return int(pid[0])
 
 
 INIT_NAME = "ct/init"     # init.h CT_INIT_NAME: set by the init's first instruction of ours
@@ -363,6 +363,7 @@ def _after_clone(req: SpawnRequest, r: Any, rc: int, paths: Any, cgroup_fd: int)
                  report_fd=r.report_fd, events=events,
                  start_time=worker.start_time if worker.start_time > 0 else None)
     sp.init_ns = init_ns
+    sp.init_start = int(r.init_start) if r.init_start >= 0 else None
     return sp
 
 
