@@ -60,9 +60,11 @@ def dir_key(path: str) -> str | None:
     return f"{st.st_dev}:{st.st_ino}"
 
 
-def write(path: str, name: str, value: dict[str, Any]) -> str | None:
-    """Set a tag on `path` (never through a symlink). None, or why not."""
-    data = dumps(value, compact=True).encode()
+def write(path: str, name: str, value: dict[str, Any], data: bytes | None = None) -> str | None:
+    """Set a tag on `path` (never through a symlink). None, or why not.
+    `data`: `value` already encoded (compact), by a caller that had to."""
+    if data is None:
+        data = dumps(value, compact=True).encode()
     if len(data) > MAX_BYTES:
         return f"tag {name} on {path}: {len(data)} bytes, more than {MAX_BYTES}"
     try:
@@ -168,10 +170,11 @@ class RunTag:
 
     def update(self, **fields: Any) -> str | None:
         self.value.update(fields)
+        # One encoding, sorted: what is compared is what is written.
         data = dumps(self.value, compact=True, sort_keys=True).encode()
         if data == self._written:
             return self.problem
-        self.problem = write(self.run_dir, RUN_TAG, self.value)
+        self.problem = write(self.run_dir, RUN_TAG, self.value, data)
         if self.problem is None:
             self._written = data
         return self.problem
