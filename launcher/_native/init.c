@@ -87,7 +87,13 @@
  *     0.2 ms after EXEC was sent. While the init lived with the pages it
  *     inherited, the supervisor paid a copy-on-write fault the first time it
  *     wrote each page it still shared with it: writing 32 MiB took 23 ms
- *     instead of 0.6 ms (shed.c now unmaps them).
+ *     instead of 0.6 ms (shed.c now unmaps them). Even so, the supervisor
+ *     takes 770-840 minor faults per walled `launcher.run` of /bin/true
+ *     (getrusage): the clone write-protects its private pages, and its
+ *     first write to each afterwards faults, a copy while the init still
+ *     maps the page (docs/performance.md, "Where launcher.run's time goes").
+ *     The init's own set-up (mounts, /proc, signalfd) comes before the hold,
+ *     overlapping with the supervisor's description of it.
  */
 #include "init.h"
 #include "child.h"
