@@ -296,7 +296,13 @@ def _after_clone(req: SpawnRequest, r: Any, rc: int, paths: Any, cgroup_fd: int)
             assert req.on_init is not None
             # raises: spawn_wall kills the init (it never went on)
             req.on_init(r.init_pid, int(r.init_start) if r.init_start >= 0 else None, init_ns)
-            os.write(r.go_fd, b"G")
+            try:
+                os.write(r.go_fd, b"G")
+            except BrokenPipeError:
+                # The init is gone before the go (killed at birth, or failed
+                # at a step of its own before the hold): what it said, or
+                # that it never ran our code, is read below, as without a hold.
+                pass
         finally:
             os.close(r.go_fd)
             r.go_fd = -1
