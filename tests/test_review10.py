@@ -112,3 +112,30 @@ def test_walled_run_whose_init_is_killed_at_birth_falls_back_to_a_fresh_leaf() -
             time.sleep(0.01)
         c.remove()
         assert holders(token) == []
+
+
+@needs_root
+@pytest.mark.forked
+def test_init_gone_before_the_go_does_not_sigpipe_an_owner_that_set_sigpipe_to_default() -> None:
+    """Python ignores SIGPIPE, but a library caller may set it back to
+    SIG_DFL (as many CLIs do for `| head`). The go written to an init that
+    is already gone must then still come back as the init's own failure,
+    not as a SIGPIPE that kills the owner. Forked: it changes this
+    process's SIGPIPE disposition."""
+    import signal
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    token = new_token()
+    seen: list[tuple[int, int | None, int | None]] = []
+    req = _request(token, ["/bin/sleep", "30"])
+    req.on_init = _slow_on_init(seen)
+    try:
+        with pytest.raises(SpawnFailed) as ei:
+            posix.spawn(req, expect_cgroup=["0::/contain-review10-no-such-cgroup"])
+        assert seen, "on_init was never called"
+        assert "placement" in str(ei.value.stage), ei.value.stage
+        assert signal.SIGPIPE not in signal.sigpending(), "the owner was left with a pending SIGPIPE"
+        assert signal.SIGPIPE not in signal.pthread_sigmask(signal.SIG_BLOCK, []), "SIGPIPE left blocked"
+        assert _gone(seen[0][0]), "the init of the failed spawn was not reaped"
+    finally:
+        assert holders(token) == []

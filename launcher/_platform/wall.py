@@ -190,6 +190,27 @@ def read_init_events(fd: int) -> list[InitEvent]:
         out.append(_event(m, passed[0]))
 
 
+def write_go(fd: int) -> None:
+    """The one byte that lets a held init go on. An init already gone has
+    closed its end: EPIPE (BrokenPipeError), never a SIGPIPE that kills the
+    owner, also in a library caller that set SIGPIPE back to SIG_DFL
+    (Python ignores it): blocked around the write in this thread, and the
+    one this write raised taken off again."""
+    if _signal.getsignal(_signal.SIGPIPE) == _signal.SIG_IGN:
+        os.write(fd, b"G")
+        return
+    old = _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGPIPE})
+    try:
+        os.write(fd, b"G")
+    except BrokenPipeError:
+        if _signal.SIGPIPE not in old:
+            _signal.sigtimedwait({_signal.SIGPIPE}, 0)     # ours: a thread-directed SIGPIPE (pipe_write)
+        raise
+    finally:
+        if _signal.SIGPIPE not in old:
+            _signal.pthread_sigmask(_signal.SIG_SETMASK, old)
+
+
 def pid_of_pidfd(pidfd: int) -> int:
     """The pid of a pidfd's process as this /proc names it (fdinfo "Pid:"),
     -1 once it has been reaped. Raises OSError."""
@@ -297,7 +318,7 @@ def _after_clone(req: SpawnRequest, r: Any, rc: int, paths: Any, cgroup_fd: int)
             # raises: spawn_wall kills the init (it never went on)
             req.on_init(r.init_pid, int(r.init_start) if r.init_start >= 0 else None, init_ns)
             try:
-                os.write(r.go_fd, b"G")
+                write_go(r.go_fd)
             except BrokenPipeError:
                 # The init is gone before the go (killed at birth, or failed
                 # at a step of its own before the hold): what it said, or
