@@ -13,5 +13,9 @@ else:
     # plain subprocess.call (docs/performance.md, "Start-up").
     # (No console scripts, said explicitly: pyproject.toml declares them dynamic.)
     command = {"scripts": ["bin/contain"], "entry_points": {"console_scripts": []}}
+    # cffi builds the extension against the stable ABI here (_ct.abi3.so):
+    # the wheel says so, and installs on every CPython from 3.11 on. (On
+    # Windows cffi builds _ct.cp3XX-win_amd64.pyd, one Python's.)
+    command["options"] = {"bdist_wheel": {"py_limited_api": "cp311"}}
 
 setup(cffi_modules=["launcher/_native/build.py:ffibuilder"], **command)
