@@ -160,3 +160,21 @@ def test_a_broken_pipe_is_a_quiet_1(tmp_path):
     finally:
         os.close(w)
     assert p.returncode == 1 and p.stderr == "", p.stderr
+
+
+def test_ctrl_c_while_the_command_loads_dies_by_sigint_without_a_traceback(tmp_path):
+    """A SIGINT that lands while bin/contain imports the CLI (a slow disk, a
+    cold cache: tens of milliseconds) used to print Python's
+    KeyboardInterrupt traceback. Made exact here: the `launcher` on the path
+    is one whose CLI module raises KeyboardInterrupt as it is imported, the
+    way a Ctrl-C in that import surfaces. The command must die by SIGINT (the
+    shell stops too) and print nothing."""
+    fake = tmp_path / "fake" / "launcher"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "_cli.py").write_text("raise KeyboardInterrupt\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "fake"), CONTAIN_STATE_DIR=str(tmp_path / "state"))
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bin", "contain"), "run", "--", "true"],
+                       env=env, capture_output=True, text=True, timeout=30)
+    assert p.returncode == -2, (p.returncode, p.stderr)
+    assert p.stderr == "" and p.stdout == "", p.stderr
