@@ -194,21 +194,28 @@ def write_go(fd: int) -> None:
     """The one byte that lets a held init go on. An init already gone has
     closed its end: EPIPE (BrokenPipeError), never a SIGPIPE that kills the
     owner, also in a library caller that set SIGPIPE back to SIG_DFL
-    (Python ignores it): blocked around the write in this thread, and the
-    one this write raised taken off again."""
-    if _signal.getsignal(_signal.SIGPIPE) == _signal.SIG_IGN:
-        os.write(fd, b"G")
-        return
-    old = _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGPIPE})
+    (Python ignores it), through `signal` or in C, which Python's own table
+    of handlers never sees: blocked around the write in this thread
+    whatever the disposition, and the one this write raised (thread-directed,
+    pipe_write) taken off again, unless this thread already blocked SIGPIPE
+    and one was pending then (the caller's: it stays, and ours is merged
+    into it). The mask is read before it is changed, and changed inside the
+    `try`: an exception from a signal handler (KeyboardInterrupt) at any
+    point leaves this thread's mask as the caller had it."""
+    old = _signal.pthread_sigmask(_signal.SIG_BLOCK, ())      # only reads the mask
+    mine = _signal.SIGPIPE not in old
+    theirs = not mine and _signal.SIGPIPE in _signal.sigpending()
     try:
+        if mine:
+            _signal.pthread_sigmask(_signal.SIG_BLOCK, (_signal.SIGPIPE,))
         os.write(fd, b"G")
     except BrokenPipeError:
-        if _signal.SIGPIPE not in old:
-            _signal.sigtimedwait({_signal.SIGPIPE}, 0)     # ours: a thread-directed SIGPIPE (pipe_write)
+        if not theirs:
+            _signal.sigtimedwait((_signal.SIGPIPE,), 0)     # ours, dequeued before any process-wide one
         raise
     finally:
-        if _signal.SIGPIPE not in old:
-            _signal.pthread_sigmask(_signal.SIG_SETMASK, old)
+        if mine:
+            _signal.pthread_sigmask(_signal.SIG_UNBLOCK, (_signal.SIGPIPE,))
 
 
 def pid_of_pidfd(pidfd: int) -> int:
