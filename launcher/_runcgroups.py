@@ -14,8 +14,9 @@ from ._controllers import (DOCTOR_HINT, Route, V1Hierarchy, plan, read_file, v1_
 from ._errors import ContainmentUnavailable
 from ._limits import Limits
 from ._procfs import cgroups_of, read_stat
-from ._platform.cgroups import rmdir_known
+from ._platform.cgroups import mkdir_under, remove_made, rmdir_known
 from ._names import run_name
+from ._policy import policy_env
 
 def _write(path: str, value: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -61,6 +62,7 @@ class RunCgroups:
         self.v1: dict[str, str] = {}          # hierarchy name -> fs dir of our cgroup
         self.v1_hier: dict[str, V1Hierarchy] = {}
         self.made: list[str] = []             # v1 dirs created here (removed by remove())
+        self.made_bases: list[str] = []       # CONTAIN_CGROUP_V1_BASE dirs created here: removed once empty
         self._described: tuple[Any, dict[str, Any]] | None = None
         self.applied: dict[str, Any] = {}
         self.notes: list[str] = []
@@ -95,6 +97,7 @@ class RunCgroups:
         except OSError:
             own = {}
         asked = set(self.limits.controllers())
+        named = bool(policy_env("CONTAIN_CGROUP_V1_BASE", env))     # a base named for the run, not root's /contain
         for c, r in list(self.routes.items()):
             if r.kind != "v1" or r.hierarchy is None:
                 continue
@@ -106,13 +109,9 @@ class RunCgroups:
             if parent is not None:
                 try:
                     pdir = h.fs_path(parent)
-                    if is_base:
-                        try:
-                            os.mkdir(pdir, 0o755)
-                        except FileExistsError:
-                            pass
                     d = os.path.join(pdir, self.name)
-                    os.mkdir(d, 0o755)
+                    if mkdir_under(pdir, d, make_base=is_base) and named:
+                        self.made_bases.append(pdir)    # named for the run: it goes with it (not root's /contain)
                 except (OSError, ValueError) as e:
                     problem = f"cgroup v1 {h.name}: cannot create {self.name} under {parent}: " + (
                         os.strerror(e.errno or 0) if isinstance(e, OSError) else str(e))
@@ -376,6 +375,9 @@ class RunCgroups:
                 why = "; ".join(f"{e.filename}: {os.strerror(e.errno or 0)}" for e in failed[:3]) or "still there"
                 problems.append(f"rmdir {top}: not removed ({why})")
         self.made = [d for d in self.made if os.path.isdir(d)]
+        if not self.made:
+            remove_made(self.made_bases)       # only while empty: another run's cgroup keeps it (EBUSY)
+            self.made_bases = []
         return "; ".join(problems) or None
 
     # -- the record ---------------------------------------------------------

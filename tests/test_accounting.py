@@ -413,3 +413,34 @@ def test_removal_reports_a_member_that_left_the_v2_container(world):
     p.kill()
     p.wait(10)
     assert rc.remove() is None
+
+
+@needs_v1
+def test_a_v1_base_the_run_made_is_removed_with_it_and_one_it_found_is_kept(world):
+    """CONTAIN_CGROUP_V1_BASE names a base that does not exist: the run makes
+    it, and once its own cgroups are gone it removes the base too (it used to
+    stay for ever, one empty cgroup per base named). A base that was there
+    before the run is someone's: it stays."""
+    from _cgworld import remove_v1_base
+    from launcher._platform import linux
+
+    made = world.v1_base + "-made-by-run"
+    env = dict(world.env, CONTAIN_CGROUP_V1_BASE=made)
+    try:
+        c = linux.Container.create("vb", env)
+        world.containers.append(c)
+        rc = R.RunCgroups.create(os.path.basename(c.dir), L.Limits(pids_max=10), v2_dir=c.dir, env=env)
+        tops = [h.fs_path(made) for h in C.v1_hierarchies() if h.name in rc.v1]
+        assert tops and all(os.path.isdir(t) for t in tops), tops
+        assert rc.remove() is None
+        assert [t for t in tops if os.path.exists(t)] == [], "the base the run made outlived it"
+
+        found = [h.fs_path(world.v1_base) for h in C.v1_hierarchies() if h.name in rc.v1]
+        for t in found:
+            os.mkdir(t)                      # this test's own base, there before the run
+        rc2 = R.RunCgroups.create(os.path.basename(c.dir), L.Limits(pids_max=10), v2_dir=c.dir, env=world.env)
+        world.runs.append(rc2)
+        assert rc2.remove() is None
+        assert all(os.path.isdir(t) for t in found), "a base the run found was removed"
+    finally:
+        remove_v1_base(made)

@@ -176,6 +176,28 @@ def rmdir_known(dirs: list[str]) -> bool:
     return True
 
 
+def mkdir_under(base: str, d: str, *, make_base: bool) -> bool:
+    """mkdir `d` in `base`; with `make_base`, `base` too when it is missing,
+    and again if the run that made it removed it as it ended, between the
+    two mkdirs (at most three times). True if `base` was made here. Raises
+    OSError."""
+    made = False
+    for attempt in range(3):
+        if make_base:
+            try:
+                os.mkdir(base, 0o755)
+                made = True
+            except FileExistsError:
+                pass
+        try:
+            os.mkdir(d, 0o755)
+            return made
+        except FileNotFoundError:
+            if not make_base or attempt == 2:
+                raise
+    return made
+
+
 def remove_made(made: list[str]) -> None:
     """Remove the base directories a run made, deepest first, while they are
     empty: one that holds another run's cgroup stays (rmdir says EBUSY)."""
