@@ -13,6 +13,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <time.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -64,6 +65,27 @@ static void init_identity(long pid, struct ct_wall_result *r) {
     close(proc);
 }
 
+/* The go byte to an init that may be gone already (a read end closed):
+ * EPIPE, never a SIGPIPE that kills a caller whose SIGPIPE is SIG_DFL
+ * (set in C, where Python's table never sees it): blocked around the write
+ * in this thread, and the one the write raised taken off again, unless this
+ * thread already blocked SIGPIPE with one pending (the caller's; ours merges
+ * into it). wall.py's write_go, for the go written from Python. */
+static int write_go(int fd) {
+    sigset_t pipe_set, old, pending;
+    sigemptyset(&pipe_set);
+    sigaddset(&pipe_set, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_set, &old);
+    int theirs = sigismember(&old, SIGPIPE) && sigpending(&pending) == 0 && sigismember(&pending, SIGPIPE);
+    int rc = ct_write_all(fd, "G", 1) < 0 ? -errno : 0;
+    if (rc == -EPIPE && !theirs) {
+        struct timespec zero = {0, 0};
+        sigtimedwait(&pipe_set, NULL, &zero);
+    }
+    if (!sigismember(&old, SIGPIPE)) pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return rc;
+}
+
 int ct_wall_spawn(const struct ct_spawn_args *a, const struct ct_wall_args *w, struct ct_wall_result *r) {
     int sv[2], sync[2] = {-1, -1}, pidfd = -1, rc = 0;
     sigset_t all, old;
@@ -109,7 +131,7 @@ int ct_wall_spawn(const struct ct_spawn_args *a, const struct ct_wall_args *w, s
         return -clone_errno;
     }
     if (w->userns == CT_USERNS_MAP) {
-        if ((rc = write_maps(pidfd, w)) == 0 && !w->hold && ct_write_all(sync[1], "G", 1) < 0) rc = -errno;
+        if ((rc = write_maps(pidfd, w)) == 0 && !w->hold) rc = write_go(sync[1]);
         if (rc < 0 || !w->hold) {
             close(sync[1]);
             sync[1] = -1;
