@@ -116,7 +116,14 @@ def main() -> None:
         print(f"skipped: {why}")
         return
     print("; ".join(C.ensure_ready()))
-    r = run(a.repeats)
+    try:
+        r = run(a.repeats)
+    except subprocess.CalledProcessError as e:
+        print(f"skipped: the prototype did not build here ({e})")
+        return
+    except OSError as e:
+        print(f"skipped: the prototype cannot run here ({e})")
+        return
     for k, v in r["spawn_wait_reap"].items():
         print(f"{k:<28} {v['median_ms']:8.3f} ms  {r['minor_faults_per_cycle'][k]:7.1f} faults/cycle")
     os.makedirs(C.RESULTS, exist_ok=True)
