@@ -14,7 +14,7 @@ from ._controllers import (DOCTOR_HINT, Route, V1Hierarchy, plan, read_file, v1_
 from ._errors import ContainmentUnavailable
 from ._limits import Limits
 from ._procfs import cgroups_of, read_stat
-from ._platform.cgroups import mkdir_under, remove_made, rmdir_known
+from ._platform.cgroups import mkdir_under, remove_bases, rmdir_known
 from ._names import run_name
 from ._policy import policy_env
 
@@ -63,6 +63,7 @@ class RunCgroups:
         self.v1_hier: dict[str, V1Hierarchy] = {}
         self.made: list[str] = []             # v1 dirs created here (removed by remove())
         self.made_bases: list[str] = []       # CONTAIN_CGROUP_V1_BASE dirs created here: removed once empty
+        self.bases: list[str] = []            # the named bases our cgroups sit in: removed if a run made them
         self._described: tuple[Any, dict[str, Any]] | None = None
         self.applied: dict[str, Any] = {}
         self.notes: list[str] = []
@@ -110,8 +111,10 @@ class RunCgroups:
                 try:
                     pdir = h.fs_path(parent)
                     d = os.path.join(pdir, self.name)
-                    if mkdir_under(pdir, d, make_base=is_base) and named:
+                    if mkdir_under(pdir, d, make_base=is_base, mark=is_base and named) and named:
                         self.made_bases.append(pdir)    # named for the run: it goes with it (not root's /contain)
+                    if is_base and named:
+                        self.bases.append(pdir)         # made by another run: the last one out removes it
                 except (OSError, ValueError) as e:
                     problem = f"cgroup v1 {h.name}: cannot create {self.name} under {parent}: " + (
                         os.strerror(e.errno or 0) if isinstance(e, OSError) else str(e))
@@ -376,7 +379,8 @@ class RunCgroups:
                 problems.append(f"rmdir {top}: not removed ({why})")
         self.made = [d for d in self.made if os.path.isdir(d)]
         if not self.made:
-            remove_made(self.made_bases)       # only while empty: another run's cgroup keeps it (EBUSY)
+            remove_bases(self.bases, self.made_bases)   # only while empty: another run's cgroup keeps it (EBUSY)
+            self.bases = []
             self.made_bases = []
         return "; ".join(problems) or None
 
@@ -439,6 +443,7 @@ class RunCgroups:
             rc.v1_hier[hname] = h
             if info.get("created"):
                 rc.made.append(d)
+                rc.bases.append(os.path.dirname(d))     # removed only if a run made it (MADE_MARK)
             for c in h.controllers:
                 routes[c] = Route(c, "v1", h)
         ctl = desc.get("controllers") or {}

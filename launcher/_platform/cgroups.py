@@ -176,17 +176,30 @@ def rmdir_known(dirs: list[str]) -> bool:
     return True
 
 
-def mkdir_under(base: str, d: str, *, make_base: bool) -> bool:
+# Set on a CONTAIN_CGROUP_V1_BASE a run made, so that the last run out of it
+# removes it, whichever run that is, and an adopter too; a base that was
+# there before has none. trusted.*: only CAP_SYS_ADMIN can set it (a local
+# user cannot mark a cgroup for removal) or see it. Where it cannot be set
+# (not root, no xattrs) only the run that made the base removes it.
+MADE_MARK = "trusted.contain.base"
+
+
+def mkdir_under(base: str, d: str, *, make_base: bool, mark: bool = False) -> bool:
     """mkdir `d` in `base`; with `make_base`, `base` too when it is missing,
     and again if the run that made it removed it as it ended, between the
-    two mkdirs (at most three times). True if `base` was made here. Raises
-    OSError."""
+    two mkdirs (at most three times); with `mark`, a base made here gets
+    MADE_MARK. True if `base` was made here. Raises OSError."""
     made = False
     for attempt in range(3):
         if make_base:
             try:
                 os.mkdir(base, 0o755)
                 made = True
+                if mark:
+                    try:
+                        os.setxattr(base, MADE_MARK, b"1")
+                    except OSError:
+                        pass
             except FileExistsError:
                 pass
         try:
@@ -196,6 +209,23 @@ def mkdir_under(base: str, d: str, *, make_base: bool) -> bool:
             if not make_base or attempt == 2:
                 raise
     return made
+
+
+def remove_bases(bases: list[str], made: list[str]) -> None:
+    """rmdir each of `bases` that a run made (in `made`, or carrying
+    MADE_MARK) while it is empty: one that holds another run's cgroup stays
+    (EBUSY), and that run removes it when it ends. Never one without either
+    (there before any run, root's shared /contain, an outer run's cgroup)."""
+    for b in bases:
+        if b not in made:
+            try:
+                os.getxattr(b, MADE_MARK)
+            except OSError:
+                continue
+        try:
+            os.rmdir(b)
+        except OSError:
+            pass
 
 
 def remove_made(made: list[str]) -> None:
