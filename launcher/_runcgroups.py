@@ -62,8 +62,7 @@ class RunCgroups:
         self.v1: dict[str, str] = {}          # hierarchy name -> fs dir of our cgroup
         self.v1_hier: dict[str, V1Hierarchy] = {}
         self.made: list[str] = []             # v1 dirs created here (removed by remove())
-        self.made_bases: list[str] = []       # CONTAIN_CGROUP_V1_BASE dirs created here: removed once empty
-        self.bases: list[str] = []            # the named bases our cgroups sit in: removed if a run made them
+        self.bases: list[tuple[str, bool]] = []   # named bases we sit in, and whether we made each
         self._described: tuple[Any, dict[str, Any]] | None = None
         self.applied: dict[str, Any] = {}
         self.notes: list[str] = []
@@ -111,10 +110,9 @@ class RunCgroups:
                 try:
                     pdir = h.fs_path(parent)
                     d = os.path.join(pdir, self.name)
-                    if mkdir_under(pdir, d, make_base=is_base, mark=is_base and named) and named:
-                        self.made_bases.append(pdir)    # named for the run: it goes with it (not root's /contain)
-                    if is_base and named:
-                        self.bases.append(pdir)         # made by another run: the last one out removes it
+                    made_base = mkdir_under(pdir, d, make_base=is_base, mark=is_base and named)
+                    if is_base and named:      # named for runs (not root's /contain): the last run out removes it
+                        self.bases.append((pdir, made_base))
                 except (OSError, ValueError) as e:
                     problem = f"cgroup v1 {h.name}: cannot create {self.name} under {parent}: " + (
                         os.strerror(e.errno or 0) if isinstance(e, OSError) else str(e))
@@ -124,8 +122,7 @@ class RunCgroups:
                     self.v1_hier[h.name] = h
                     mine = own.get(h.name)
                     if mine not in (None, "/") and not (parent == mine or parent.startswith(str(mine).rstrip("/") + "/")):
-                        # Root puts runs at the hierarchy's contain base, beside
-                        # whatever cgroup the host put the supervisor in.
+                        # Root's runs go to the contain base, beside the supervisor's own cgroup.
                         self.notes.append(f"cgroup v1 {h.name}: the run is under {parent}, outside the supervisor's own "
                                           f"{mine}: a limit set there does not bind the run")
                     for cc in h.controllers:
@@ -379,9 +376,8 @@ class RunCgroups:
                 problems.append(f"rmdir {top}: not removed ({why})")
         self.made = [d for d in self.made if os.path.isdir(d)]
         if not self.made:
-            remove_bases(self.bases, self.made_bases)   # only while empty: another run's cgroup keeps it (EBUSY)
+            remove_bases(self.bases)   # only while empty: another run's cgroup keeps it (EBUSY)
             self.bases = []
-            self.made_bases = []
         return "; ".join(problems) or None
 
     # -- the record ---------------------------------------------------------
@@ -443,7 +439,7 @@ class RunCgroups:
             rc.v1_hier[hname] = h
             if info.get("created"):
                 rc.made.append(d)
-                rc.bases.append(os.path.dirname(d))     # removed only if a run made it (MADE_MARK)
+                rc.bases.append((os.path.dirname(d), False))     # removed only if a run marked it (MADE_MARK)
             for c in h.controllers:
                 routes[c] = Route(c, "v1", h)
         ctl = desc.get("controllers") or {}

@@ -211,13 +211,14 @@ def mkdir_under(base: str, d: str, *, make_base: bool, mark: bool = False) -> bo
     return made
 
 
-def remove_bases(bases: list[str], made: list[str]) -> None:
-    """rmdir each of `bases` that a run made (in `made`, or carrying
-    MADE_MARK) while it is empty: one that holds another run's cgroup stays
-    (EBUSY), and that run removes it when it ends. Never one without either
-    (there before any run, root's shared /contain, an outer run's cgroup)."""
-    for b in bases:
-        if b not in made:
+def remove_bases(bases: list[tuple[str, bool]]) -> None:
+    """rmdir each of `bases` (path, made here) that a run made (here, or
+    carrying MADE_MARK) while it is empty: one that holds another run's
+    cgroup stays (EBUSY), and that run removes it when it ends. Never one
+    without either (there before any run, root's shared /contain, an outer
+    run's cgroup)."""
+    for b, made in bases:
+        if not made:
             try:
                 os.getxattr(b, MADE_MARK)
             except OSError:
