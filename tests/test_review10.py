@@ -58,6 +58,14 @@ def test_init_failing_its_placement_check_before_the_go_reports_its_stage() -> N
     check: it is not in the cgroup it was told to expect) and exits; the
     owner's go then finds no reader. The spawn must fail with the init's
     reason, not with the owner's BrokenPipeError."""
+    err = _spawn_whose_init_fails_its_placement()
+    assert not isinstance(err, BrokenPipeError)
+
+
+def _spawn_whose_init_fails_its_placement() -> SpawnFailed:
+    """A walled spawn whose init fails its placement check (it is not in the
+    cgroup it was told to expect) and exits before the go; checked to fail
+    with the init's own reason, its init reaped, nothing left running."""
     token = new_token()
     seen: list[tuple[int, int | None, int | None]] = []
     req = _request(token, ["/bin/sleep", "30"])
@@ -66,11 +74,11 @@ def test_init_failing_its_placement_check_before_the_go_reports_its_stage() -> N
         with pytest.raises(SpawnFailed) as ei:
             posix.spawn(req, expect_cgroup=["0::/contain-review10-no-such-cgroup"])
         assert seen, "on_init was never called"
-        assert not isinstance(ei.value, BrokenPipeError)
         assert ei.value.stage is not None and "placement" in str(ei.value.stage), ei.value.stage
         assert _gone(seen[0][0]), "the init of the failed spawn was not reaped"
     finally:
         assert holders(token) == []
+    return ei.value
 
 
 @needs_root
@@ -125,17 +133,6 @@ def test_init_gone_before_the_go_does_not_sigpipe_an_owner_that_set_sigpipe_to_d
     import signal
 
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    token = new_token()
-    seen: list[tuple[int, int | None, int | None]] = []
-    req = _request(token, ["/bin/sleep", "30"])
-    req.on_init = _slow_on_init(seen)
-    try:
-        with pytest.raises(SpawnFailed) as ei:
-            posix.spawn(req, expect_cgroup=["0::/contain-review10-no-such-cgroup"])
-        assert seen, "on_init was never called"
-        assert "placement" in str(ei.value.stage), ei.value.stage
-        assert signal.SIGPIPE not in signal.sigpending(), "the owner was left with a pending SIGPIPE"
-        assert signal.SIGPIPE not in signal.pthread_sigmask(signal.SIG_BLOCK, []), "SIGPIPE left blocked"
-        assert _gone(seen[0][0]), "the init of the failed spawn was not reaped"
-    finally:
-        assert holders(token) == []
+    _spawn_whose_init_fails_its_placement()      # the owner is still here: no SIGPIPE killed it
+    assert signal.SIGPIPE not in signal.sigpending(), "the owner was left with a pending SIGPIPE"
+    assert signal.SIGPIPE not in signal.pthread_sigmask(signal.SIG_BLOCK, []), "SIGPIPE left blocked"
