@@ -319,11 +319,12 @@ def _after_clone(req: SpawnRequest, r: Any, rc: int, paths: Any, cgroup_fd: int)
     # Read by ct_wall_spawn right after the clone, while the init was alive
     # and unreaped: once it has exited its ns links are gone.
     init_ns = int(r.init_ns) or None
+    init_start = int(r.init_start) if r.init_start >= 0 else None
     if r.go_fd >= 0:
         try:
             assert req.on_init is not None
             # raises: spawn_wall kills the init (it never went on)
-            req.on_init(r.init_pid, int(r.init_start) if r.init_start >= 0 else None, init_ns)
+            req.on_init(r.init_pid, init_start, init_ns)
             try:
                 write_go(r.go_fd)
             except BrokenPipeError:
@@ -397,7 +398,7 @@ def _after_clone(req: SpawnRequest, r: Any, rc: int, paths: Any, cgroup_fd: int)
                  report_fd=r.report_fd, events=events,
                  start_time=worker.start_time if worker.start_time > 0 else None)
     sp.init_ns = init_ns
-    sp.init_start = int(r.init_start) if r.init_start >= 0 else None
+    sp.init_start = init_start
     return sp
 
 
