@@ -179,6 +179,8 @@ def attach_container(run_dir: str, run_id: str, info: dict[str, Any]) -> AttachR
     if source == "tag":
         for key, recorded in (("run_uid", info.get("run_uid")), ("backend", info.get("backend")),
                               ("cgroup", info.get("cgroup_identity")), ("worker", info.get("worker"))):
+            if key == "worker" and recorded is None:
+                continue        # run.json is written before the spawn; the tag alone names the worker
             if key == "worker" and isinstance(recorded, dict) and isinstance(facts.get("worker"), dict):
                 recorded = {k: recorded.get(k) for k in facts["worker"]}
             if recorded != facts.get(key):

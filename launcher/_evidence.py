@@ -165,6 +165,18 @@ class RunEvidence:
             info["tag"] = self.bind_tags(run)
         return info
 
+    def tag_holds(self, run: Any) -> bool:
+        """Bring the tag up to date with what became known since run.json
+        was written (the wall's init, the worker, the seal); True when the
+        tag now holds it, so run.json need not be rewritten: an adopter acts
+        on the tag alone, and readers find the worker in the live record.
+        False where no tag can be kept (no xattrs, Windows) or it failed:
+        then run.json carries it, as the only description there is."""
+        if self.tag is None or run.layout is None:
+            return False
+        self.bind_tags(run)
+        return self.tag.current()
+
     def bind_tags(self, run: Any) -> dict[str, Any]:
         """Tag the run directory (and through the container, its cgroup) with
         what a later owner may act on (_tags.py); keep the tag current with

@@ -146,24 +146,42 @@ def _start(run: Run) -> None:
         run.facts.notes.append(f"backend auto: {fell_back}; the cgroup alone holds the tree")
         run.watch.wall_fell_back(fell_back)
     run.watch.after_spawn(sp.pid, run.container)
-    try:
-        layout.write_run(run.facts.run_info(run, sp.via))
-    except OSError as e:
-        run.facts.not_saved("run.json", e)     # the worker runs: it is stopped, not abandoned
+    if not run.facts.tag_holds(run):
+        try:
+            layout.write_run(run.facts.run_info(run, sp.via))
+        except OSError as e:
+            run.facts.not_saved("run.json", e)     # the worker runs: it is stopped, not abandoned
     run.journal("spawned", pid=sp.pid, via=sp.via)
-    run.publish()
+    if not _over_already(run):
+        run.publish()
+    # else a short job: its first record is its final one, a moment from now
+    # (the owner's first turn takes the exit; readers meanwhile see a run
+    # with no record yet, which is RUNNING).
+
+
+def _over_already(run: Run) -> bool:
+    """Whether the worker's end is readable already: a peek, nothing taken."""
+    src = run.root.source() if run.root is not None and sys.platform != "win32" else None
+    if src is None:
+        return False
+    import select
+
+    p = select.poll()
+    p.register(*src)
+    return bool(p.poll(0))
 
 
 def describe_wall(run: Run, init_pid: int, start: int | None, ns: int | None, userns: str | None) -> None:
-    """The wall's init exists and waits: run.json and the tag name it before
-    the worker can run, so an owner killed from here on leaves a wall its
-    adopter re-attaches (and so proves emptiness through). Raises
-    PersistError (OSError): then nothing runs."""
+    """The wall's init exists and waits: the tag (or, where none can be
+    kept, run.json) names it before the worker can run, so an owner killed
+    from here on leaves a wall its adopter re-attaches (and so proves
+    emptiness through). Raises PersistError (OSError): then nothing runs."""
     from ._platform.pidwall import describe_init
 
     assert run.layout is not None
     run.facts.pending_wall = describe_init(init_pid, start, ns, userns)
-    run.layout.write_run(run.facts.run_info(run, None))
+    if not run.facts.tag_holds(run):
+        run.layout.write_run(run.facts.run_info(run, None))
 
 
 def cancelled_before_spawn(run: Run) -> bool:

@@ -224,6 +224,8 @@ class Run:
         self.journal("root_exited", exit_code=self.facts.exit_code, signal=self.facts.signal)
         if not was_stopping:
             self._begin_stop(time.monotonic(), linger=self.opts.linger)
+            if not self.snap.terminal:
+                self.publish()      # readers see the worker's end and what lingers
 
     def _read_inbox(self) -> None:
         for req in self.inbox.pending():
@@ -261,8 +263,6 @@ class Run:
         if ev is not None:
             self._check_root(wait=ev != S.Event.OBSERVE_FAILED)
             self.feed(ev)
-        elif self.stop.stage == "linger":
-            self.publish()          # readers see the worker's end and what lingers
 
     def _advance(self, now: float) -> None:
         if self.stop.stage is None:

@@ -178,3 +178,8 @@ class RunTag:
         if self.problem is None:
             self._written = data
         return self.problem
+
+    def current(self) -> bool:
+        """Whether the value as it stands is on disk (the value changes only
+        through update, which writes it or keeps the problem)."""
+        return self.problem is None and self._written is not None

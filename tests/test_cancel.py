@@ -310,12 +310,15 @@ def test_ls_and_status_for_people(box):
 
 def test_the_wall_is_described_before_the_worker_runs(box, tmp_path):
     """An owner killed at any point after the spawn leaves a wall its adopter
-    can re-attach: the worker's very first look at run.json (its first
-    command) already finds the wall's init there, and an owner SIGKILLed
-    right then is adopted by `cancel`, which proves the tree gone (REAPED),
-    not merely EXITED."""
+    can re-attach: the worker's very first look at the run directory's tag
+    (what an adopter acts on; its first command) already finds the wall's
+    init there, and an owner SIGKILLed right then is adopted by `cancel`,
+    which proves the tree gone (REAPED), not merely EXITED."""
     seen = tmp_path / "seen.json"
-    script = f'cat "$CONTAIN_RUN_DIR/run.json" > {seen}; setsid sleep 300 & sleep 300'
+    read_tag = ("import os, sys; d = os.environ['CONTAIN_RUN_DIR']; "
+                "sys.stdout.write(os.getxattr(d, ('trusted.' if os.geteuid() == 0 else 'user.') + 'contain.run')"
+                ".decode() + chr(10))")
+    script = f'{sys.executable} -c "{read_tag}" > {seen}; setsid sleep 300 & sleep 300'
     proc = start(box, "w", script=script, want=2)
     deadline = time.monotonic() + 10
     while not (seen.exists() and seen.read_text().endswith("\n")) and time.monotonic() < deadline:

@@ -63,18 +63,20 @@ def _remove_v1_of(run_id: str) -> None:
 
 
 def _run_info(state_dir: str, run_id: str, timeout: float = 10.0) -> dict:
-    path = os.path.join(state_dir, "runs", run_id, "run.json")
+    """run.json, once the live record names the worker (the run is owned
+    and its owner loop reads the inbox)."""
+    run_dir = os.path.join(state_dir, "runs", run_id)
     deadline = time.monotonic() + timeout
     while True:
         try:
-            with open(path) as f:
-                info = json.load(f)
-            if info.get("worker"):
-                return info
+            with open(os.path.join(run_dir, "record.json")) as f:
+                if json.load(f).get("identity"):
+                    with open(os.path.join(run_dir, "run.json")) as f2:
+                        return json.load(f2)
         except (OSError, ValueError):
             pass
         if time.monotonic() > deadline:
-            raise AssertionError(f"{path} never named a worker")
+            raise AssertionError(f"{run_dir}/record.json never named a worker")
         time.sleep(0.02)
 
 
