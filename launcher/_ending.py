@@ -43,8 +43,15 @@ def settle_tree(run: Run, terminal: bool) -> None:
         run.root.close()
 
 
+def record_dict(run: Run) -> dict[str, Any]:
+    return run.facts.record(run_id=run.id, run_uid=run.uid, argv=run.argv, snap=run.snap,
+                            container=run.container, watch=run.watch, ops=list(run.inbox.ops),
+                            pid=run.pid, run_dir=run.layout.path if run.layout else None)
+
+
 def publish(run: Run) -> StopRecord:
-    rec = run.record_dict()
+    run.live_due = 0.0              # any record is the first one that was due
+    rec = record_dict(run)
     durable = run.snap.terminal     # only the result outlives the processes (see _layout.py)
     if run.layout is not None:
         try:
@@ -53,7 +60,7 @@ def publish(run: Run) -> StopRecord:
             # Stop first: the record stays in memory (the library returns
             # it, the CLI says what could not be written and exits 125).
             run.facts.not_saved("record.json", e)
-            rec = run.record_dict()
+            rec = record_dict(run)
     target = run.record_target
     if target is not None:
         # record_file= (the library's --record, checked at the start by
@@ -75,7 +82,7 @@ def publish(run: Run) -> StopRecord:
             if not run.record_target_failed:
                 run.record_target_failed = True
                 run.facts.notes.append(f"record_file {e}")
-                rec = run.record_dict()
+                rec = record_dict(run)
                 if durable and run.layout is not None:
                     try:                      # record.json says it too
                         run.layout.write_record(rec, durable=True)

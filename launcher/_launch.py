@@ -36,6 +36,8 @@ from ._identity import note_spawn
 from ._options import user_account
 from ._record import not_measured
 
+LIVE_RECORD_DELAY_S = 0.005
+
 
 def start(run: Run) -> None:
     """Raises RunConflict, ContainmentUnavailable or SpawnFailed; in the last
@@ -152,23 +154,11 @@ def _start(run: Run) -> None:
         except OSError as e:
             run.facts.not_saved("run.json", e)     # the worker runs: it is stopped, not abandoned
     run.journal("spawned", pid=sp.pid, via=sp.via)
-    if not _over_already(run):
-        run.publish()
-    # else a short job: its first record is its final one, a moment from now
-    # (the owner's first turn takes the exit; readers meanwhile see a run
-    # with no record yet, which is RUNNING).
-
-
-def _over_already(run: Run) -> bool:
-    """Whether the worker's end is readable already: a peek, nothing taken."""
-    src = run.root.source() if run.root is not None and sys.platform != "win32" else None
-    if src is None:
-        return False
-    import select
-
-    p = select.poll()
-    p.register(*src)
-    return bool(p.poll(0))
+    # The first record is due a moment from now, not at once: a short job
+    # ends in that moment, and its first record is then its final one (the
+    # owner's turns publish it, or any record before it; readers meanwhile
+    # see a run with no record yet, which is RUNNING).
+    run.live_due = time.monotonic() + LIVE_RECORD_DELAY_S
 
 
 def describe_wall(run: Run, init_pid: int, start: int | None, ns: int | None, userns: str | None) -> None:

@@ -88,6 +88,7 @@ class Run:
         self.record_target: RecordTarget | None = None   # record_file=, checked at the start
         self.record_path: str | None = None      # --record's file, in run.json: an adopter writes it too
         self.record_target_failed = False
+        self.live_due = 0.0       # when the first record is due, if none was published yet (_launch)
 
     # -- start -------------------------------------------------------------
 
@@ -172,6 +173,7 @@ class Run:
             t = min(t, self._deadline_timeout)
         if self.container is not None and self.container.backend == "none" and self.snap.stopping:
             t = min(t, time.monotonic() + 0.02)   # degraded mode has no emptiness event
+        t = min(t, self.live_due or t)
         if self.layout is not None:
             if not (self.wakeups is not None and self.wakeups.inbox_woken):
                 t = min(t, time.monotonic() + _INBOX_FALLBACK_S)
@@ -205,6 +207,8 @@ class Run:
                     self.feed(ev)
                 if not self.snap.terminal:
                     self._advance(now)
+            if self.live_due and now >= self.live_due and not self.snap.terminal:
+                self.publish()
         if self.on_change is not None:
             self.on_change()
 
@@ -224,8 +228,6 @@ class Run:
         self.journal("root_exited", exit_code=self.facts.exit_code, signal=self.facts.signal)
         if not was_stopping:
             self._begin_stop(time.monotonic(), linger=self.opts.linger)
-            if not self.snap.terminal:
-                self.publish()      # readers see the worker's end and what lingers
 
     def _read_inbox(self) -> None:
         for req in self.inbox.pending():
@@ -263,6 +265,8 @@ class Run:
         if ev is not None:
             self._check_root(wait=ev != S.Event.OBSERVE_FAILED)
             self.feed(ev)
+        elif self.stop.stage == "linger":
+            self.publish()          # readers see the worker's end and what lingers
 
     def _advance(self, now: float) -> None:
         if self.stop.stage is None:
@@ -337,18 +341,13 @@ class Run:
         self._final = rec
         self._done = True
 
-    def record_dict(self) -> dict[str, Any]:
-        return self.facts.record(run_id=self.id, run_uid=self.uid, argv=self.argv, snap=self.snap,
-                                 container=self.container, watch=self.watch, ops=list(self.inbox.ops),
-                                 pid=self.pid, run_dir=self.layout.path if self.layout else None)
-
     def publish(self) -> StopRecord:
         """Write the current record to the run directory (and --record)."""
         return _ending.publish(self)
 
     def record(self) -> StopRecord:
         with self._lock:
-            return self._final if self._final is not None else StopRecord(self.record_dict())
+            return self._final if self._final is not None else StopRecord(_ending.record_dict(self))
 
     def exit_status(self) -> int:
         """What `contain run` exits with (CONTRACT.md)."""
