@@ -14,7 +14,7 @@ import platform
 import struct
 
 AUDIT_ARCH_X86_64 = 0xC000003E
-NR = {"execve": 59, "execveat": 322, "close_range": 436}
+NR = {"execve": 59, "execveat": 322, "close_range": 436, "setresgid": 119}
 _NR_SECCOMP = 317
 _SECCOMP_SET_MODE_FILTER = 1
 _SECCOMP_FILTER_FLAG_NEW_LISTENER = 1 << 3

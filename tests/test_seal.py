@@ -255,3 +255,30 @@ def test_host_cgroup_mount_is_still_read_write():
             if right.split()[:1] == ["cgroup2"]:
                 assert left.split()[5].split(",")[0] == "rw", line
                 assert right.split()[2].split(",")[0] == "rw", line
+
+
+@pytest.mark.forked
+def test_seal_whose_user_namespace_fails_at_the_spawn_fails_the_run_never_runs_unsealed(contain_runs, tmp_path):
+    """The seal is a user namespace that the wall's init enters (root
+    inside, an unprivileged uid outside). When the init cannot become that
+    root (here setresgid fails in it: a seccomp filter on the supervisor,
+    which its children inherit), `--backend auto` used to fall back to the
+    cgroup alone, dropping the user namespace with the wall: the worker ran
+    as host root, read /etc/shadow, and the run exited 0 with a note. A seal
+    that cannot be made fails the run (125), with nothing run."""
+    import errno
+
+    import _seccomp
+
+    why = _seccomp.supported()
+    if why:
+        pytest.skip(why)
+    c = contain_runs()
+    seen = tmp_path / "seen"
+    _seccomp.install({"setresgid": errno.EPERM})
+    rc = c.run(["--seal"], ["sh", "-c", f"id -u > {seen}; head -c 1 /etc/shadow > /dev/null && echo read >> {seen}"])
+    assert not seen.exists(), f"the worker ran: {seen.read_text()!r} (rc {rc}, {c.stderr})"
+    assert rc == 125, (rc, c.stderr)
+    assert "Traceback" not in c.stderr
+    rec = c.record()
+    assert rec["outcome"] == "spawn_failed", rec

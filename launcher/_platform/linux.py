@@ -159,7 +159,10 @@ class Container:
         try:
             sp = self._spawn(req)
         except SpawnFailed as e:
-            if not (req.pidns and self.wall_mode is None and pidwall.unavailable(e)):
+            # A sealed run's user namespace comes with its wall: without it
+            # the worker would run as the supervisor's uid, host root. So a
+            # seal that cannot be made fails the run; it never falls back.
+            if not (req.pidns and self.wall_mode is None and req.userns != "map" and pidwall.unavailable(e)):
                 raise
             # `auto`: this host will not make the namespace; the cgroup alone.
             self.wall_problem = f"PID-namespace wall unavailable: {e}"
