@@ -8,13 +8,16 @@ Contenders (in process, `launcher._platform.posix.spawn`, no cgroup):
 - wall: a PID namespace and our init at pid 1 (root: no user namespace),
   until the init reported EMPTY and was reaped;
 - wall+proc: the same with a private mount namespace and a fresh /proc;
+- wall+proc, forked init: the same with the init forked from this process
+  (as with a user namespace, or where the image cannot be exec'd) instead
+  of exec'd from its image (launcher/_native/initbin/);
 - wall+userns+proc: the unprivileged shape (user namespace mapping the
   caller to itself);
 - os.posix_spawn + waitpid, for scale.
 The spawn alone (until posix.spawn returns: the worker exec'd) is timed
 too, and what a live init costs the supervisor afterwards: copy-on-write
-faults while the init (a fork of this process) still shares its memory
-(`cow`: writing 32 MiB of a bytearray with and without a live init).
+faults while a forked init still shares this process's memory (`cow`:
+writing 32 MiB of a bytearray with and without a live forked init).
 """
 from __future__ import annotations
 
@@ -62,12 +65,18 @@ def run(repeats: int = 300) -> dict[str, Any]:
         os.waitid(os.P_PIDFD, sp.pidfd, os.WEXITED)
         os.close(sp.pidfd)
 
-    def wall(name: str, **kw: Any) -> Callable[[], None]:
+    from launcher._platform import wall as wall_mod
+
+    def wall(name: str, forked: bool = False, **kw: Any) -> Callable[[], None]:
         def f() -> None:
-            t0 = time.perf_counter()
-            sp = posix.spawn(posix.SpawnRequest(argv, env=ENV, pidns=True, **kw))
-            spawn_only.setdefault(name, []).append(time.perf_counter() - t0)
-            _wait_wall(sp)
+            wall_mod.EXEC_INIT = not forked
+            try:
+                t0 = time.perf_counter()
+                sp = posix.spawn(posix.SpawnRequest(argv, env=ENV, pidns=True, **kw))
+                spawn_only.setdefault(name, []).append(time.perf_counter() - t0)
+                _wait_wall(sp)
+            finally:
+                wall_mod.EXEC_INIT = True
         return f
 
     def posix_spawn() -> None:
@@ -79,6 +88,7 @@ def run(repeats: int = 300) -> dict[str, Any]:
         "plain": plain,
         "wall": wall("wall"),
         "wall+proc": wall("wall+proc", mount_proc=True),
+        "wall+proc, forked init": wall("wall+proc, forked init", forked=True, mount_proc=True),
         "wall+userns+proc": wall("wall+userns+proc", userns="self", mount_proc=True),
     }
     times: dict[str, list[float]] = {k: [] for k in contenders}
@@ -105,9 +115,9 @@ def run(repeats: int = 300) -> dict[str, Any]:
 
 
 def _cow(mib: int = 32) -> dict[str, Any]:
-    """Supervisor-side cost of a live init: it is a fork of this process, so
-    this process's first write to each page it shares with it is a
-    copy-on-write fault."""
+    """Supervisor-side cost of a live init: a forked one shares this
+    process's pages, so the first write to each is a copy-on-write fault;
+    an exec'd one shares none."""
     from launcher._platform import posix
 
     buf = bytearray(mib << 20)
@@ -120,18 +130,29 @@ def _cow(mib: int = 32) -> dict[str, Any]:
 
     touch()
     alone = min(touch() for _ in range(3))
-    sp = posix.spawn(posix.SpawnRequest(["sleep", "30"], env=ENV, pidns=True))
-    try:
-        shared = touch()
-    finally:
-        import signal
+    from launcher._platform import wall as wall_mod
 
-        signal.pidfd_send_signal(sp.init_pidfd, signal.SIGKILL)
-        os.waitid(os.P_PIDFD, sp.init_pidfd, os.WEXITED)
-        for fd in (sp.pidfd, sp.init_pidfd, sp.report_fd):
-            os.close(fd)
+    def with_init(forked: bool) -> float:
+        wall_mod.EXEC_INIT = not forked
+        try:
+            sp = posix.spawn(posix.SpawnRequest(["sleep", "30"], env=ENV, pidns=True))
+        finally:
+            wall_mod.EXEC_INIT = True
+        try:
+            return touch()
+        finally:
+            import signal
+
+            signal.pidfd_send_signal(sp.init_pidfd, signal.SIGKILL)
+            os.waitid(os.P_PIDFD, sp.init_pidfd, os.WEXITED)
+            for fd in (sp.pidfd, sp.init_pidfd, sp.report_fd):
+                os.close(fd)
+
+    forked = with_init(True)
+    execd = with_init(False)
     return {"mib": mib, "write_each_page_ms_alone": round(alone * 1e3, 3),
-            "write_each_page_ms_with_live_init": round(shared * 1e3, 3)}
+            "write_each_page_ms_with_live_forked_init": round(forked * 1e3, 3),
+            "write_each_page_ms_with_live_execd_init": round(execd * 1e3, 3)}
 
 
 def main() -> None:
@@ -147,7 +168,8 @@ def main() -> None:
         so = r["spawn_only"].get(k, {}).get("median_ms", "")
         print(f"{k:<28} {v['median_ms']:10.3f} {r['ratio_vs_plain'][k] or 0:8.2f}   {so}")
     print(f"copy-on-write, {r['cow']['mib']} MiB: {r['cow']['write_each_page_ms_alone']} ms alone, "
-          f"{r['cow']['write_each_page_ms_with_live_init']} ms with a live init; "
+          f"{r['cow']['write_each_page_ms_with_live_forked_init']} ms with a live forked init, "
+          f"{r['cow']['write_each_page_ms_with_live_execd_init']} with an exec'd one; "
           f"load {r['loadavg_start_end']}")
     os.makedirs(C.RESULTS, exist_ok=True)
     with open(os.path.join(C.RESULTS, "wall.json"), "w") as f:

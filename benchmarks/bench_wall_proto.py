@@ -12,7 +12,10 @@ Contenders, alternating in this one Python process, /bin/true, no cgroup
   started as posix_spawn starts a program (CLONE_VM|CLONE_VFORK and an exec
   of an init built without libc, init_nolibc.c) and makes its own /proc;
   the worker is spawned by this process itself into the init's namespaces
-  (setns), so it is this process's child and the init only reaps.
+  (setns), so it is this process's child and the init only reaps;
+- proto, exec'd init only: the same init, given the worker, starts it
+  itself (vfork and exec, as today's init does): the exec'd init without
+  the other half, so the worker is still the init's child.
 It also counts this process's minor faults per cycle: the fork of the
 current init write-protects every private page of the caller, which then
 faults on its next write to each. The prototype is not the product: it
@@ -70,6 +73,7 @@ def run(repeats: int = 300) -> dict[str, Any]:
         init, lib_path = build(tmp)
         lib = ctypes.CDLL(lib_path)
         lib.proto_cycle.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+        lib.proto_exec_init.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
         argv = ["/bin/true"]
 
         def posix_spawn() -> None:
@@ -84,8 +88,14 @@ def run(repeats: int = 300) -> dict[str, Any]:
             if rc != 0:
                 raise OSError(-rc, f"proto_cycle: {os.strerror(-rc)}")
 
+        def exec_init() -> None:
+            rc = lib.proto_exec_init(init.encode(), argv[0].encode())
+            if rc != 0:
+                raise OSError(-rc, f"proto_exec_init: {os.strerror(-rc)}")
+
         contenders: dict[str, Callable[[], None]] = {
-            "os.posix_spawn + waitpid": posix_spawn, "wall+proc (now)": wall, "proto": proto}
+            "os.posix_spawn + waitpid": posix_spawn, "wall+proc (now)": wall, "proto": proto,
+            "proto, exec'd init only": exec_init}
         times: dict[str, list[float]] = {k: [] for k in contenders}
         faults: dict[str, int] = {k: 0 for k in contenders}
         load = [C.loadavg()]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
+    from typing import Any
+
     from ._run import Run
 
 from . import _state as S

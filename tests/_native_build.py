@@ -33,7 +33,7 @@ BUILD = "python setup.py build_ext --inplace"
 def _sources(root: str) -> list[str]:
     nat = os.path.join(root, "launcher", "_native")
     found = [os.path.join(root, "setup.py"), os.path.join(nat, "build.py")]
-    for pat in ("*.c", "*.h", "*.cdef"):
+    for pat in ("*.c", "*.h", "*.cdef", "initbin/*.c"):
         found += [p for p in glob.glob(os.path.join(nat, pat)) if not os.path.basename(p).startswith("_")]
     return [p for p in found if os.path.exists(p)]
 

@@ -90,3 +90,29 @@ int proto_cycle(const char *init, const char *worker) {
     if (own >= 0) close(own);
     return rc;
 }
+
+/* The exec'd init alone: started as above, but given the worker, which it
+ * starts itself (vfork and exec, as today's init does), so the worker is
+ * still the init's child and only the init is this process's. Waits for
+ * the init, which exits once it has reaped every child. 0 or -errno. */
+struct exec_init {
+    const char *init, *worker;
+};
+
+static int exec_init_child(void *arg) {
+    struct exec_init *s = arg;
+    char *argv[] = {"ct/init", (char *)s->worker, NULL};
+    char *envp[] = {"PATH=/usr/bin:/bin", NULL};
+    execve(s->init, argv, envp);
+    _exit(127);
+}
+
+int proto_exec_init(const char *init, const char *worker) {
+    struct exec_init s = {init, worker};
+    pid_t ipid = clone(exec_init_child, stack + sizeof stack, CLONE_VM | CLONE_VFORK | CLONE_NEWPID | CLONE_NEWNS | SIGCHLD, &s);
+    if (ipid < 0) return -errno;
+    int st;
+    while (waitpid(ipid, &st, 0) < 0 && errno == EINTR) {
+    }
+    return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : -ECHILD;
+}

@@ -114,33 +114,43 @@ static void vfork_child(void *p) {
     ct_child_exec(c->a, c->rep);
 }
 
-long ct_vfork_exec(const struct ct_spawn_args *a, struct ct_report *rep, int *pidfd, int cgroup_fd) {
+long ct_vfork_call(uint64_t flags, int *pidfd, int cgroup_fd, void (*fn)(void *), void *arg) {
 #ifdef CT_HAVE_CLONE_VM
     void *stack = mmap(NULL, CT_CHILD_STACK, PROT_READ | PROT_WRITE,
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK | MAP_NORESERVE, -1, 0);
-    if (stack != MAP_FAILED) {
-        struct ct_clone_args ca;
-        struct vfork_ctx ctx = {a, rep};
-        mprotect(stack, 4096, PROT_NONE);   /* a guard page below the stack */
-        memset(&ca, 0, sizeof ca);
-        ca.flags = CLONE_VM | CLONE_VFORK | CLONE_PIDFD;
-        ca.pidfd = (uint64_t)(uintptr_t)pidfd;
-        ca.exit_signal = SIGCHLD;
-        ca.stack = (uint64_t)(uintptr_t)stack;
-        ca.stack_size = CT_CHILD_STACK;
-        if (cgroup_fd >= 0) {
-            ca.flags |= CLONE_INTO_CGROUP;
-            ca.cgroup = (uint64_t)cgroup_fd;
-        }
-        long ret = ct_clone3_vm_asm(&ca, sizeof ca, vfork_child, &ctx);
-        /* Released: the child exec'd (its mm is another) or exited. */
-        munmap(stack, CT_CHILD_STACK);
-        if (ret < 0 && ret > -4096) {
-            errno = (int)-ret;
-            return -1;
-        }
-        return ret;
+    if (stack == MAP_FAILED) return -1;
+    struct ct_clone_args ca;
+    mprotect(stack, 4096, PROT_NONE);   /* a guard page below the stack */
+    memset(&ca, 0, sizeof ca);
+    ca.flags = CLONE_VM | CLONE_VFORK | CLONE_PIDFD | flags;
+    ca.pidfd = (uint64_t)(uintptr_t)pidfd;
+    ca.exit_signal = SIGCHLD;
+    ca.stack = (uint64_t)(uintptr_t)stack;
+    ca.stack_size = CT_CHILD_STACK;
+    if (cgroup_fd >= 0) {
+        ca.flags |= CLONE_INTO_CGROUP;
+        ca.cgroup = (uint64_t)cgroup_fd;
     }
+    long ret = ct_clone3_vm_asm(&ca, sizeof ca, fn, arg);
+    /* Released: the child exec'd (its mm is another) or exited. */
+    munmap(stack, CT_CHILD_STACK);
+    if (ret < 0 && ret > -4096) {
+        errno = (int)-ret;
+        return -1;
+    }
+    return ret;
+#else
+    errno = ENOSYS;
+    return -1;
+#endif
+}
+
+long ct_vfork_exec(const struct ct_spawn_args *a, struct ct_report *rep, int *pidfd, int cgroup_fd) {
+#ifdef CT_HAVE_CLONE_VM
+    struct vfork_ctx ctx = {a, rep};
+    long ret = ct_vfork_call(0, pidfd, cgroup_fd, vfork_child, &ctx);
+    if (ret >= 0 || errno != ENOMEM) return ret;
+    /* no stack could be mapped: the copying vfork below */
 #endif
     long pid = ct_raw_clone3(CLONE_VFORK, pidfd, cgroup_fd);
     if (pid == 0) ct_child_exec(a, rep);

@@ -17,13 +17,19 @@
  * when its pidfd polls readable (pidfd_poll: task->exit_state set), for
  * its parent and for any other holder of a pidfd alike.
  *
- * The init (ct_init_main) never execs and never allocates:
- * - it names itself ct/init, copies its arguments and unmaps the large
- *   private mappings it inherited from the supervisor (shed.c: else every
- *   page of a library caller's heap stays shared copy-on-write for the
- *   run's life), and closes every descriptor the supervisor had except the
- *   few it needs (a library caller's pipes and locks must not stay open for
- *   the run's life);
+ * The init is started one of two ways (wall.c), and never allocates:
+ * - exec'd from its own image (ct_init_from_image: this file built without
+ *   libc, initbin/), where this process can and no user namespace is asked
+ *   for: it names itself ct/init and maps its arguments from the memfd the
+ *   supervisor wrote them to; nothing of the supervisor's memory is shared;
+ * - or forked from the supervisor (ct_init_main): it names itself ct/init,
+ *   copies its arguments and unmaps the large private mappings it
+ *   inherited (shed.c: else every page of a library caller's heap stays
+ *   shared copy-on-write for the run's life);
+ * then, either way:
+ * - it closes every descriptor the supervisor had except the few it needs
+ *   (a library caller's pipes and locks must not stay open for the run's
+ *   life);
  * - user namespace: SELF writes setgroups "deny" and "U U 1" maps for
  *   itself (user_namespaces(7): an unprivileged writer may map only its own
  *   ids, and gid_map only after setgroups is denied); MAP waits until the
@@ -106,6 +112,7 @@
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -212,6 +219,9 @@ static int is_user_sent(const struct signalfd_siginfo *si) {
     return code == SI_USER || code == SI_QUEUE || code == SI_TKILL;
 }
 
+static __attribute__((noreturn)) void init_run(const struct ct_spawn_args *a, const struct ct_wall_args *w,
+                                                int sock, int sync_rd);
+
 void ct_init_main(const struct ct_spawn_args *a, const struct ct_wall_args *w, int sock, int sync_rd) {
     int rc;
     /* First of all: a zombie init whose comm is not this never ran our
@@ -223,6 +233,42 @@ void ct_init_main(const struct ct_spawn_args *a, const struct ct_wall_args *w, i
      * worker use only the copy of their arguments (shed.c). */
     int unmapped = 0;
     if ((rc = ct_shed(&a, &w, &unmapped)) < 0) init_send(sock, CT_EV_NOTE, CT_NOTE_SHED, -rc, 0, 0, 0, 0, -1);
+    init_run(a, w, sock, sync_rd);
+}
+
+/* The exec'd init (initbin/entry.c): nothing of the supervisor's memory to
+ * let go of. Its arguments come in `args_fd` (shed.c, ct_args_image),
+ * with pointers as offsets: mapped here, and moved to where they are. */
+void ct_init_from_image(int sock, int sync_rd, int args_fd, size_t len) {
+    prctl(PR_SET_NAME, CT_INIT_NAME, 0, 0, 0);
+    /* Close-on-exec again, as in the supervisor: the exec of this image
+     * needed them open, the worker's must not keep them (one of them at 0-2,
+     * where a caller had closed its own, would otherwise be the worker's
+     * stdio: the report socket in the worker's hands). */
+    fcntl(sock, F_SETFD, FD_CLOEXEC);
+    if (sync_rd >= 0) fcntl(sync_rd, F_SETFD, FD_CLOEXEC);
+    /* A descriptor 0-2 the exec closed (close-on-exec in the supervisor: a
+     * caller's closed stdout, held by a placeholder) stays closed for the
+     * worker, and out of the init's own hands: a placeholder again, opened
+     * the wrong way round and close-on-exec, as the CLI's (_cli.py). */
+    for (int fd = 0; fd < 3; fd++) {
+        if (fcntl(fd, F_GETFD) >= 0 || errno != EBADF) continue;
+        int p = open("/dev/null", (fd == 0 ? O_WRONLY : O_RDONLY) | O_CLOEXEC);
+        if (p >= 0 && p != fd) close(p);     /* lower ones are open: cannot differ */
+    }
+    char *at = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE, args_fd, 0);
+    int e = errno;
+    close(args_fd);
+    if (at == MAP_FAILED) init_fail(sock, CT_STAGE_INIT, e);
+    struct ct_spawn_args *a;
+    struct ct_wall_args *w;
+    if (ct_args_relocate(at, len, 0, &a, &w) < 0) init_fail(sock, CT_STAGE_INIT, EINVAL);
+    if (w->die_with_parent) prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
+    init_run(a, w, sock, sync_rd);
+}
+
+static void init_run(const struct ct_spawn_args *a, const struct ct_wall_args *w, int sock, int sync_rd) {
+    int rc;
     int extra[2] = {sock, sync_rd};
     if ((rc = close_all_but(a, extra, sync_rd >= 0 ? 2 : 1)) < 0) init_fail(sock, CT_STAGE_INIT, -rc);
 

@@ -1,5 +1,6 @@
 #ifndef CT_INIT_H
 #define CT_INIT_H
+#include <stddef.h>
 #include <stdint.h>
 
 #include "spawn.h"
@@ -50,6 +51,7 @@ struct ct_wall_args {
                               anything for the worker: the caller describes the init durably first */
     const char *hide;      /* with mount_proc: a directory the worker must not reach (the state
                               directory): an empty tmpfs of the init's is mounted over it */
+    int exec_init;         /* exec the init from its image where this process can (wall.c), else fork it */
 };
 
 struct ct_init_msg {
@@ -64,5 +66,8 @@ struct ct_init_msg {
  * written" pipe, or -1. */
 __attribute__((noreturn)) void ct_init_main(const struct ct_spawn_args *a, const struct ct_wall_args *w,
                                             int sock, int sync_rd);
+/* The same init, exec'd from its own image (initbin/): its arguments in a
+ * memfd (shed.h, ct_args_image). */
+__attribute__((noreturn)) void ct_init_from_image(int sock, int sync_rd, int args_fd, size_t len);
 int ct_write_file(const char *path, const char *text);
 #endif

@@ -33,6 +33,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #define CT_SHED_MIN (1UL << 20)     /* anonymous mappings smaller than this are kept */
@@ -235,5 +236,87 @@ int ct_shed(const struct ct_spawn_args **a, const struct ct_wall_args **w, int *
     for (int i = 0; i < n; i++) {
         if (munmap((void *)ranges[2 * i], ranges[2 * i + 1] - ranges[2 * i]) == 0) (*n_unmapped)++;
     }
+    return 0;
+}
+
+/* -- The arguments of an exec'd init ----------------------------------------
+ *
+ * An init that is exec'd (wall.c: the image built from initbin/) has none
+ * of the supervisor's memory: its arguments go over in a memfd, laid out
+ * as the copy above, with every pointer an offset from the start (no
+ * address of the supervisor's goes with them: the init's command line is
+ * world-readable). The init maps it wherever it can and adds where
+ * (ct_args_relocate). */
+
+int ct_args_image(const struct ct_spawn_args *a, const struct ct_wall_args *w, int *memfd, size_t *len) {
+    struct arena ar = {NULL, 0};
+    struct ct_spawn_args *na;
+    struct ct_wall_args *nw;
+    copy_args(&ar, a, w, &na, &nw);
+    size_t size = (ar.used + 4095) & ~(size_t)4095;
+#ifndef MFD_NOEXEC_SEAL
+#define MFD_NOEXEC_SEAL 0x0008U
+#endif
+    int fd = (int)syscall(SYS_memfd_create, "ct-init-args", MFD_CLOEXEC | MFD_NOEXEC_SEAL);
+    if (fd < 0 && errno == EINVAL) fd = (int)syscall(SYS_memfd_create, "ct-init-args", MFD_CLOEXEC);
+    if (fd < 0) return -errno;
+    if (ftruncate(fd, (off_t)size) < 0) {
+        int e = errno;
+        close(fd);
+        return -e;
+    }
+    char *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+        int e = errno;
+        close(fd);
+        return -e;
+    }
+    ar.base = p;
+    ar.used = 0;
+    copy_args(&ar, a, w, &na, &nw);
+    ct_args_relocate(p, size, 1, &na, &nw);     /* offsets from the start */
+    munmap(p, size);
+    *memfd = fd;
+    *len = size;
+    return 0;
+}
+
+static const void *moved(const void *p, intptr_t d) {
+    return p ? (const char *)p + d : NULL;
+}
+
+/* A vector's elements moved by d, then the pointer to it: the vector is
+ * at `*vp` now, or at `*vp + d` where its pointers are offsets yet (the
+ * init's side: `to_offsets` 0). */
+static void move_strv(void *vp, int n, intptr_t d, int to_offsets) {
+    char ***pv = vp;
+    if (!*pv) return;
+    char **v = to_offsets ? *pv : (char **)((char *)*pv + d);
+    for (int i = 0; n < 0 ? v[i] != NULL : i < n; i++) v[i] = (char *)moved(v[i], d);
+    *pv = (char **)moved(*pv, d);
+}
+
+int ct_args_relocate(char *at, size_t len, int to_offsets, struct ct_spawn_args **ao, struct ct_wall_args **wo) {
+    size_t wat = (sizeof(struct ct_spawn_args) + 15) & ~(size_t)15;
+    if (len < wat + sizeof(struct ct_wall_args)) return -EINVAL;
+    intptr_t d = to_offsets ? -(intptr_t)(uintptr_t)at : (intptr_t)(uintptr_t)at;
+    struct ct_spawn_args *a = (struct ct_spawn_args *)at;
+    struct ct_wall_args *w = (struct ct_wall_args *)(at + wat);
+    move_strv(&a->paths, a->npaths, d, to_offsets);
+    move_strv(&a->argv, -1, d, to_offsets);
+    move_strv(&a->envp, -1, d, to_offsets);
+    move_strv(&a->cg_expect, a->ncg_expect, d, to_offsets);
+    move_strv(&a->shell_argv, -1, d, to_offsets);
+    a->cwd = moved(a->cwd, d);
+    a->join_fds = moved(a->join_fds, d);
+    a->groups = moved(a->groups, d);
+    a->drop_caps = moved(a->drop_caps, d);
+    a->pass_fds = moved(a->pass_fds, d);
+    a->shell = moved(a->shell, d);
+    w->uid_map = moved(w->uid_map, d);
+    w->gid_map = moved(w->gid_map, d);
+    w->hide = moved(w->hide, d);
+    *ao = a;
+    *wo = w;
     return 0;
 }

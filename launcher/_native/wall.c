@@ -9,16 +9,19 @@
 #include "clone.h"
 #include "child.h"
 #include "spawn.h"
+#include "shed.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <time.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #ifndef CLONE_NEWPID
@@ -86,6 +89,150 @@ static int write_go(int fd) {
     return rc;
 }
 
+/* -- The exec'd init -------------------------------------------------------
+ *
+ * The init as a program of its own (initbin/: init.c built without libc,
+ * its bytes in ct_init_image), exec'd from a CLONE_VM|CLONE_VFORK child
+ * the way posix_spawn starts a program: no copy of this process's page
+ * tables, and nothing of its memory shared copy-on-write afterwards (the
+ * fork below costs 0.25-0.44 ms and a write fault on every page the
+ * supervisor touches later: docs/performance.md). Its arguments go in a
+ * memfd (shed.c, ct_args_image); the descriptors it and the worker need
+ * are inherited across the exec. Where any of it is missing or refused
+ * (no image for this architecture, memfd_create or exec of a memfd refused,
+ * vm.memfd_noexec, an LSM), the init is forked as before. */
+
+#ifndef MFD_EXEC
+#define MFD_EXEC 0x0010U
+#endif
+#ifndef F_SEAL_SEAL
+#define F_SEAL_SEAL 0x0001
+#define F_SEAL_SHRINK 0x0002
+#define F_SEAL_GROW 0x0004
+#define F_SEAL_WRITE 0x0008
+#endif
+#define CT_IMAGE_SEALS (F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE)
+
+struct image_ref {
+    int fd;
+    dev_t dev;
+    ino_t ino;
+};
+
+/* Published whole, never freed (a reader may hold the old one): one small
+ * struct per image made, which is once per process unless its descriptor
+ * was taken away. No lock: a lock held by another thread at a fork would
+ * be held for ever in the child. */
+static struct image_ref *image_cur;
+
+static int is_our_image(const struct image_ref *r) {
+    struct stat st;
+    return r && fstat(r->fd, &st) == 0 && st.st_dev == r->dev && st.st_ino == r->ino &&
+           fcntl(r->fd, F_GET_SEALS) == CT_IMAGE_SEALS && (unsigned long)st.st_size == ct_init_image_len;
+}
+
+/* This process's sealed memfd of the image, made once. A descriptor
+ * number can be closed and reused by anyone in the process (a caller's
+ * closerange in a forked child): it is taken only while it is still our
+ * sealed memfd, by device, inode and seals; else a new one is made. */
+static int init_image_fd(void) {
+    struct stat st;
+    struct image_ref *cur = __atomic_load_n(&image_cur, __ATOMIC_ACQUIRE);
+    if (is_our_image(cur)) return cur->fd;
+    if (ct_init_image_len == 0) return -ENOEXEC;
+    int fd = (int)syscall(SYS_memfd_create, "ct-init", MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_EXEC);
+    if (fd < 0 && errno == EINVAL) fd = (int)syscall(SYS_memfd_create, "ct-init", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0) return -errno;
+    int rc = ct_write_all(fd, (const char *)ct_init_image, ct_init_image_len);
+    if (rc == 0 && fcntl(fd, F_ADD_SEALS, CT_IMAGE_SEALS) < 0) rc = -errno;
+    if (rc == 0 && fstat(fd, &st) < 0) rc = -errno;
+    struct image_ref *mine = rc == 0 ? malloc(sizeof *mine) : NULL;
+    if (!mine) {
+        close(fd);
+        return rc < 0 ? rc : -ENOMEM;
+    }
+    mine->fd = fd;
+    mine->dev = st.st_dev;
+    mine->ino = st.st_ino;
+    if (!__atomic_compare_exchange_n(&image_cur, &cur, mine, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        /* another thread made one meanwhile: theirs, if it is good */
+        close(fd);
+        free(mine);
+        return is_our_image(cur) ? cur->fd : -EAGAIN;
+    }
+    return fd;
+}
+
+struct exec_ctx {
+    int image;
+    char *argv[6];
+    char *envp[1];
+    const int *keep;
+    int nkeep;
+    int err;
+};
+
+/* The CLONE_VM child: what the init and its worker need survives the
+ * exec (close-on-exec cleared in this child's own descriptor table). Not
+ * 0-2 as such: one that is close-on-exec here (the CLI's placeholder for a
+ * descriptor its caller closed) is closed for the worker too, and the init
+ * holds its place (ct_init_from_image). */
+static void exec_child(void *p) {
+    struct exec_ctx *c = p;
+    for (int i = 0; i < c->nkeep; i++)
+        if (c->keep[i] >= 0) fcntl(c->keep[i], F_SETFD, 0);
+    syscall(SYS_execveat, c->image, "", c->argv, c->envp, AT_EMPTY_PATH);
+    c->err = errno;
+    _exit(127);
+}
+
+/* The init exec'd into the new namespaces: its pid, or -1 with *fallback
+ * set (nothing was left running: fork it instead) or not (the clone itself
+ * failed, errno). */
+static long spawn_execd(const struct ct_spawn_args *a, uint64_t flags, int sock, int sync_rd, int *pidfd,
+                        const struct ct_wall_args *w, int *fallback) {
+    *fallback = 1;
+    int image = init_image_fd();
+    if (image < 0) return -1;
+    int args_fd = -1;
+    size_t len = 0;
+    if (ct_args_image(a, w, &args_fd, &len) < 0) return -1;
+    int keep[8 + a->njoin + a->npass];
+    int n = 0;
+    keep[n++] = sock;
+    keep[n++] = sync_rd;
+    keep[n++] = args_fd;
+    for (int i = 0; i < 3; i++) keep[n++] = a->stdio[i];
+    for (int i = 0; i < a->njoin; i++) keep[n++] = a->join_fds[i];
+    for (int i = 0; i < a->npass; i++) keep[n++] = a->pass_fds[i];
+    char s_sock[24], s_sync[24], s_args[24], s_len[24];
+    *ct_put_int(s_sock, sock) = 0;
+    if (sync_rd >= 0)
+        *ct_put_int(s_sync, sync_rd) = 0;
+    else
+        memcpy(s_sync, "-1", 3);
+    *ct_put_int(s_args, args_fd) = 0;
+    *ct_put_int(s_len, (long)len) = 0;
+    struct exec_ctx c = {image, {CT_INIT_NAME, s_sock, s_sync, s_args, s_len, NULL}, {NULL}, keep, n, 0};
+    long pid = ct_vfork_call(flags, pidfd, a->cgroup_fd, exec_child, &c);
+    int e = errno;
+    close(args_fd);
+    if (pid < 0) {
+        errno = e;
+        return -1;
+    }
+    if (c.err != 0) {
+        /* The exec was refused: the child is gone (it exited), reaped here. */
+        struct ct_spawn_result dead;
+        ct_reap(*pidfd, &dead);
+        close(*pidfd);
+        *pidfd = -1;
+        return -1;
+    }
+    *fallback = 0;
+    return pid;
+}
+
 int ct_wall_spawn(const struct ct_spawn_args *a, const struct ct_wall_args *w, struct ct_wall_result *r) {
     int sv[2], sync[2] = {-1, -1}, pidfd = -1, rc = 0;
     sigset_t all, old;
@@ -114,7 +261,18 @@ int ct_wall_spawn(const struct ct_spawn_args *a, const struct ct_wall_args *w, s
     /* The init starts with every signal blocked and keeps them so. */
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
-    long pid = ct_raw_clone3(flags, &pidfd, a->cgroup_fd);
+    long pid = -1;
+    int fallback = 1;
+    r->init_execd = 0;
+    /* Not with a user namespace: an exec there, before the maps exist,
+     * takes every capability in it away (the namespace's root is unmapped
+     * yet: cap_bprm_creds_from_file), and the init then cannot become its
+     * root, nor write its own maps. */
+    if (w->exec_init && w->userns == CT_USERNS_NONE) pid = spawn_execd(a, flags, sv[1], sync[0], &pidfd, w, &fallback);
+    if (pid > 0)
+        r->init_execd = 1;
+    else if (fallback)
+        pid = ct_raw_clone3(flags, &pidfd, a->cgroup_fd);
     if (pid == 0) {
         close(sv[0]);
         if (sync[1] >= 0) close(sync[1]);

@@ -14,7 +14,12 @@ struct ct_wall_result {
     int go_fd;             /* with hold: write one byte to let the init go on, then close; -1 otherwise */
     long long init_start;  /* the init's start time (proc(5) field 22), -1: unread */
     unsigned long long init_ns;  /* the inode of its /proc/<pid>/ns/pid, 0: unread */
+    int init_execd;        /* 1: the init was exec'd from its image (initbin/), 0: forked */
 };
+
+/* The init image (build.py generates it; length 0: none, the init is forked). */
+extern const unsigned char ct_init_image[];
+extern const unsigned long ct_init_image_len;
 
 int ct_wall_spawn(const struct ct_spawn_args *a, const struct ct_wall_args *w, struct ct_wall_result *r);
 /* 1: a message (and *passed_fd, or -1), 0: none now, 2: the init's end is

@@ -265,9 +265,17 @@ def hidden_dir(req: SpawnRequest, events: Sequence[InitEvent]) -> dict[str, Any]
             "via": "an empty tmpfs over it in the run's mount namespace, which the worker cannot unmount"}
 
 
-def wall_via(req: SpawnRequest, into_cgroup: bool = False) -> str:
+# The init exec'd from its image (launcher/_native/initbin/) where this process
+# can, else forked (wall.c); False: forked always (benchmarks compare the two).
+EXEC_INIT = True
+
+
+def wall_via(req: SpawnRequest, into_cgroup: bool = False, execd: bool = False) -> str:
     flags = ["CLONE_NEWPID"] + (["CLONE_NEWUSER"] if req.userns else []) + \
         (["CLONE_NEWNS"] if req.mount_proc else []) + (["CLONE_INTO_CGROUP"] if into_cgroup else [])
+    if execd:
+        return f"clone3({'|'.join(['CLONE_VM', 'CLONE_VFORK'] + flags)}) and exec of contain's init at pid 1, " \
+               "worker forked by it"
     return f"clone3({'|'.join(flags)}) init at pid 1, worker forked by it"
 
 
@@ -292,6 +300,7 @@ def spawn_wall(req: SpawnRequest, cgroup_fd: int = -1, join_fds: Sequence[int] =
         w.hide = c
     w.die_with_parent = int(req.die_with_parent)
     w.hold = int(req.on_init is not None)
+    w.exec_init = int(EXEC_INIT)
     r = ffi.new("struct ct_wall_result*")
     r.init_pidfd = r.report_fd = r.go_fd = -1
     paths = candidates(req.argv[0], req.env)
@@ -335,7 +344,7 @@ def _after_clone(req: SpawnRequest, r: Any, rc: int, paths: Any, cgroup_fd: int)
         finally:
             os.close(r.go_fd)
             r.go_fd = -1
-    via = wall_via(req, cgroup_fd >= 0)
+    via = wall_via(req, cgroup_fd >= 0, bool(r.init_execd))
     events: list[InitEvent] = []
     worker: InitExec | None = None
     failed: InitFailed | None = None
