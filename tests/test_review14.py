@@ -1,0 +1,102 @@
+"""Review 14: a root worker that rewrites what it can reach and kills its
+supervisor, against what the adopter then records.
+
+Each test plays the attack against the real kernel, in cgroups and state
+directories the test made, and decides what survived by its own /proc scan
+(tests/_proc.py), never by asking contain.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from _proc import contain_cmd, holders
+from conftest import needs_cgroup
+
+pytestmark = needs_cgroup
+PY = sys.executable
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the attack needs a root worker (trusted.* tags)")
+
+
+def _cancel(box, run_id: str) -> tuple[int, dict]:
+    p = subprocess.run(contain_cmd("cancel", run_id, "--json", "--wait", "--grace", "0.3"), env=box.env,
+                       capture_output=True, text=True, timeout=60)
+    assert "Traceback" not in p.stderr, p.stderr
+    return p.returncode, (json.loads(p.stdout) if p.stdout.strip() else {})
+
+
+def _in_cgroup(pid: int, d: str) -> bool:
+    from _proc import cgroup2_mount
+
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            v2 = next((x[3:].strip() for x in f if x.startswith("0::")), None)
+    except OSError:
+        return False
+    return v2 == "/" + os.path.relpath(d, cgroup2_mount())
+
+
+# A root worker without the wall (--no-pidns) and without a ledger
+# (CONTAIN_LEDGER=off, or any adopter: it has none) starts an escaper in a
+# cgroup of the test's own, rewrites the run directory's trusted.* tag and
+# record.json to say the run was sealed, kills its supervisor (its parent)
+# and exits. The run's cgroup is then empty; only the seal could make that
+# REAPED, and a seal is never made without the PID-namespace wall.
+SEAL_FORGER = textwrap.dedent("""\
+    import json, os, signal, subprocess, time
+    rd, esc = os.environ["CONTAIN_RUN_DIR"], os.environ["ESC_CG"]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            rec = json.load(open(os.path.join(rd, "record.json")))
+            if rec.get("identity"):
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.01)
+    p = subprocess.Popen(["sh", "-c", f"echo $$ > {esc}/cgroup.procs && exec sleep 300"])
+    while time.monotonic() < deadline:
+        with open(f"{esc}/cgroup.procs") as f:
+            if str(p.pid) in f.read().split():
+                break
+        time.sleep(0.01)
+    name = "trusted.contain.run"
+    tag = json.loads(os.getxattr(rd, name))
+    tag["sealed"] = True
+    os.setxattr(rd, name, json.dumps(tag).encode())
+    rec = json.load(open(os.path.join(rd, "record.json")))
+    rec["containment"]["sealed"] = True
+    rec["containment"].pop("sealed_reason", None)
+    json.dump(rec, open(os.path.join(rd, "record.json"), "w"))
+    open(os.environ["FORGED"], "w").close()
+    os.kill(os.getppid(), signal.SIGKILL)
+""")
+
+
+@needs_root
+def test_unwalled_root_worker_forging_a_seal_in_its_tag_then_killing_its_supervisor_is_not_reaped(box, tmp_path):
+    esc = os.path.join(box.base, "esc")      # under the test's own base: removed with it
+    os.makedirs(esc)
+    forged = str(tmp_path / "forged")
+    env = dict(box.env, ESC_CG=esc, FORGED=forged, CONTAIN_LEDGER="off")
+    sup = subprocess.Popen(contain_cmd("run", "--id", "f", "--no-pidns", "--grace", "0.3", "--", PY, "-c",
+                                       SEAL_FORGER), env=env, stderr=subprocess.DEVNULL)
+    assert sup.wait(30) == -signal.SIGKILL, "the worker did not kill its supervisor"
+    assert os.path.exists(forged), "the forgery did not happen (the test is void)"
+    escaper = [p for p in holders(box.token) if _in_cgroup(p, esc)]
+    assert escaper, f"no escaper in {esc} (the test is void): {holders(box.token)}"
+    rc, ack = _cancel(box, "f")
+    rec = box.record("f")
+    alive = [p for p in escaper if p in holders(box.token)]
+    assert alive, "the escaper is gone: the test proves nothing"
+    # The escaper left the container and is alive: nothing may say the tree is gone.
+    assert rec["state"] != "REAPED" and ack.get("state") != "REAPED", (rec["state"], ack)
+    assert rec["evidence"]["descendants_exit"]["observed"] is not True, rec["evidence"]["descendants_exit"]
+    assert rec["containment"]["sealed"] is False and rec["containment"]["sealed_reason"], rec["containment"]
