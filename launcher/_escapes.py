@@ -49,25 +49,36 @@ def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float
                 if key in found or key in known:
                     continue
                 where = cgroup_of(t.pid, missing_ok=True)
-                if where is None or inside(where):
-                    continue
-                entry = {"pid": t.pid, "ppid": t.ppid, "identity": t.identity(), "seen_in": where,
-                         "at": now_iso(), "via": VIA, "killed": False, "gone": None}
-                found[key] = entry
-                fresh += 1
+                # The container was observed empty before this is called, so
+                # a live member found inside it now was outside then and came
+                # back (or its cgroup could not be read): it left too, and
+                # is stopped like any escaper. Only one found gone is none.
+                back = where is None or inside(where)
+                fd, gone, why = -1, False, None
                 try:
                     fd = os.pidfd_open(t.pid)
                 except ProcessLookupError:
-                    entry["gone"] = True
-                    continue
+                    gone = True
                 except OSError as e:
-                    entry["detail"] = f"pidfd_open: {os.strerror(e.errno or 0)}"
+                    why = f"pidfd_open: {os.strerror(e.errno or 0)}"
+                if fd >= 0:
+                    # The pidfd pins a process; it must still be the one tracked.
+                    st = read_stat(t.pid)
+                    if st is None or st[4] != t.start_time or st[0] in ("Z", "X"):
+                        os.close(fd)
+                        fd, gone = -1, True
+                if back and gone:
                     continue
-                # The pidfd pins a process; it must still be the one tracked.
-                st = read_stat(t.pid)
-                if st is None or st[4] != t.start_time or st[0] in ("Z", "X"):
-                    os.close(fd)
-                    entry["gone"] = True
+                entry = {"pid": t.pid, "ppid": t.ppid, "identity": t.identity(), "seen_in": where,
+                         "at": now_iso(), "via": VIA, "killed": False, "gone": True if gone else None}
+                if back:
+                    entry["note"] = ("inside the container again after it was observed empty" if where else
+                                     "its cgroup could not be read after the container was observed empty")
+                if why:
+                    entry["detail"] = why
+                found[key] = entry
+                fresh += 1
+                if fd < 0:
                     continue
                 try:
                     signal.pidfd_send_signal(fd, signal.SIGKILL)

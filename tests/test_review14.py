@@ -138,3 +138,74 @@ def test_unwalled_root_worker_forging_a_reaped_wall_in_its_tag_then_killing_its_
     assert [p for p in escaper if p in holders(box.token)], "the escaper is gone: the test proves nothing"
     assert rec["state"] != "REAPED", rec["evidence"]["descendants_exit"]
     assert rec["evidence"]["descendants_exit"]["observed"] is not True
+
+
+# A root worker without the wall (--no-pidns), with the fork ledger on:
+# many escapers in a cgroup of the test's own, and one more (the mover) that
+# leaves too, waits on pidfds of the escapers and, as soon as the first one
+# is killed (the supervisor has observed its container empty and is stopping
+# what left), writes itself back into the run's cgroup. The escaper pass
+# skipped members it found inside, so the mover was never stopped: REAPED,
+# with the mover alive in the container the record called empty.
+MOVER = textwrap.dedent("""\
+    import os, select, signal, subprocess, time
+    esc, mnt, n = os.environ["ESC_CG"], os.environ["CG_MOUNT"], int(os.environ["NESC"])
+    home = mnt + open("/proc/self/cgroup").read().split("0::", 1)[1].split()[0]
+    pids = [subprocess.Popen(["sh", "-c", f"echo $$ > {esc}/cgroup.procs && exec sleep 300"]).pid
+            for _ in range(n)]
+    def in_esc(p):
+        try:
+            return open(f"/proc/{p}/cgroup").read().split("0::", 1)[1].split()[0] == esc[len(mnt):]
+        except (OSError, IndexError):
+            return False
+    deadline = time.monotonic() + 30
+    while not all(in_esc(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.close(r)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        fds = [os.pidfd_open(p) for p in pids]
+        open(f"{esc}/cgroup.procs", "w").write(str(os.getpid()))
+        os.write(w, b"x")
+        os.close(w)
+        po = select.poll()
+        for fd in fds:
+            po.register(fd, select.POLLIN)
+        po.poll(60000)
+        open(f"{home}/cgroup.procs", "w").write(str(os.getpid()))
+        open(os.environ["MOVED"], "w").write(str(os.getpid()))
+        os.execvp("sleep", ["sleep", "300"])
+    os.close(w)
+    os.read(r, 1)
+""")
+
+
+@needs_root
+def test_member_moving_back_into_its_emptied_cgroup_during_the_escaper_pass_is_stopped(box, tmp_path):
+    from _proc import cgroup2_mount
+
+    esc = os.path.join(box.base, "esc")
+    os.makedirs(esc)
+    moved = str(tmp_path / "moved")
+    env = dict(box.env, ESC_CG=esc, CG_MOUNT=cgroup2_mount(), NESC="300", MOVED=moved)
+    env.pop("CONTAIN_LEDGER", None)
+    rec_path = str(tmp_path / "rec.json")
+    # Output to a file: a survivor holding a pipe would keep the test waiting for its EOF.
+    with open(tmp_path / "err", "w+") as err:
+        subprocess.run(contain_cmd("run", "-q", "--id", "m", "--no-pidns", "--grace", "0.3", "--record", rec_path,
+                                   "--", PY, "-c", MOVER), env=env, stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=err, timeout=90)
+        err.seek(0)
+        assert "Traceback" not in err.read()
+    rec = json.load(open(rec_path))
+    assert os.path.exists(moved), f"the mover never moved back (the test is void): {rec['evidence']['escapes']}"
+    mover = int(open(moved).read())
+    left = holders(box.token)
+    # The test's own scan: REAPED only if nothing of the tree lives.
+    if rec["state"] == "REAPED":
+        assert left == [], f"REAPED while {left} live (the mover {mover} in {'its run cgroup' if mover in left else '?'})"
+        assert rec["evidence"]["descendants_exit"]["observed"] is True
+    else:
+        assert rec["evidence"]["descendants_exit"]["observed"] is not True
+    assert mover not in left, f"the mover {mover} was never stopped"
