@@ -42,9 +42,12 @@ def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float
     found: dict[tuple[int, int], dict[str, Any]] = {}
     fds: dict[int, tuple[int, int]] = {}
     try:
+        quiet = True
         while True:
             fresh = 0
-            for t in ledger.live():
+            live = ledger.live()            # (synced first)
+            made = len(ledger.tracked)      # every fork into the tree so far
+            for t in live:
                 key = (t.pid, t.start_time or -1)
                 if key in found or key in known:
                     continue
@@ -91,8 +94,20 @@ def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float
                     entry["detail"] = f"pidfd_send_signal: {os.strerror(e.errno or 0)}"
                     os.close(fd)
             _wait_pidfds(fds, found, deadline)
-            if not fresh or time.monotonic() >= deadline:
+            # Done only after a pass that found no one new while nothing of
+            # the tree forked: a chain whose members fork and exit faster
+            # than their identities can be read is never seen alive, but
+            # its forks keep coming.
+            ledger.sync()
+            quiet = len(ledger.tracked) == made
+            if (not fresh and quiet) or time.monotonic() >= deadline:
                 break
+        if not quiet:
+            newest = ledger.tracked[-1]
+            found[(-1, -1)] = {"pid": newest.pid, "ppid": newest.ppid, "identity": None, "seen_in": None,
+                               "at": now_iso(), "via": VIA, "killed": False, "gone": None,
+                               "detail": ("the tree was still forking when the escaper pass ran out of time: "
+                                          "its newest processes were never caught")}
     finally:
         for fd in fds:
             os.close(fd)

@@ -209,3 +209,58 @@ def test_member_moving_back_into_its_emptied_cgroup_during_the_escaper_pass_is_s
     else:
         assert rec["evidence"]["descendants_exit"]["observed"] is not True
     assert mover not in left, f"the mover {mover} was never stopped"
+
+
+# A root worker without the wall starts a fork chain in a cgroup of the
+# test's own: each member forks once and exits at once, so whenever the fork
+# ledger reads a member's identity it is gone already, and the one alive at
+# any moment was forked after the ledger's last drain. The escaper pass saw
+# no live escaper, stopped after one pass, and the run ended REAPED with
+# `escapes` false while the chain went on outside.
+CHAIN_C = r"""
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+int main(void) {
+    char path[4096], buf[32];
+    snprintf(path, sizeof path, "%s/cgroup.procs", getenv("ESC_CG"));
+    if (fork() == 0) {
+        int fd = open(path, O_WRONLY), n = snprintf(buf, sizeof buf, "%d", getpid());
+        if (fd < 0 || write(fd, buf, n) != n) _exit(1);
+        close(fd);
+        for (;;) if (fork() != 0) _exit(0);
+    }
+    usleep(500000);
+    return 0;
+}
+"""
+
+
+@needs_root
+def test_fork_chain_outside_the_cgroup_faster_than_the_ledger_reads_identities_is_not_reaped(box, tmp_path):
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler for the fork chain")
+    src, exe = tmp_path / "chain.c", tmp_path / "chain"
+    src.write_text(CHAIN_C)
+    subprocess.run([cc, "-O2", "-o", str(exe), str(src)], check=True, timeout=60)
+    esc = os.path.join(box.base, "esc")
+    os.makedirs(esc)
+    env = dict(box.env, ESC_CG=esc)
+    env.pop("CONTAIN_LEDGER", None)
+    rec_path = str(tmp_path / "rec.json")
+    subprocess.run(contain_cmd("run", "-q", "--id", "c", "--no-pidns", "--grace", "0.3", "--kill-timeout", "1",
+                               "--record", rec_path, "--", str(exe)), env=env, stdin=subprocess.DEVNULL,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+    rec = json.load(open(rec_path))
+    with open(os.path.join(esc, "cgroup.procs")) as f:
+        in_esc = f.read().split()
+    left = holders(box.token)
+    if rec["state"] == "REAPED":
+        assert left == [] and in_esc == [], f"REAPED while the chain lives: {in_esc or left}"
+        assert rec["evidence"]["escapes"]["observed"] is True, "the chain left the cgroup: escapes cannot be false"
+    else:
+        assert rec["state"] == "BREACHED" and rec["evidence"]["descendants_exit"]["observed"] is not True
