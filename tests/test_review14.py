@@ -32,6 +32,14 @@ def _cancel(box, run_id: str) -> tuple[int, dict]:
     return p.returncode, (json.loads(p.stdout) if p.stdout.strip() else {})
 
 
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def _in_cgroup(pid: int, d: str) -> bool:
     from _proc import cgroup2_mount
 
@@ -264,3 +272,54 @@ def test_fork_chain_outside_the_cgroup_faster_than_the_ledger_reads_identities_i
         assert rec["evidence"]["escapes"]["observed"] is True, "the chain left the cgroup: escapes cannot be false"
     else:
         assert rec["state"] == "BREACHED" and rec["evidence"]["descendants_exit"]["observed"] is not True
+
+
+# A root worker behind the wall (the default) takes the init's end of its
+# socket to the supervisor (pidfd_getfd on pid 1 of its namespace) and sends
+# the init's "the worker exited, status 0" while it lives on (it ignores
+# SIGTERM and sleeps). The owner took the init's word: `root_exit` observed,
+# outcome `exited`, exit code 0, and `contain run` exited 0, for a worker
+# that the stop later SIGKILLed.
+FAKE_EXIT = textwrap.dedent("""\
+    import ctypes, os, signal, struct, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    libc = ctypes.CDLL(None, use_errno=True)
+    init = os.pidfd_open(1)
+    sent = 0
+    for name in os.listdir("/proc/1/fd"):
+        try:
+            if not os.readlink(f"/proc/1/fd/{name}").startswith("socket:"):
+                continue
+        except OSError:
+            continue
+        fd = libc.syscall(438, init, int(name), 0)         # pidfd_getfd
+        if fd >= 0:
+            # struct ct_init_msg: CT_EV_EXIT (4), the worker's pid (2), wait status 0
+            os.write(fd, struct.pack("=iiiiiiqq", 4, 2, 0, 0, 0, 0, 0, 0))
+            sent += 1
+    open(os.environ["FORGED"], "w").write(str(sent))
+    time.sleep(300)
+""")
+
+
+@needs_root
+def test_walled_root_worker_forging_the_inits_exit_report_is_not_recorded_as_exited(box, tmp_path):
+    forged = tmp_path / "forged"
+    rec_path = str(tmp_path / "rec.json")
+    env = dict(box.env, FORGED=str(forged))
+    with open(tmp_path / "err", "w+") as err:
+        sup = subprocess.Popen(contain_cmd("run", "--id", "e", "--grace", "1", "--timeout", "3", "--record", rec_path,
+                                           "--", PY, "-c", FAKE_EXIT), env=env, stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=err)
+        deadline = time.monotonic() + 20
+        while not forged.exists() and sup.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert forged.exists() and forged.read_text() not in ("", "0"), "no report was forged (the test is void)"
+        time.sleep(0.3)
+        # The test's own scan: the worker (a python3 of the tree) outlived its forged exit.
+        workers = [p for p in holders(box.token) if p != sup.pid and _comm(p) not in ("ct/init", "")]
+        assert workers, "the worker is gone after forging (the test is void)"
+        rc = sup.wait(30)
+    rec = json.load(open(rec_path))
+    assert not (rec["outcome"] == "exited" and rec["exit_code"] == 0), (rc, rec["evidence"]["root_exit"])
+    assert rc != 0
