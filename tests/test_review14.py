@@ -323,3 +323,60 @@ def test_walled_root_worker_forging_the_inits_exit_report_is_not_recorded_as_exi
     rec = json.load(open(rec_path))
     assert not (rec["outcome"] == "exited" and rec["exit_code"] == 0), (rc, rec["evidence"]["root_exit"])
     assert rc != 0
+
+
+# The same forgery in the default configuration (cgroup2 and the wall, a
+# root worker, no seal): the worker moves the wall's init and a sleeper into a
+# cgroup of the test's own (it is root: pid 1 of its namespace is the init),
+# changes its tag's record of the init's start time (so the adopter reads the
+# init as reaped) and lives on; the test kills the supervisor. `contain
+# cancel` kills the worker in the run's cgroup and ends REAPED, with the init
+# and the sleeper alive. Not fixed, for the reason above.
+DEFAULT_WALL_FORGER = textwrap.dedent("""\
+    import json, os, subprocess, time
+    rd, esc = os.environ["CONTAIN_RUN_DIR"], os.environ["ESC_CG"]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if json.load(open(os.path.join(rd, "record.json"))).get("identity"):
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.01)
+    s = subprocess.Popen(["sleep", "300"])
+    for pid in (1, s.pid):
+        open(f"{esc}/cgroup.procs", "w").write(str(pid))
+    name = "trusted.contain.run"
+    tag = json.loads(os.getxattr(rd, name))
+    tag["wall"]["init"]["start_time"] = 1
+    os.setxattr(rd, name, json.dumps(tag).encode())
+    open(os.environ["FORGED"], "w").close()
+    time.sleep(300)
+""")
+
+
+@needs_root
+@pytest.mark.xfail(strict=True, reason="a root worker that is not sealed can rewrite its run's trusted.* tag, wall "
+                   "and all; an adopter cannot tell it from the owner's")
+def test_walled_root_worker_moving_its_init_out_and_forging_its_tag_is_not_reaped_by_the_adopter(box, tmp_path):
+    esc = os.path.join(box.base, "esc")
+    os.makedirs(esc)
+    forged = tmp_path / "forged"
+    env = dict(box.env, ESC_CG=esc, FORGED=str(forged))
+    sup = subprocess.Popen(contain_cmd("run", "--id", "d", "--grace", "0.3", "--", PY, "-c", DEFAULT_WALL_FORGER),
+                           env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while not forged.exists() and sup.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert forged.exists(), "the forgery did not happen (the test is void)"
+    finally:
+        sup.kill()                    # the supervisor this test started
+        sup.wait(20)
+    moved = [p for p in holders(box.token) if _in_cgroup(p, esc)]
+    assert {_comm(p) for p in moved} >= {"ct/init", "sleep"}, f"the init did not leave (the test is void): {moved}"
+    rc, ack = _cancel(box, "d")
+    rec = box.record("d")
+    alive = [p for p in moved if p in holders(box.token)]
+    assert alive, "the moved processes are gone: the test proves nothing"
+    assert rec["state"] != "REAPED", (alive, rec["evidence"]["descendants_exit"])
