@@ -203,6 +203,13 @@ def _trust_the_tag(facts: RunEvidence, att: AttachResult) -> None:
             facts.notes.append("record.json's worker identity differs from the run's tag: the tag's is used")
         if facts.identity is None or facts.identity != tagged:
             facts.identity = tagged
+    if att.sealed and not _walled(att.container):
+        # A seal is never made without the wall (sealing.check), and an
+        # unsealed root worker can set trusted.* tags itself: a tag that
+        # names a seal but no wall was not written by an owner.
+        facts.notes.append("the run's tag names a seal but no PID-namespace wall, which a seal never comes "
+                           "without: the seal is not believed")
+        att.sealed = False
     if att.sealed is not None and facts.sealed[0] and not att.sealed:
         facts.notes.append("record.json says sealed, the run's tag does not: not sealed")
         facts.sealed = (False, "the seal is not vouched for by the run's tag")
@@ -213,6 +220,13 @@ def _trust_the_tag(facts: RunEvidence, att: AttachResult) -> None:
                         "is not vouched for by the run's tag" if not att.sealed else
                         "not known to be sealed: the run's tag names a seal, but no record of the owner "
                         "describes it")
+
+
+def _walled(c: Any) -> bool:
+    """Whether the adopted container has the PID-namespace wall its tag
+    named (alive, reaped, or not observable from here)."""
+    return (getattr(c, "wall", None) is not None or bool(getattr(c, "wall_gone", False))
+            or bool(getattr(c, "wall_unknown", None)))
 
 
 def adopt(layout: RunDir) -> Run:

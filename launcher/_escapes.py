@@ -42,32 +42,46 @@ def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float
     found: dict[tuple[int, int], dict[str, Any]] = {}
     fds: dict[int, tuple[int, int]] = {}
     try:
+        quiet = True
         while True:
             fresh = 0
-            for t in ledger.live():
+            live = ledger.live()            # (synced first)
+            made = len(ledger.tracked)      # every fork into the tree so far
+            for t in live:
                 key = (t.pid, t.start_time or -1)
                 if key in found or key in known:
                     continue
                 where = cgroup_of(t.pid, missing_ok=True)
-                if where is None or inside(where):
-                    continue
-                entry = {"pid": t.pid, "ppid": t.ppid, "identity": t.identity(), "seen_in": where,
-                         "at": now_iso(), "via": VIA, "killed": False, "gone": None}
-                found[key] = entry
-                fresh += 1
+                # The container was observed empty before this is called, so
+                # a live member found inside it now was outside then and came
+                # back (or its cgroup could not be read): it left too, and
+                # is stopped like any escaper. Only one found gone is none.
+                back = where is None or inside(where)
+                fd, gone, why = -1, False, None
                 try:
                     fd = os.pidfd_open(t.pid)
                 except ProcessLookupError:
-                    entry["gone"] = True
-                    continue
+                    gone = True
                 except OSError as e:
-                    entry["detail"] = f"pidfd_open: {os.strerror(e.errno or 0)}"
+                    why = f"pidfd_open: {os.strerror(e.errno or 0)}"
+                if fd >= 0:
+                    # The pidfd pins a process; it must still be the one tracked.
+                    st = read_stat(t.pid)
+                    if st is None or st[4] != t.start_time or st[0] in ("Z", "X"):
+                        os.close(fd)
+                        fd, gone = -1, True
+                if back and gone:
                     continue
-                # The pidfd pins a process; it must still be the one tracked.
-                st = read_stat(t.pid)
-                if st is None or st[4] != t.start_time or st[0] in ("Z", "X"):
-                    os.close(fd)
-                    entry["gone"] = True
+                entry = {"pid": t.pid, "ppid": t.ppid, "identity": t.identity(), "seen_in": where,
+                         "at": now_iso(), "via": VIA, "killed": False, "gone": True if gone else None}
+                if back:
+                    entry["note"] = ("inside the container again after it was observed empty" if where else
+                                     "its cgroup could not be read after the container was observed empty")
+                if why:
+                    entry["detail"] = why
+                found[key] = entry
+                fresh += 1
+                if fd < 0:
                     continue
                 try:
                     signal.pidfd_send_signal(fd, signal.SIGKILL)
@@ -80,8 +94,20 @@ def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float
                     entry["detail"] = f"pidfd_send_signal: {os.strerror(e.errno or 0)}"
                     os.close(fd)
             _wait_pidfds(fds, found, deadline)
-            if not fresh or time.monotonic() >= deadline:
+            # Done only after a pass that found no one new while nothing of
+            # the tree forked: a chain whose members fork and exit faster
+            # than their identities can be read is never seen alive, but
+            # its forks keep coming.
+            ledger.sync()
+            quiet = len(ledger.tracked) == made
+            if (not fresh and quiet) or time.monotonic() >= deadline:
                 break
+        if not quiet:
+            newest = ledger.tracked[-1]
+            found[(-1, -1)] = {"pid": newest.pid, "ppid": newest.ppid, "identity": None, "seen_in": None,
+                               "at": now_iso(), "via": VIA, "killed": False, "gone": None,
+                               "detail": ("the tree was still forking when the escaper pass ran out of time: "
+                                          "its newest processes were never caught")}
     finally:
         for fd in fds:
             os.close(fd)

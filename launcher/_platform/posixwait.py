@@ -279,10 +279,21 @@ class WallRoot:
             self._end()
             return exit_of(kernel, f"the init reaped the worker; {_EXIT_VIA}")
         st = self.init.worker_status
-        if st is not None:
+        if st is not None and self._exited():
             self._end()
             return exit_of(st, "the PID namespace's init reaped the worker (its wait status, on the init's socket)")
         return None
+
+    def _exited(self) -> bool:
+        """Whether the kernel says the worker exited (its pidfd polls
+        readable): the init's report alone is no proof, since a root member
+        can take the init's socket (pidfd_getfd) and report an exit of a
+        worker that lives on."""
+        if self.pidfd < 0:
+            return True          # nothing to check the init's word against
+        p = select.poll()
+        p.register(self.pidfd, select.POLLIN)
+        return bool(p.poll(0))
 
     def poll(self) -> RootExit | None:
         """The kernel's record of the worker's exit first (it cannot be
