@@ -146,12 +146,20 @@ def test_exec_of_the_image_refused_forks_the_init_and_the_wall_holds() -> None:
 
 @needs_image
 @pytest.mark.forked
-def test_a_closed_stdout_of_the_supervisor_never_hands_the_report_socket_to_the_worker(tmp_path) -> None:
+@pytest.mark.parametrize("execd", [True, False], ids=["execd", "forked"])
+def test_a_closed_stdin_and_stdout_of_the_supervisor_neither_wedge_the_wall_nor_reach_the_worker(tmp_path,
+                                                                                                   execd) -> None:
     """A library caller with fds 0 and 1 closed: the wall's report socket
     is the first pair made after that, so the init's end is fd 1. The init needed it open
     across its own exec; the worker must still find fd 1 closed (as with a
     forked init), never holding the socket on which the init reports its
-    exit (a worker could forge EXEC, EXIT or EMPTY there)."""
+    exit (a worker could forge EXEC, EXIT or EMPTY there). Before, the
+    init pointed that fd 1 at /dev/null once the worker ran, its report was
+    lost, and the spawn failed after its 30 s wait ("died with status 0 and
+    no report"), forked init or exec'd."""
+    from launcher._platform import wall
+
+    wall.EXEC_INIT = execd
     report = tmp_path / "fd1"
     os.close(0)
     os.close(1)
@@ -161,5 +169,5 @@ def test_a_closed_stdout_of_the_supervisor_never_hands_the_report_socket_to_the_
             if report.exists() and report.read_text().endswith("\n"):
                 break
             select.select([], [], [], 0.01)
-        assert "exec of contain's init" in sp.via, sp.via
+        assert ("exec of contain's init" in sp.via) == execd, sp.via
     assert report.read_text().strip() == "closed", report.read_text()

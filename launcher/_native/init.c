@@ -222,12 +222,27 @@ static int is_user_sent(const struct signalfd_siginfo *si) {
 static __attribute__((noreturn)) void init_run(const struct ct_spawn_args *a, const struct ct_wall_args *w,
                                                 int sock, int sync_rd);
 
+/* A descriptor 0-2 that is closed here (a caller's closed stdout; or one
+ * the exec of the image closed: close-on-exec in the supervisor, such as the
+ * CLI's placeholder) stays closed for the worker, and out of the init's own
+ * hands: its own descriptors must not land there, where it later points
+ * 0-2 at /dev/null. A placeholder holds each place, opened the wrong way
+ * round and close-on-exec, as the CLI's (_cli.py). */
+static void hold_closed_stdio(void) {
+    for (int fd = 0; fd < 3; fd++) {
+        if (fcntl(fd, F_GETFD) >= 0 || errno != EBADF) continue;
+        int p = open("/dev/null", (fd == 0 ? O_WRONLY : O_RDONLY) | O_CLOEXEC);
+        if (p >= 0 && p != fd) close(p);     /* lower ones are open: cannot differ */
+    }
+}
+
 void ct_init_main(const struct ct_spawn_args *a, const struct ct_wall_args *w, int sock, int sync_rd) {
     int rc;
     /* First of all: a zombie init whose comm is not this never ran our
      * code (killed at birth: the cgroup.kill fork bug). No message for it:
      * each message is a wake-up of the supervisor. */
     prctl(PR_SET_NAME, CT_INIT_NAME, 0, 0, 0);
+    hold_closed_stdio();
     if (w->die_with_parent) prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
     /* Then let go of the supervisor's memory: from here on the init and its
      * worker use only the copy of their arguments (shed.c). */
@@ -247,15 +262,7 @@ void ct_init_from_image(int sock, int sync_rd, int args_fd, size_t len) {
      * stdio: the report socket in the worker's hands). */
     fcntl(sock, F_SETFD, FD_CLOEXEC);
     if (sync_rd >= 0) fcntl(sync_rd, F_SETFD, FD_CLOEXEC);
-    /* A descriptor 0-2 the exec closed (close-on-exec in the supervisor: a
-     * caller's closed stdout, held by a placeholder) stays closed for the
-     * worker, and out of the init's own hands: a placeholder again, opened
-     * the wrong way round and close-on-exec, as the CLI's (_cli.py). */
-    for (int fd = 0; fd < 3; fd++) {
-        if (fcntl(fd, F_GETFD) >= 0 || errno != EBADF) continue;
-        int p = open("/dev/null", (fd == 0 ? O_WRONLY : O_RDONLY) | O_CLOEXEC);
-        if (p >= 0 && p != fd) close(p);     /* lower ones are open: cannot differ */
-    }
+    hold_closed_stdio();
     char *at = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE, args_fd, 0);
     int e = errno;
     close(args_fd);

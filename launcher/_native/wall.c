@@ -89,6 +89,17 @@ static int write_go(int fd) {
     return rc;
 }
 
+/* `fd` moved to a number above 2 (close-on-exec), the old one closed; -1
+ * with errno on failure (then `fd` is closed too). */
+static int above_stdio(int fd) {
+    if (fd > 2) return fd;
+    int moved = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+    int e = errno;
+    close(fd);
+    errno = e;
+    return moved;
+}
+
 /* -- The exec'd init -------------------------------------------------------
  *
  * The init as a program of its own (initbin/: init.c built without libc,
@@ -197,6 +208,7 @@ static long spawn_execd(const struct ct_spawn_args *a, uint64_t flags, int sock,
     int args_fd = -1;
     size_t len = 0;
     if (ct_args_image(a, w, &args_fd, &len) < 0) return -1;
+    if ((args_fd = above_stdio(args_fd)) < 0) return -1;
     int keep[8 + a->njoin + a->npass];
     int n = 0;
     keep[n++] = sock;
@@ -251,6 +263,21 @@ int ct_wall_spawn(const struct ct_spawn_args *a, const struct ct_wall_args *w, s
         rc = -errno;
         close(sv[0]);
         close(sv[1]);
+        r->stage = CT_STAGE_CLONE;
+        return rc;
+    }
+    /* The init's ends above 0-2: a caller that closed its stdin and stdout
+     * would otherwise hand the init its report socket as fd 1, which the
+     * init points at /dev/null once the worker runs (and the report is
+     * lost: the spawn waited out its timeout and failed). */
+    sv[1] = above_stdio(sv[1]);
+    if (sync[0] >= 0) sync[0] = above_stdio(sync[0]);
+    if (sv[1] < 0 || (w->userns == CT_USERNS_MAP || w->hold ? sync[0] < 0 : 0)) {
+        rc = -errno;
+        close(sv[0]);
+        if (sv[1] >= 0) close(sv[1]);
+        if (sync[0] >= 0) close(sync[0]);
+        if (sync[1] >= 0) close(sync[1]);
         r->stage = CT_STAGE_CLONE;
         return rc;
     }
