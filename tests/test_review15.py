@@ -46,3 +46,78 @@ def test_worker_nesting_directories_past_the_recursion_limit_in_its_workspace_ca
     finally:
         kill_holders(contained["token"])
         _rm_deep(str(ws))
+
+
+_NEST_CGROUPS = r"""
+import os
+mounts = {}
+for line in open("/proc/self/mountinfo"):
+    left, _, right = line.partition(" - ")
+    fs, _src, opts = right.split()[:3]
+    if fs == "cgroup2":
+        mounts[""] = left.split()[4]
+    elif fs == "cgroup" and "memory" in opts.split(","):
+        mounts["memory"] = left.split()[4]
+made = []
+for line in open("/proc/self/cgroup"):
+    _n, ctrls, path = line.rstrip("\n").split(":", 2)
+    key = "" if ctrls == "" else ("memory" if "memory" in ctrls.split(",") else None)
+    for m in line.split(":", 2)[1].split(","):
+        p = "/sys/fs/cgroup/" + m + path
+        if m and m not in ("memory",) and os.path.isdir(p):
+            made.append(p)      # the run's other v1 leaves: for the test to remove if the stop does not
+    if key is None or key not in mounts:
+        continue
+    os.chdir(mounts[key] + path)
+    for _ in range(1100):
+        os.mkdir("a"); os.chdir("a")
+    made.append(mounts[key] + path)
+print("\n".join(made), flush=True)
+"""
+
+
+@needs_root
+def test_root_worker_nesting_cgroups_past_the_recursion_limit_cannot_crash_the_stop(contained, tmp_path):
+    """The stop lists and removes the run's cgroup subtree (v2, and the
+    run's own v1 cgroups on a hybrid host) with os.walk, which recurses in
+    3.11: a root worker that made 1,100 nested cgroups in its own leaf made
+    `contain run` raise RecursionError after the worker exited: a
+    traceback, no record, exit 1, and the subtree left in the hierarchy."""
+    rec = tmp_path / "rec.json"
+    p = run_contain(contained["env"], "run", "--record", str(rec), "--", "python3", "-c", _NEST_CGROUPS,
+                    timeout=180)
+    try:
+        assert contained["cgroup_base"] + "/" in p.stdout, (p.stdout, p.stderr[-2000:])
+        assert "Traceback" not in p.stderr, p.stderr[-2000:]
+        assert p.returncode == 0, p.stderr[-2000:]
+        r = json.loads(rec.read_text())
+        assert r["state"] == "REAPED" and r["outcome"] == "exited", r
+        left = [d for d, _s, _f in _walk_shallow(contained["cgroup_base"])]
+        assert left == [contained["cgroup_base"]], left[:5]
+        assert holders(contained["token"]) == []
+    finally:
+        kill_holders(contained["token"])
+        for leaf in p.stdout.split():
+            _rmdir_chain(leaf)      # what a failing stop left (the fixture's own walk recurses too)
+
+
+def _rmdir_chain(leaf: str) -> None:
+    if not leaf.startswith("/sys/fs/cgroup/") or not os.path.isdir(leaf):
+        return
+    chain = [leaf]
+    while os.path.isdir(chain[-1] + "/a"):
+        chain.append(chain[-1] + "/a")
+    for d in reversed(chain):
+        try:
+            os.rmdir(d)
+        except OSError:
+            return
+
+
+def _walk_shallow(top: str):
+    # The test's own look at what is left: the base's direct children only
+    # (the run's leaf is one of them, whatever is below it).
+    yield top, None, None
+    for e in os.scandir(top):
+        if e.is_dir(follow_symlinks=False):
+            yield e.path, None, None
