@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 
 import pytest
 
 from _proc import holders, kill_holders, run_contain
+from _users import SYS_PY, Shared, spare_uids, why_not
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a cgroup base of the test's own)")
 
@@ -121,3 +123,40 @@ def _walk_shallow(top: str):
     for e in os.scandir(top):
         if e.is_dir(follow_symlinks=False):
             yield e.path, None, None
+
+
+def test_another_users_symlink_raced_into_a_missing_level_of_the_state_dir_is_not_followed():
+    """CONTAIN_STATE_DIR=/tmp/x/b/state with /tmp/x missing: the check found
+    /tmp/x missing, and the missing levels were then made by path. Another
+    user toggling a symlink /tmp/x -> a directory of root's made root
+    create `b` there (945 times in 3 s here), where the link pointed."""
+    why = why_not()
+    if why:
+        pytest.skip(why)
+    from launcher._statedir import StateDir, StateDirError
+
+    uid = spare_uids(1)[0]
+    with Shared(mode=0o1777) as sh:
+        target = sh.sub("target")             # root's, 0755: where the link points
+        link = os.path.join(sh.path, "x")
+        toggler = subprocess.Popen(
+            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", SYS_PY, "-c",
+             "import os, sys\nt, l = sys.argv[1:]\nwhile True:\n"
+             "    try: os.symlink(t, l)\n    except OSError: pass\n"
+             "    try: os.unlink(l)\n    except OSError: pass\n", target, link],
+            stdin=subprocess.DEVNULL)
+        made = []
+        try:
+            time.sleep(0.2)
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and not made:
+                try:
+                    StateDir.open(os.path.join(link, "b", "state"), write=True, create=True).close()
+                    subprocess.run(["rm", "-rf", link], timeout=10)    # ours, made while the link was away
+                except StateDirError:
+                    pass
+                made = os.listdir(target)
+        finally:
+            toggler.kill()
+            toggler.wait(10)
+        assert made == [], f"root made {made} in {target} through another user's symlink"
