@@ -160,3 +160,30 @@ def test_another_users_symlink_raced_into_a_missing_level_of_the_state_dir_is_no
             toggler.kill()
             toggler.wait(10)
         assert made == [], f"root made {made} in {target} through another user's symlink"
+
+
+@needs_root
+def test_worker_nesting_directories_in_its_run_directory_cannot_wedge_gc(contained):
+    """gc removed a run directory only four levels deep: a worker that can
+    write its run directory (a root worker, or one of the state directory's
+    own user) nested a few more, and gc set the run aside as `.gc-*`,
+    failed, and failed again on every later gc (exit 1), the directory
+    never removed."""
+    env = contained["env"]
+    p = run_contain(env, "run", "--id", "deep", "--", "true")
+    assert p.returncode == 0, p.stderr
+    runs = os.path.join(contained["state_dir"], "runs")
+    d = os.path.join(runs, "deep")
+    for _ in range(200):
+        d = os.path.join(d, "d")
+        os.mkdir(d)
+        with open(os.path.join(d, "f"), "w"):
+            pass
+        os.symlink("/etc/passwd", os.path.join(d, "l"))
+    passwd = os.stat("/etc/passwd")
+    for _ in range(2):
+        g = run_contain(env, "gc", "--keep", "0")
+        assert "Traceback" not in g.stderr, g.stderr
+        assert g.returncode == 0, g.stdout + g.stderr
+    assert [n for n in os.listdir(runs) if n != ".claim.lock"] == []
+    assert os.stat("/etc/passwd").st_ino == passwd.st_ino
