@@ -187,3 +187,97 @@ def test_worker_nesting_directories_in_its_run_directory_cannot_wedge_gc(contain
         assert g.returncode == 0, g.stdout + g.stderr
     assert [n for n in os.listdir(runs) if n != ".claim.lock"] == []
     assert os.stat("/etc/passwd").st_ino == passwd.st_ino
+
+
+def _claims_dir(tmp_path) -> str:
+    from launcher._platform import sealing
+
+    sd = tmp_path / "state"
+    sd.mkdir(mode=0o700)
+    d = sd / sealing.CLAIMS
+    d.mkdir(mode=0o700)
+    return str(sd)
+
+
+def test_holder_of_the_seal_uid_claims_lock_cannot_wedge_sealed_runs_for_ever(tmp_path, monkeypatch):
+    """The claim of a sealed run's uid took a blocking flock of
+    dynamic-uids/: one stopped claimer (Ctrl-Z at that moment), or any
+    process keeping that lock, made every later `contain run --seal` wait
+    for ever, deaf to SIGTERM. It now gives up after a bound, with the reason."""
+    import fcntl
+
+    from launcher._platform import sealing
+
+    monkeypatch.setattr(sealing, "_CLAIMS_WAIT_S", 0.5, raising=False)
+    sd = _claims_dir(tmp_path)
+    holder = os.open(os.path.join(sd, sealing.CLAIMS), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    claim = _Claim(sealing, sd, "r1")
+    try:
+        claim.thread.join(5)
+        assert not claim.thread.is_alive(), "the claim still waits on the lock after 5 s"
+        assert isinstance(claim.error, OSError) and "held its lock" in str(claim.error), claim.error
+    finally:
+        os.close(holder)          # (a claim still waiting then finishes)
+        claim.thread.join(10)
+    uid, path = sealing.claim_dynamic_uid(sd, "r2")     # free again: claims go on
+    sealing.release_claim(path)
+
+
+def test_fork_during_a_seal_uid_claim_does_not_keep_the_claims_lock(tmp_path, monkeypatch):
+    """The claims directory's fd was only closed, never unlocked: a fork of
+    the claimer at that moment (another thread of a library caller) shares
+    the flock's open file description and kept the lock as long as the child
+    lived, wedging every later sealed run."""
+    import signal
+
+    from launcher._platform import sealing
+
+    monkeypatch.setattr(sealing, "_CLAIMS_WAIT_S", 0.5, raising=False)
+    sd = _claims_dir(tmp_path)
+    real = sealing._uids_in_use
+    children: list[int] = []
+
+    def forking() -> set[int]:
+        pid = os.fork()
+        if pid == 0:            # the other thread's child: lives on, fds and all
+            time.sleep(30)
+            os._exit(0)
+        children.append(pid)
+        return real()
+
+    monkeypatch.setattr(sealing, "_uids_in_use", forking)
+    try:
+        _uid, p1 = sealing.claim_dynamic_uid(sd, "r1")
+        monkeypatch.setattr(sealing, "_uids_in_use", real)
+        sealing.release_claim(p1)
+        claim = _Claim(sealing, sd, "r2")
+        claim.thread.join(5)
+        assert not claim.thread.is_alive(), "the next claim still waits on the lock the fork kept"
+        assert claim.error is None, claim.error
+    finally:
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    claim.thread.join(10)
+    sealing.release_claim(claim.path)
+
+
+class _Claim:
+    """claim_dynamic_uid in a thread of its own, so that a claim that waits
+    for ever fails the test instead of hanging it."""
+
+    def __init__(self, sealing, sd: str, run_id: str) -> None:
+        import threading
+
+        self.error: BaseException | None = None
+        self.path: str | None = None
+
+        def go() -> None:
+            try:
+                _uid, self.path = sealing.claim_dynamic_uid(sd, run_id)
+            except BaseException as e:      # noqa: BLE001 (reported by the test)
+                self.error = e
+
+        self.thread = threading.Thread(target=go, daemon=True)
+        self.thread.start()
