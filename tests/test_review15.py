@@ -281,3 +281,57 @@ class _Claim:
 
         self.thread = threading.Thread(target=go, daemon=True)
         self.thread.start()
+
+
+def _deep_object(levels: int) -> str:
+    return '{"":' * levels + "1" + "}" * levels
+
+
+def _wait_file(path: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.02)
+
+
+@needs_root
+def test_cancel_request_with_a_deeply_nested_by_cannot_crash_contain_or_status(contained):
+    """A request's `by` was checked only to be an object: one 790 levels
+    deep (a 4 KB line, within the inbox's bound) passed json.loads, was
+    taken as a cancel, and copied into the record, and everything that
+    walks a record recursively then raised RecursionError: `contain run`
+    printed a traceback after its stop (exit 1) and every `contain status`
+    of the run did too."""
+    env = contained["env"]
+    run_dir = os.path.join(contained["state_dir"], "runs", "deep-by")
+    p = subprocess.Popen([*_contain(), "run", "--id", "deep-by", "--", "sleep", "60"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_file(os.path.join(run_dir, "run.json"))
+        _wait_file(os.path.join(run_dir, "cancellations", "wake"))
+        with open(os.path.join(run_dir, "run.json")) as f:
+            uid = json.load(f)["run_uid"]
+        line = '{"op_id":"deep","run_uid":"%s","by":%s}\n' % (uid, _deep_object(790))
+        assert len(line) < 4096
+        with open(os.path.join(run_dir, "cancellations", "requests.ndjson"), "a") as f:
+            f.write(line)
+        c = run_contain(env, "cancel", "deep-by", "--wait", "--timeout", "30")
+        assert "Traceback" not in c.stderr, c.stderr[-1500:]
+        _out, err = p.communicate(timeout=60)
+        assert "Traceback" not in err, err[-1500:]
+        assert p.returncode in (0, -15, 143), (p.returncode, err[-1500:])
+        s = run_contain(env, "status", "deep-by")
+        assert "Traceback" not in s.stderr, s.stderr[-1500:]
+        assert s.returncode == 0, s.stdout + s.stderr[-1500:]
+        assert holders(contained["token"]) == []
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate(timeout=10)
+        kill_holders(contained["token"])
+
+
+def _contain() -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "launcher"]
