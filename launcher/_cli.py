@@ -248,7 +248,15 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
     except OSError as e:
         _say(f"run: {e}")
         return _ended(proxy, finish(run, target, EXIT_CONTAIN_FAILED))
-    rec = run.supervise()
+    try:
+        rec = run.supervise()
+    except Exception:                   # a bug, not bad input: never the worker's exit status
+        import traceback
+
+        traceback.print_exc()
+        _say(f"run {run.id}: internal error while supervising; its owner lock goes with this process: "
+             f"`contain cancel {run.id}` adopts and finishes the run")
+        return _ended(proxy, EXIT_CONTAIN_FAILED)
     if rec.state == "UNCONFIRMED":
         _say(f"run {run.id}: stop not confirmed: the container did not empty; "
              f"`contain cancel {run.id}` repeats the kill")

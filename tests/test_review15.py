@@ -335,3 +335,36 @@ def _contain() -> list[str]:
     import sys
 
     return [sys.executable, "-m", "launcher"]
+
+
+_BROKEN_CONTAIN = """
+import sys
+import launcher._postconditions as p
+
+def broken(*a, **k):
+    raise RuntimeError("injected fault in the stop's postconditions")
+
+p.measure = broken
+from launcher._cli import console
+sys.argv = ["contain", *sys.argv[1:]]
+console()
+"""
+
+
+@needs_root
+def test_a_bug_raised_while_supervising_exits_125_not_an_exit_status_the_worker_could_have(contained, tmp_path):
+    """Each RecursionError above came out of `contain run` as a traceback
+    and exit status 1: to a script, the worker's own `exit 1`. Whatever
+    escapes the supervision is contain's failure: 125 (CONTRACT.md), with
+    the way out (`contain cancel` adopts the orphaned run)."""
+    import sys
+
+    env = contained["env"]
+    p = subprocess.run([sys.executable, "-c", _BROKEN_CONTAIN, "run", "--id", "bug", "--workspace", str(tmp_path),
+                        "--", "true"], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 125, p.stderr[-1500:]
+    assert "contain cancel bug" in p.stderr
+    c = run_contain(env, "cancel", "bug", "--wait", "--timeout", "30")
+    assert "Traceback" not in c.stderr, c.stderr
+    assert c.returncode == 0, c.stdout + c.stderr
+    assert holders(contained["token"]) == []
