@@ -368,3 +368,63 @@ def test_a_bug_raised_while_supervising_exits_125_not_an_exit_status_the_worker_
     assert "Traceback" not in c.stderr, c.stderr
     assert c.returncode == 0, c.stdout + c.stderr
     assert holders(contained["token"]) == []
+
+
+_STOP_TERMINAL = r"""
+import signal, termios
+signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+termios.tcflow(1, termios.TCOOFF)
+"""
+
+
+@needs_root
+@pytest.mark.parametrize("record", ["/dev/stdout", "-"])
+def test_sealed_worker_stopping_the_terminals_output_cannot_wedge_contain(contained, record):
+    """The worker shares the caller's terminal (stdio is inherited, never
+    copied). tcflow(TCOOFF), what ^S does, needs no controlling terminal,
+    so even a sealed worker in a session of its own could stop the
+    terminal's output and exit: contain's final write of `--record
+    /dev/stdout` (or `-`) then blocked for ever, long after the tree was
+    gone, and a script around it never got an exit status."""
+    import pty
+    import termios
+    import threading
+
+    master, slave = pty.openpty()
+    got = bytearray()
+
+    def drain() -> None:
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            got.extend(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        try:
+            p = subprocess.run([*_contain(), "run", "-q", "--seal", "--record", record, "--",
+                                "/usr/bin/python3", "-c", _STOP_TERMINAL],
+                               env=contained["env"], stdin=slave, stdout=slave, stderr=slave,
+                               start_new_session=True, timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("contain run was still writing to the stopped terminal after 30 s")
+        assert p.returncode == 0
+        deadline = time.monotonic() + 10
+        while b'"run_id"' not in got and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert b'"state": "REAPED"' in got and b'"sealed": true' in got, bytes(got[-500:])
+        assert holders(contained["token"]) == []
+    finally:
+        try:
+            termios.tcflow(slave, termios.TCOON)
+        except termios.error:
+            pass
+        os.close(slave)
+        os.close(master)
+        reader.join(5)
+        kill_holders(contained["token"])
