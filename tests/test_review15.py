@@ -428,3 +428,37 @@ def test_sealed_worker_stopping_the_terminals_output_cannot_wedge_contain(contai
         os.close(master)
         reader.join(5)
         kill_holders(contained["token"])
+
+
+_SHM = r"""
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+shmid = libc.shmget(int(sys.argv[1]), 1 << 20, 0o1000 | 0o600)     # IPC_CREAT, 1 MiB
+print("shmid", shmid, ctypes.get_errno(), flush=True)
+"""
+
+
+def _shm_with_key(key: int) -> list[int]:
+    with open("/proc/sysvipc/shm") as f:
+        next(f)
+        return [int(line.split()[1]) for line in f if int(line.split()[0]) == key]
+
+
+@needs_root
+def test_sealed_worker_leaving_sysv_shared_memory_leaves_nothing_behind_its_run(contained):
+    """A sealed run shared the host's IPC namespace: its worker made a SysV
+    shared memory segment and exited, the run ended REAPED and sealed, and
+    the segment stayed for good (pinned memory, in no live cgroup), owned by
+    the dynamic uid that a later sealed run may be given, which could then
+    attach it and read what this run left."""
+    import secrets
+
+    key = 0x5e000000 + secrets.randbelow(1 << 24)
+    try:
+        p = run_contain(contained["env"], "run", "-q", "--seal", "--", "/usr/bin/python3", "-c", _SHM, str(key))
+        assert p.returncode == 0, p.stderr
+        assert "shmid -1" not in p.stdout, p.stdout      # the worker did make it
+        assert _shm_with_key(key) == [], "the sealed run's shared memory outlived it"
+    finally:
+        for shmid in _shm_with_key(key):
+            subprocess.run(["ipcrm", "-m", str(shmid)], timeout=10)

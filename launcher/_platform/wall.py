@@ -267,6 +267,7 @@ def hidden_dir(req: SpawnRequest, events: Sequence[InitEvent]) -> dict[str, Any]
 
 def wall_via(req: SpawnRequest, into_cgroup: bool = False) -> str:
     flags = ["CLONE_NEWPID"] + (["CLONE_NEWUSER"] if req.userns else []) + \
+        (["CLONE_NEWIPC"] if req.userns == "map" else []) + \
         (["CLONE_NEWNS"] if req.mount_proc else []) + (["CLONE_INTO_CGROUP"] if into_cgroup else [])
     return f"clone3({'|'.join(flags)}) init at pid 1, worker forked by it"
 
