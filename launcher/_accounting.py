@@ -187,8 +187,10 @@ def _limit(path: str, source: str) -> dict[str, Any]:
 
 
 def _sum_subtree(top: str, fname: str, key: str) -> int:
+    from ._platform.cgroups import walk_dirs     # (this module is loaded on Windows too)
+
     total = 0
-    for d, _subdirs, _files in os.walk(top):
+    for d in walk_dirs(top):
         total += parse_flat_keyed(_read(os.path.join(d, fname)))[key]
     return total
 

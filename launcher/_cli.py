@@ -200,7 +200,7 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
         return EXIT_USAGE
     # --record is checked before anything runs and written once the run has
     # ended (_recordfile): 125 and one line if it cannot take the record.
-    from ._recordfile import finish, prepare
+    from ._recordfile import finish, prepare, resume_terminals
 
     try:
         target = None if args.record is None else prepare(args.record)
@@ -248,7 +248,18 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
     except OSError as e:
         _say(f"run: {e}")
         return _ended(proxy, finish(run, target, EXIT_CONTAIN_FAILED))
-    rec = run.supervise()
+    try:
+        rec = run.supervise()
+    except Exception:                   # a bug, not bad input: never the worker's exit status
+        import traceback
+
+        resume_terminals(1, 2)
+
+        traceback.print_exc()
+        _say(f"run {run.id}: internal error while supervising; its owner lock goes with this process: "
+             f"`contain cancel {run.id}` adopts and finishes the run")
+        return _ended(proxy, EXIT_CONTAIN_FAILED)
+    resume_terminals(1, 2, target.fileno() if target is not None else -1)   # after the stop, before our writes
     if rec.state == "UNCONFIRMED":
         _say(f"run {run.id}: stop not confirmed: the container did not empty; "
              f"`contain cancel {run.id}` repeats the kill")

@@ -52,3 +52,43 @@ def dumps(obj: Any, *, compact: bool = False, sort_keys: bool = False) -> str:
     import json
 
     return json.dumps(obj, separators=(item_sep, key_sep), sort_keys=sort_keys)
+
+
+# Deeper than this, what we read is not ours: our records nest 10 levels. Every
+# reader (status's rendering, to_dict, the inbox's `by`) may then recurse freely.
+MAX_DEPTH = 64
+
+
+def loads(data: bytes, what: str) -> Any:
+    """One of our files or lines, decoded; ValueError (with `what`) when it
+    is not JSON or nests deeper than MAX_DEPTH. json.loads alone let 790
+    levels through (a request's `by`, a forged record.json), and every reader
+    that walks what it got recursively (to_dict, status) then raised
+    RecursionError: a traceback from `contain run` after its stop and from
+    every `contain status` of the run."""
+    try:
+        import json     # lazy: `json` imports `re`
+
+        obj = json.loads(data)
+    except RecursionError:
+        raise ValueError(f"{what}: nested too deeply") from None
+    except ValueError as e:      # JSONDecodeError and UnicodeDecodeError
+        raise ValueError(f"{what}: not JSON ({str(e)[:80]})") from None
+    raw = data if isinstance(data, (bytes, bytearray)) else str(data).encode()
+    if raw.count(b"{") + raw.count(b"[") > MAX_DEPTH and _too_deep(obj):
+        raise ValueError(f"{what}: nested more than {MAX_DEPTH} levels deep")
+    return obj
+
+
+def _too_deep(obj: Any) -> bool:
+    """(Only after the brace count said it could be: counting is C speed.)"""
+    if not isinstance(obj, (dict, list)):
+        return False
+    stack = [(obj, 1)]
+    while stack:
+        v, d = stack.pop()
+        if d > MAX_DEPTH:
+            return True
+        items = v.values() if isinstance(v, dict) else v
+        stack.extend((x, d + 1) for x in items if isinstance(x, (dict, list)))
+    return False

@@ -211,8 +211,15 @@ def _watch_tree(root: str, limit: int = 2000) -> tuple[int | None, list[str]]:
         if e.errno not in _GONE:
             unwatched.append(f"{e.filename}: {os.strerror(e.errno or 0)}")
 
+    # Our own stack, not os.walk: 3.11's os.walk recurses, and a worker
+    # that nests directories deeper than the recursion limit in its
+    # workspace (1,000 `mkdir a; cd a`) would raise out of the stop. Each
+    # directory is watched before it is listed: a subdirectory made after
+    # the listing is an event of the watched parent.
     n = 0
-    for d, _subdirs, _files in os.walk(root, onerror=unreadable):
+    stack = [root]
+    while stack:
+        d = stack.pop()
         if n >= limit:
             unwatched.append(f"{d} and any further directories: only {limit} are watched")
             break
@@ -221,7 +228,21 @@ def _watch_tree(root: str, limit: int = 2000) -> tuple[int | None, list[str]]:
             n += 1
         elif -rc not in _GONE:
             unwatched.append(f"{d}: inotify_add_watch: {os.strerror(-rc)}")
+        try:
+            with os.scandir(d) as it:
+                subdirs = [e.path for e in it if _is_dir(e)]
+        except OSError as e:
+            unreadable(e)
+            continue
+        stack.extend(reversed(subdirs))
     return fd, unwatched
+
+
+def _is_dir(e: os.DirEntry[str]) -> bool:
+    try:
+        return e.is_dir(follow_symlinks=False)     # a link is never descended into
+    except OSError:
+        return False
 
 
 def _drain(fd: int, window: float) -> int:

@@ -98,6 +98,10 @@ class RecordTarget:
                                "is no longer a regular file: not replaced")
         F.replace_file(self._dir_fd, self._name, data, self.path, mode=self._mode, durable=durable)
 
+    def fileno(self) -> int:
+        """The descriptor a stream target writes through (-1 for a file)."""
+        return self._fd
+
     def close(self) -> None:
         for attr in ("_fd", "_dir_fd"):
             fd = getattr(self, attr)
@@ -273,6 +277,31 @@ def _in_place(path: str, dfd: int, name: str, expect: os.stat_result, euid: int)
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)
     return RecordTarget(path, "stream", fd=fd)
+
+
+def resume_terminals(*fds: int) -> None:
+    """Resume output on any of `fds` that is a terminal taking no output
+    now. A worker sharing our terminal can stop its output (tcflow TCOOFF,
+    what ^S does): that ioctl needs no controlling terminal, so a sealed
+    worker in a session of its own can do it too, and contain's own last
+    writes after the stop (its messages, `--record -` or /dev/stdout) then
+    blocked for ever, the tree long gone. Called once the tree is gone; a
+    terminal whose output the user stopped with ^S just then is resumed too."""
+    if sys.platform == "win32":
+        return
+    import select
+    import termios
+
+    for fd in fds:
+        try:
+            if fd < 0 or not os.isatty(fd):
+                continue
+            p = select.poll()
+            p.register(fd, select.POLLOUT)
+            if not p.poll(0):            # a stopped pty has no write room (pty_write_room)
+                termios.tcflow(fd, termios.TCOON)
+        except (OSError, termios.error, ValueError):
+            continue
 
 
 def finish(run: Any, target: RecordTarget | None, status: int) -> int:

@@ -14,7 +14,7 @@ from ._controllers import (DOCTOR_HINT, Route, V1Hierarchy, plan, read_file, v1_
 from ._errors import ContainmentUnavailable
 from ._limits import Limits
 from ._procfs import cgroups_of, read_stat
-from ._platform.cgroups import mkdir_under, remove_bases, rmdir_known
+from ._platform.cgroups import mkdir_under, remove_bases, rmdir_known, walk_dirs
 from ._names import run_name
 from ._policy import policy_env
 
@@ -327,7 +327,7 @@ class RunCgroups:
         for name, top in self.v1.items():
             pids: list[int] = []
             failed: list[OSError] = []
-            for d, _subdirs, _files in os.walk(top, onerror=failed.append):
+            for d in walk_dirs(top, failed.append):
                 txt = read_file(os.path.join(d, "cgroup.procs"))
                 if txt is None:
                     if os.path.isdir(d):
@@ -351,7 +351,7 @@ class RunCgroups:
             if rmdir_known([top]):
                 continue                  # the usual end: no child cgroup, no task
             failed: list[OSError] = []
-            dirs = [d for d, _s, _f in os.walk(top, topdown=False, onerror=failed.append)] or [top]
+            dirs = walk_dirs(top, failed.append) or [top]
             for d in sorted(dirs, key=len, reverse=True):
                 for attempt in range(50):
                     try:

@@ -22,7 +22,7 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any
 
-from ._jsonenc import dumps
+from ._jsonenc import dumps, loads as loads
 from ._names import valid_id, valid_iso, valid_uid
 from ._state import TERMINAL_STATES, Effect, Outcome, State, names
 
@@ -97,17 +97,6 @@ def encode(obj: Any, *, pretty: bool = False) -> bytes:
 
         return (json.dumps(obj, indent=2) + "\n").encode()
     return (dumps(obj) + "\n").encode()
-
-
-def loads(data: bytes, what: str) -> Any:
-    try:
-        import json     # lazy: `json` imports `re` (_jsonenc.py)
-
-        return json.loads(data)
-    except RecursionError:
-        raise ValueError(f"{what}: nested too deeply") from None
-    except ValueError as e:      # JSONDecodeError and UnicodeDecodeError
-        raise ValueError(f"{what}: not JSON ({str(e)[:80]})") from None
 
 
 def _is_int(v: Any) -> bool:

@@ -338,23 +338,43 @@ def append_line(fd: int, line: bytes, path: str, *, durable: bool = False) -> No
 
 # -- removing ------------------------------------------------------------------
 
-def remove_tree(parent_fd: int, name: str, depth: int = 4) -> None:
+# remove_tree holds at most this many directory fds; deeper directories are
+# first moved up into the top one.
+_MAX_OPEN = 64
+
+
+def remove_tree(parent_fd: int, name: str) -> None:
     """Remove directory `name` under `parent_fd` and everything in it,
-    without following any symlink (each level by its own fd). Raises OSError."""
-    fd = os.open(name, O_DIR, dir_fd=parent_fd)
+    without following any symlink (each level by its own fd), however deep:
+    a directory past _MAX_OPEN levels is first renamed up into the top one.
+    (A fixed depth bound refused the tree of a worker that nested six
+    directories in its run directory, and the `.gc-*` it had been set aside
+    as stayed for ever, every later `gc` failing on it.) Raises OSError."""
+    stack = [(os.open(name, O_DIR, dir_fd=parent_fd), name)]
+    moved = 0
     try:
-        with os.scandir(fd) as it:
-            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-        for n, is_dir in entries:
-            if is_dir:
-                if depth <= 0:
-                    raise OSError(errno.ELOOP, f"{name}: nested too deep")
-                remove_tree(fd, n, depth - 1)
-            else:
+        while stack:
+            fd = stack[-1][0]
+            with os.scandir(fd) as it:
+                entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+            sub = None
+            for n, is_dir in entries:
+                if is_dir:
+                    sub = sub or n
+                    continue
                 try:
                     os.unlink(n, dir_fd=fd)
                 except FileNotFoundError:
                     pass
+            if sub is None:                    # empty: remove it from its parent
+                _fd, n = stack.pop()
+                os.close(_fd)
+                os.rmdir(n, dir_fd=stack[-1][0] if stack else parent_fd)
+            elif len(stack) < _MAX_OPEN:
+                stack.append((os.open(sub, O_DIR, dir_fd=fd), sub))
+            else:
+                moved += 1
+                os.rename(sub, f".deep-{moved}-{os.urandom(4).hex()}", src_dir_fd=fd, dst_dir_fd=stack[0][0])
     finally:
-        os.close(fd)
-    os.rmdir(name, dir_fd=parent_fd)
+        for fd, _n in stack:
+            os.close(fd)

@@ -185,22 +185,33 @@ def _make_parents(parent: str) -> None:
     """Create the missing directories above the state directory, 0700 (as
     `mkdir -p -m 0700` would, but the mode is exact): an explicit
     CONTAIN_STATE_DIR may name a path that does not exist yet. Only the
-    missing levels are made; each is then verified like any ancestor."""
+    missing levels are made, each by mkdirat in its parent as verified by
+    open_ancestors: by path, another user's symlink put where a level was
+    missing a moment before (in /tmp) was followed, and root made the
+    next level wherever it pointed."""
     missing = []
     p = parent
     while not os.path.lexists(p):
         missing.append(p)
         p = os.path.dirname(p)
     for d in reversed(missing):
+        up, name = os.path.split(d)
         try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:
-            continue
-        fd = os.open(d, F.O_DIR)
+            anc = open_ancestors(up)
+        except FileNotFoundError:
+            raise StateDirError(up, "was removed while the directories below it were made", errno.ENOENT) from None
         try:
-            os.fchmod(fd, 0o700)
+            try:
+                os.mkdir(name, 0o700, dir_fd=anc)
+            except FileExistsError:
+                continue          # someone else's: verified as an ancestor at the next level
+            fd = os.open(name, F.O_DIR, dir_fd=anc)
+            try:
+                os.fchmod(fd, 0o700)
+            finally:
+                os.close(fd)
         finally:
-            os.close(fd)
+            os.close(anc)
 
 
 def claim_unlock(fd: int) -> None:

@@ -30,6 +30,9 @@
 #ifndef CLONE_NEWUSER
 #define CLONE_NEWUSER 0x10000000
 #endif
+#ifndef CLONE_NEWIPC
+#define CLONE_NEWIPC 0x08000000
+#endif
 #ifndef CLONE_NEWNS
 #define CLONE_NEWNS 0x00020000
 #endif
@@ -284,6 +287,11 @@ int ct_wall_spawn(const struct ct_spawn_args *a, const struct ct_wall_args *w, s
     uint64_t flags = CLONE_NEWPID;
     if (w->userns != CT_USERNS_NONE) flags |= CLONE_NEWUSER;
     if (w->mount_proc) flags |= CLONE_NEWNS;
+    /* A sealed run's SysV IPC objects and POSIX message queues die with its
+     * own IPC namespace: in the host's, a sealed worker left shared memory
+     * (pinned, counted to no live cgroup) that a later run given the same
+     * dynamic uid could attach (ipc_namespaces(7)). */
+    if (w->userns == CT_USERNS_MAP) flags |= CLONE_NEWIPC;
 
     /* The init starts with every signal blocked and keeps them so. */
     sigfillset(&all);

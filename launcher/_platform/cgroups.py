@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Callable
 
 from .._errors import ContainmentUnavailable
 from .._policy import policy_env
@@ -359,3 +359,33 @@ def kill_by_freezing(cg_dir: str, cg_path: str) -> str:
         if sent[0] == 0:
             break
     return "cgroup.freeze + SIGKILL per member"
+
+
+def walk_dirs(top: str, onerror: Callable[[OSError], None] | None = None) -> list[str]:
+    """`top` and every directory below it that could be listed, parents
+    first, never through a symlink: the directories os.walk(top) yields, but
+    with a stack of our own. 3.11's os.walk recurses, and a root worker that
+    nests cgroups deeper than the recursion limit (1,000 `mkdir a; cd a` in
+    its own cgroup) made the stop raise RecursionError: no record, the
+    subtree left. `onerror` gets each failed listing's OSError, as os.walk's."""
+    out: list[str] = []
+    stack = [top]
+    while stack:
+        d = stack.pop()
+        try:
+            with os.scandir(d) as it:
+                subs = [e.path for e in it if _real_dir(e)]
+        except OSError as e:
+            if onerror is not None:
+                onerror(e)
+            continue
+        out.append(d)
+        stack.extend(reversed(subs))
+    return out
+
+
+def _real_dir(e: os.DirEntry[str]) -> bool:
+    try:
+        return e.is_dir(follow_symlinks=False)
+    except OSError:
+        return False

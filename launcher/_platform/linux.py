@@ -26,7 +26,7 @@ from .._errors import ContainmentUnavailable, SpawnFailed
 from .._procfs import cgroup_of
 from . import pidwall, posix, sealing
 from .cgroups import (Hierarchy, hierarchies, identify, kill_by_freezing, remove_made, resolve_base, rmdir_known,
-                      run_suffix, writable_procs_above)
+                      run_suffix, walk_dirs, writable_procs_above)
 from .._signals import signal_name
 from .posixwait import Root
 
@@ -346,7 +346,7 @@ class Container:
             if e.errno != errno.ENOENT:
                 raise e
 
-        for d, _subdirs, _files in os.walk(self.dir, onerror=fail):
+        for d in walk_dirs(self.dir, fail):
             try:
                 with open(os.path.join(d, "cgroup.procs")) as f:
                     pids.extend(p for p in map(int, f.read().split()) if p != init)
@@ -421,7 +421,7 @@ class Container:
             remove_made(self._made)       # the usual end: nothing below but the leaves we made
             return None
         failed: list[OSError] = []
-        dirs = [d for d, _s, _f in os.walk(self.dir, topdown=False, onerror=failed.append)] or [self.dir]
+        dirs = walk_dirs(self.dir, failed.append) or [self.dir]
         for d in sorted(dirs, key=len, reverse=True):
             for attempt in range(50):
                 try:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 DYNAMIC_FIRST, DYNAMIC_LAST = 61184, 65519
 CLAIMS = "dynamic-uids"          # in the (root) state directory: one file per claimed uid
 _CLAIM_STALE_S = 60.0            # a claim older than this whose uid no process has is free
+_CLAIMS_WAIT_S = 10.0            # how long a claim waits for another's lock of the claims directory
 
 
 def _uids_in_use() -> set[int]:
@@ -77,7 +78,12 @@ def claim_dynamic_uid(state_dir: str, run_id: str) -> tuple[int, str]:
     claim names. Returns (uid, claim path); the
     claim is removed when the run ends (release_claim). Claims are made
     under an flock of the claims directory, so two supervisors never take
-    the same one. Raises OSError when none is free."""
+    the same one. Raises OSError when none is free, or when the lock was
+    held by another for _CLAIMS_WAIT_S (a stopped claimer, or a fork of
+    one, must not wedge every later sealed run: a blocking flock waited for
+    ever, deaf to SIGTERM)."""
+    import fcntl
+
     d = os.path.join(state_dir, CLAIMS)
     try:
         os.mkdir(d, 0o700)
@@ -88,9 +94,16 @@ def claim_dynamic_uid(state_dir: str, run_id: str) -> tuple[int, str]:
         st = os.fstat(dfd)
         if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
             raise OSError(errno.EPERM, f"{d}: not a private directory of this user")
-        import fcntl
-
-        fcntl.flock(dfd, fcntl.LOCK_EX)
+        deadline = time.monotonic() + _CLAIMS_WAIT_S
+        while True:
+            try:
+                fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise OSError(errno.EAGAIN, f"{d}: another claim held its lock for "
+                                  f"{_CLAIMS_WAIT_S:.0f} s") from None
+                time.sleep(0.01)
         used = _uids_in_use()
         now = time.time()
         claimed: set[int] = set()
@@ -121,6 +134,10 @@ def claim_dynamic_uid(state_dir: str, run_id: str) -> tuple[int, str]:
             return uid, os.path.join(d, str(uid))
         raise OSError(errno.EUSERS, f"no free uid in {DYNAMIC_FIRST}-{DYNAMIC_LAST}")
     finally:
+        try:
+            fcntl.flock(dfd, fcntl.LOCK_UN)   # not only close: a fork's copy of dfd would keep it
+        except OSError:
+            pass
         os.close(dfd)
 
 

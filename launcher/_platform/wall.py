@@ -272,6 +272,7 @@ EXEC_INIT = True
 
 def wall_via(req: SpawnRequest, into_cgroup: bool = False, execd: bool = False) -> str:
     flags = ["CLONE_NEWPID"] + (["CLONE_NEWUSER"] if req.userns else []) + \
+        (["CLONE_NEWIPC"] if req.userns == "map" else []) + \
         (["CLONE_NEWNS"] if req.mount_proc else []) + (["CLONE_INTO_CGROUP"] if into_cgroup else [])
     if execd:
         return f"clone3({'|'.join(['CLONE_VM', 'CLONE_VFORK'] + flags)}) and exec of contain's init at pid 1, " \
