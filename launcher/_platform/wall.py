@@ -274,10 +274,9 @@ def wall_via(req: SpawnRequest, into_cgroup: bool = False, execd: bool = False) 
     flags = ["CLONE_NEWPID"] + (["CLONE_NEWUSER"] if req.userns else []) + \
         (["CLONE_NEWIPC"] if req.userns == "map" else []) + \
         (["CLONE_NEWNS"] if req.mount_proc else []) + (["CLONE_INTO_CGROUP"] if into_cgroup else [])
-    if execd:
-        return f"clone3({'|'.join(['CLONE_VM', 'CLONE_VFORK'] + flags)}) and exec of contain's init at pid 1, " \
-               "worker forked by it"
-    return f"clone3({'|'.join(flags)}) init at pid 1, worker forked by it"
+    how = f"clone3({'|'.join(['CLONE_VM', 'CLONE_VFORK'] + flags)}) and exec of contain's init" if execd else \
+        f"clone3({'|'.join(flags)}) init"
+    return how + " at pid 1, worker forked by it"
 
 
 def spawn_wall(req: SpawnRequest, cgroup_fd: int = -1, join_fds: Sequence[int] = (),
