@@ -68,6 +68,11 @@ def console() -> None:
     import os
 
     out_closed = _hold_closed_stdio()
+    for stream in (sys.stdout, sys.stderr):
+        # A run's argv in an ASCII locale (PYTHONIOENCODING=ascii, LC_ALL=C
+        # on an old Python): escaped, never a UnicodeEncodeError traceback.
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     try:
         rc = main()
     except SystemExit as e:              # argparse's --help and usage errors

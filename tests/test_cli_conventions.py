@@ -178,3 +178,18 @@ def test_ctrl_c_while_the_command_loads_dies_by_sigint_without_a_traceback(tmp_p
                        env=env, capture_output=True, text=True, timeout=30)
     assert p.returncode == -2, (p.returncode, p.stderr)
     assert p.stderr == "" and p.stdout == "", p.stderr
+
+
+@needs_cgroup
+def test_a_non_ascii_command_in_an_ascii_locale_is_escaped_not_a_traceback(box):
+    p = subprocess.run(contain_cmd("run", "--id", "enc", "--", "echo", "h\u00e9llo \u2603"), env=box.env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    env = dict(box.env, PYTHONIOENCODING="ascii")
+    for args in (["status", "enc"], ["ls", "--all"], ["wait", "enc"]):
+        q = subprocess.run(contain_cmd(*args), env=env, capture_output=True, timeout=60)
+        out, err = q.stdout.decode("ascii"), q.stderr.decode("ascii")     # nothing but ASCII came out
+        assert "Traceback" not in err, (args, err)
+        assert q.returncode == 0, (args, q.returncode, err)
+        if args[0] != "wait":
+            assert "h\\xe9llo \\u2603" in out, (args, out)
