@@ -1,0 +1,118 @@
+"""Review 13: `contain` driven through CONTRACT.md as a user would, at the
+awkward places (a terminal, signals at the edges, bad input).
+
+Each test is named after the failure it attacks. Real kernel and real
+terminals (pty pairs of the test's own); survival by the test's own /proc
+scan (tests/_proc.py); every wait is bounded.
+"""
+from __future__ import annotations
+
+import os
+import pty
+import select
+import signal
+import sys
+import time
+
+import pytest
+
+from _proc import ROOT, TOKEN_VAR, holders, kill_holders, new_token
+
+CONTAIN = [sys.executable, os.path.join(ROOT, "bin", "contain")]
+
+
+def _pty_contain(box, args: list[str], token: str) -> tuple[int, int]:
+    """`contain ARGS` as the foreground job of a terminal of its own (the
+    child of pty.fork() leads a new session whose controlling terminal is
+    the pty). Returns (pid, master fd)."""
+    env = dict(box.env, **{TOKEN_VAR: token})
+    pid, fd = pty.fork()
+    if pid == 0:                               # pragma: no cover (the child)
+        try:
+            os.execve(CONTAIN[0], CONTAIN + args, env)
+        finally:
+            os._exit(127)
+    return pid, fd
+
+
+def _read_until(fd: int, want: bytes, timeout: float) -> bytes:
+    out = b""
+    deadline = time.monotonic() + timeout
+    while want not in out and time.monotonic() < deadline:
+        r, _, _ = select.select([fd], [], [], 0.05)
+        if r:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:                    # EIO: the slave side is closed
+                break
+            if not chunk:
+                break
+            out += chunk
+    return out
+
+
+def _wait_exit(pid: int, timeout: float) -> int | None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            wp, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:            # reaped already
+            return None
+        if wp == pid:
+            return status
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.02)
+
+
+def _end(pid: int, fd: int, token: str) -> None:
+    try:
+        # Not reaped yet (a zombie at worst), so the pid is still ours.
+        if os.waitpid(pid, os.WNOHANG)[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    except ChildProcessError:                # reaped already by _wait_exit
+        pass
+    kill_holders(token)
+    os.close(fd)
+
+
+@pytest.mark.parametrize("backend", ["none", "auto"])
+def test_terminal_read_stops_worker_by_sigttin(box, backend):
+    """`contain run --backend none -- CMD` typed at a shell: the worker was
+    put in a process group of its own, not the terminal's foreground one,
+    so its first read of the terminal it inherited stopped it (SIGTTIN) and
+    the run hung for ever. stdin is inherited: the worker must read it."""
+    token = new_token()
+    pid, fd = _pty_contain(box, ["run", "--backend", backend, "--grace", "0.2", "--",
+                                 "sh", "-c", "read x; echo got:$x"], token)
+    try:
+        _read_until(fd, b"never", 0.5)          # let it start
+        os.write(fd, b"hello\n")
+        out = _read_until(fd, b"got:hello", 10)
+        status = _wait_exit(pid, 10)
+        assert b"got:hello" in out, out
+        assert status is not None and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        assert holders(token) == []
+    finally:
+        _end(pid, fd, token)
+
+
+@pytest.mark.parametrize("backend", ["none", "auto"])
+def test_terminal_ctrl_c_leaves_worker_or_contain_alive(box, backend):
+    """Ctrl-C at the terminal of a degraded run: contain dies by SIGINT (so
+    a shell loop around it stops) and nothing of the tree survives, the
+    worker included (it reads the terminal first, so it is not stopped)."""
+    token = new_token()
+    pid, fd = _pty_contain(box, ["run", "--backend", backend, "--grace", "0.2", "--",
+                                 "sh", "-c", "read x; echo got:$x; sleep 30"], token)
+    try:
+        _read_until(fd, b"never", 0.5)
+        os.write(fd, b"hello\n")
+        assert b"got:hello" in _read_until(fd, b"got:hello", 10)
+        os.write(fd, b"\x03")
+        status = _wait_exit(pid, 10)
+        assert status is not None and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGINT, status
+        assert holders(token) == []
+    finally:
+        _end(pid, fd, token)
