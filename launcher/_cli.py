@@ -67,9 +67,13 @@ def console() -> None:
     (docs/performance.md). In-process callers use main(), which returns."""
     import os
 
+    _interrupt_once()
     out_closed = _hold_closed_stdio()
     try:
         rc = main()
+    except KeyboardInterrupt:            # defensive: main() takes the one there is
+        _die_by[:] = [signal.SIGINT]
+        rc = 128 + signal.SIGINT
     except SystemExit as e:              # argparse's --help and usage errors
         if e.code is None or isinstance(e.code, int):
             rc = e.code or 0
@@ -88,6 +92,25 @@ def console() -> None:
     if sys.platform == "win32" and rc > 0x7FFFFFFF:
         rc -= 1 << 32                    # an NTSTATUS exit code (0xC0000005): the same DWORD as an int
     os._exit(rc)
+
+
+def _interrupt_once() -> None:
+    """Python's SIGINT handler raises KeyboardInterrupt on every Ctrl-C: a
+    second one while the first is being turned into "die by SIGINT" (in
+    main()'s handler, in the flush or import before die_by) escaped as a
+    traceback. One KeyboardInterrupt is enough; later ones until a run's
+    own handler is installed (_sigproxy) only repeat it. A SIGINT the
+    caller ignored stays ignored (no handler over SIG_IGN)."""
+    if signal.getsignal(signal.SIGINT) != signal.default_int_handler:
+        return
+    fired: list[bool] = []
+
+    def handler(_signum: int, _frame: object) -> None:
+        if not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
 
 
 def _hold_closed_stdio() -> bool:

@@ -116,3 +116,50 @@ def test_terminal_ctrl_c_leaves_worker_or_contain_alive(box, backend):
         assert holders(token) == []
     finally:
         _end(pid, fd, token)
+
+
+def _flood(p, signum: int, timeout: float = 10.0) -> None:
+    """Send `signum` to `p` as fast as possible until it ends."""
+    deadline = time.monotonic() + timeout
+    while p.poll() is None and time.monotonic() < deadline:
+        try:
+            p.send_signal(signum)
+        except ProcessLookupError:
+            break
+        time.sleep(0.0002)
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_second_ctrl_c_while_dying_prints_traceback(box, attempt):
+    """Ctrl-C held down (a flood of SIGINT) on `contain wait`: the first
+    became "die by SIGINT", the next landed in the code doing that (main()'s
+    handler, the flush, the import of die_by) and escaped as a Python
+    traceback with status 1. No command prints a traceback; it dies by
+    SIGINT."""
+    import subprocess
+
+    token = new_token()
+    env = dict(box.env, **{TOKEN_VAR: token})
+    rid = f"rev13-flood-{attempt}"
+    run = subprocess.Popen(CONTAIN + ["run", "--id", rid, "--grace", "0.1", "--", "sleep", "30"], env=env,
+                           stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 10
+        while not os.path.exists(os.path.join(box.state_dir, "runs", rid, "run.json")):
+            assert time.monotonic() < deadline and run.poll() is None
+            time.sleep(0.02)
+        w = subprocess.Popen(CONTAIN + ["wait", rid], env=env, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        time.sleep(0.8)                      # well inside its wait
+        _flood(w, signal.SIGINT)
+        _out, err = w.communicate(timeout=10)
+        assert b"Traceback" not in err, err.decode()
+        assert w.returncode == -signal.SIGINT, (w.returncode, err)
+    finally:
+        subprocess.run(CONTAIN + ["cancel", rid, "--grace", "0"], env=env, capture_output=True, timeout=30)
+        try:
+            run.wait(10)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            run.wait()
+        kill_holders(token)
