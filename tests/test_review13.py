@@ -163,3 +163,84 @@ def test_second_ctrl_c_while_dying_prints_traceback(box, attempt):
             run.kill()
             run.wait()
         kill_holders(token)
+
+
+def _stop_began(box, rid: str) -> bool:
+    try:
+        rec = box.record(rid)
+    except (OSError, ValueError):
+        return False
+    return rec.get("evidence", {}).get("signal_sent", {}).get("observed") is True
+
+
+def _orphan_mid_grace(box, rid: str, token: str, first_cancel: list[str]):
+    """A run (--grace 30) whose tree ignores SIGTERM, cancelled with
+    `first_cancel`, and whose supervisor is then SIGKILLed in the grace."""
+    import subprocess
+
+    env = dict(box.env, **{TOKEN_VAR: token})
+    run = subprocess.Popen(CONTAIN + ["run", "--id", rid, "--grace", "30", "--", "sh", "-c",
+                                      "trap '' TERM; setsid sh -c \"trap '' TERM; sleep 60\" & sleep 60"],
+                           env=env, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while len(holders(token)) < 3:           # the worker, its setsid'd child, their sleeps
+        assert time.monotonic() < deadline and run.poll() is None
+        time.sleep(0.02)
+    got = subprocess.run(CONTAIN + ["cancel", rid] + first_cancel, env=env, capture_output=True, timeout=30)
+    assert got.returncode == 0, got.stderr
+    while not _stop_began(box, rid):         # the owner's record says SIGTERM went out
+        assert time.monotonic() < deadline and run.poll() is None
+        time.sleep(0.02)
+    run.kill()                               # in the 30 s grace: the run is orphaned mid-stop
+    run.wait(10)
+    return env
+
+
+@pytest.mark.parametrize("backend_env", ["auto", "none"])
+def test_adopter_ignores_later_cancel_grace(box, backend_env):
+    """`contain cancel --grace 0.2 --wait` of a run orphaned in the grace of
+    an earlier cancel: the adopter began the stop again with the run's own
+    30 s grace, ignoring this cancel's (a live owner shortens the grace
+    under way). It must end within the grace asked."""
+    import subprocess
+
+    token = new_token()
+    rid = f"rev13-later-{backend_env}"
+    box.env["CONTAIN_BACKEND"] = backend_env
+    try:
+        env = _orphan_mid_grace(box, rid, token, ["--op-id", "first"])
+        t0 = time.monotonic()
+        got = subprocess.run(CONTAIN + ["cancel", rid, "--op-id", "second", "--grace", "0.2", "--wait", "--json"],
+                             env=env, capture_output=True, timeout=60)
+        took = time.monotonic() - t0
+        assert got.returncode == 0, got.stderr
+        assert took < 15, f"the adopter waited {took:.1f} s: the run's 30 s grace, not the 0.2 s asked"
+        assert holders(token) == []
+    finally:
+        kill_holders(token)
+
+
+def test_adopter_forgets_first_cancel_grace(box):
+    """The cancel that began the stop asked `--grace 2`; its supervisor died
+    in that grace. The adopter (`contain cancel --wait`, no grace of its
+    own) waited the run's 30 s again: the first cancel's grace replaces the
+    run's, for whoever finishes the stop."""
+    import subprocess
+
+    token = new_token()
+    rid = "rev13-first"
+    try:
+        env = _orphan_mid_grace(box, rid, token, ["--op-id", "first", "--grace", "2"])
+        t0 = time.monotonic()
+        got = subprocess.run(CONTAIN + ["cancel", rid, "--op-id", "second", "--wait", "--json"],
+                             env=env, capture_output=True, timeout=60)
+        took = time.monotonic() - t0
+        assert got.returncode == 0, got.stderr
+        assert took < 15, f"the adopter waited {took:.1f} s: the run's 30 s grace, not the 2 s asked"
+        assert holders(token) == []
+        # The operation asked again with another grace is the same one: never applied twice.
+        again = subprocess.run(CONTAIN + ["cancel", rid, "--op-id", "first", "--grace", "0", "--json"],
+                               env=env, capture_output=True, timeout=30)
+        assert again.returncode == 0 and b'"cancelled"' in again.stdout, again.stdout
+    finally:
+        kill_holders(token)
