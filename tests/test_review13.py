@@ -244,3 +244,44 @@ def test_adopter_forgets_first_cancel_grace(box):
         assert again.returncode == 0 and b'"cancelled"' in again.stdout, again.stdout
     finally:
         kill_holders(token)
+
+
+def test_ctrl_c_on_adopting_cancel_leaves_tree_unconfirmed(box):
+    """Ctrl-C on a `contain cancel --wait` that adopted an orphaned run and
+    is in its grace (the tree ignores SIGTERM): the interrupted owner only
+    waited for the tree to empty by itself, 10 s of kill timeout, then
+    recorded UNCONFIRMED with the tree still there. Interrupted, nobody is
+    left to wait out the grace: the kill comes now, and the run ends
+    REAPED."""
+    import subprocess
+
+    token = new_token()
+    env = dict(box.env, **{TOKEN_VAR: token})
+    rid = "rev13-adopt-int"
+    run = subprocess.Popen(CONTAIN + ["run", "--id", rid, "--grace", "30", "--", "sh", "-c",
+                                      "trap '' TERM; sleep 60"], env=env, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while len(holders(token)) < 2:
+            assert time.monotonic() < deadline and run.poll() is None
+            time.sleep(0.02)
+        run.kill()
+        run.wait(10)
+        adopter = subprocess.Popen(CONTAIN + ["cancel", rid, "--wait"], env=env, stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        while not _stop_began(box, rid):    # the adopter sent SIGTERM: its grace is under way
+            assert time.monotonic() < deadline and adopter.poll() is None
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        adopter.send_signal(signal.SIGINT)
+        _out, err = adopter.communicate(timeout=30)
+        took = time.monotonic() - t0
+        assert b"Traceback" not in err, err.decode()
+        assert adopter.returncode == -signal.SIGINT, (adopter.returncode, err)
+        assert took < 5, f"the interrupted adopter took {took:.1f} s"
+        assert box.record(rid)["state"] == "REAPED", box.record(rid)["state"]
+        assert holders(token) == []
+    finally:
+        subprocess.run(CONTAIN + ["cancel", rid, "--grace", "0", "--wait"], env=env, capture_output=True,
+                       timeout=60)
+        kill_holders(token)
