@@ -285,3 +285,21 @@ def test_ctrl_c_on_adopting_cancel_leaves_tree_unconfirmed(box):
         subprocess.run(CONTAIN + ["cancel", rid, "--grace", "0", "--wait"], env=env, capture_output=True,
                        timeout=60)
         kill_holders(token)
+
+
+def test_terminal_degraded_run_loses_its_daemons(box):
+    """The worker of a degraded run on a terminal shares contain's process
+    group (above), so the group is no evidence there: the setsid'd and
+    double-forked leftovers must still be found (ancestry, the subreaper)
+    and stopped when the worker exits."""
+    token = new_token()
+    pid, fd = _pty_contain(box, ["run", "--backend", "none", "--grace", "0.2", "--", "sh", "-c",
+                                 "setsid sh -c \"trap '' TERM; sleep 30\" & (sleep 40 &); "
+                                 "sh -c 'sleep 50 &'; sleep 0.3; echo started"], token)
+    try:
+        assert b"started" in _read_until(fd, b"started", 10)
+        status = _wait_exit(pid, 10)
+        assert status is not None and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        assert holders(token) == []
+    finally:
+        _end(pid, fd, token)

@@ -139,17 +139,18 @@ class Container:
         return c
 
     def prepare(self, req: posix.SpawnRequest, opts: Any) -> None:
+        # As child subreaper (the CLI), every orphan of the tree reparents to
+        # this process: its children other than the worker are the tree's.
+        self._subreaper = bool(getattr(opts, "subreaper", False))
         # A group of its own, so the group finds the tree; but not when this
         # process is the foreground job of its terminal: a worker in another
         # group would be stopped (SIGTTIN) at its first read of the terminal
         # it inherited (tty(4), "job control"), and miss the terminal's
-        # Ctrl-C. There it shares our group, as under a container; the group
-        # is then no evidence of membership (it holds us, and a pipeline's
-        # other commands).
-        req.new_pgroup = req.new_pgroup or not _terminal_foreground(req.stdio)
-        # As child subreaper (the CLI), every orphan of the tree reparents to
-        # this process: its children other than the worker are the tree's.
-        self._subreaper = bool(getattr(opts, "subreaper", False))
+        # Ctrl-C. There it shares our group, as under a container, and the
+        # group is no evidence of membership (it holds us, and a pipeline's
+        # other commands): only as subreaper, which finds every orphan
+        # without it.
+        req.new_pgroup = req.new_pgroup or not (self._subreaper and _terminal_foreground(req.stdio))
         if opts.seal:
             self._seal_error = "--seal needs a kernel container: degraded mode has nothing to seal"
 
