@@ -67,11 +67,16 @@ def console() -> None:
     (docs/performance.md). In-process callers use main(), which returns."""
     import os
 
-    _interrupt_once()
+    if callable(signal.getsignal(signal.SIGINT)):     # not one the caller ignored
+        signal.signal(signal.SIGINT, _interrupt)
     out_closed = _hold_closed_stdio()
     try:
-        rc = main()
-    except KeyboardInterrupt:            # defensive: main() takes the one there is
+        try:
+            rc = main()
+        finally:
+            _quiet.append(True)
+    except KeyboardInterrupt:            # one that came as main() returned
+        _quiet.append(True)
         _die_by[:] = [signal.SIGINT]
         rc = 128 + signal.SIGINT
     except SystemExit as e:              # argparse's --help and usage errors
@@ -94,23 +99,24 @@ def console() -> None:
     os._exit(rc)
 
 
-def _interrupt_once() -> None:
-    """Python's SIGINT handler raises KeyboardInterrupt on every Ctrl-C: a
-    second one while the first is being turned into "die by SIGINT" (in
-    main()'s handler, in the flush or import before die_by) escaped as a
-    traceback. One KeyboardInterrupt is enough; later ones until a run's
-    own handler is installed (_sigproxy) only repeat it. A SIGINT the
-    caller ignored stays ignored (no handler over SIG_IGN)."""
-    if signal.getsignal(signal.SIGINT) != signal.default_int_handler:
+_quiet: list[bool] = []     # main() has returned: a Ctrl-C now changes nothing (_interrupt)
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    """SIGINT until a run installs its own handler (_sigproxy): Python's
+    KeyboardInterrupt, except while one is being handled or once main() has
+    returned. Python's own raised on every Ctrl-C: a second one (a key held
+    down) landing in main()'s KeyboardInterrupt handler, or in the flush
+    and import before die_by, escaped as a traceback with status 1."""
+    if _quiet:
         return
-    fired: list[bool] = []
-
-    def handler(_signum: int, _frame: object) -> None:
-        if not fired:
-            fired.append(True)
+    e = sys.exc_info()[1]
+    for _ in range(50):       # what is being handled, and what that interrupted
+        if e is None:
             raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, handler)
+        if isinstance(e, KeyboardInterrupt):
+            return
+        e = e.__context__
 
 
 def _hold_closed_stdio() -> bool:

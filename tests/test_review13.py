@@ -303,3 +303,33 @@ def test_terminal_degraded_run_loses_its_daemons(box):
         assert holders(token) == []
     finally:
         _end(pid, fd, token)
+
+
+def _ours(err: bytes) -> bool:
+    """A traceback through contain's own code (not one of Python's start-up,
+    before bin/contain's first line: 'line 0' or 'runtime state')."""
+    text = err.decode(errors="replace")
+    return "Traceback" in text and "line 0, in <module>" not in text and "runtime state" not in text
+
+
+def test_ctrl_c_held_down_while_contain_loads_prints_traceback(tmp_path):
+    """A flood of SIGINT while bin/contain imports the package (made slow
+    here: no bytecode cache, no site): the first became "die by SIGINT" in
+    its KeyboardInterrupt handler, the next interrupted that handler and
+    escaped as a traceback."""
+    import subprocess
+
+    bad = []
+    for i in range(10):
+        cache = tmp_path / f"pycache{i}"
+        cache.mkdir()
+        env = dict(os.environ, PYTHONPYCACHEPREFIX=str(cache), PYTHONPATH=ROOT,
+                   CONTAIN_STATE_DIR=str(tmp_path / "state"))
+        p = subprocess.Popen([sys.executable, "-S", CONTAIN[1], "ls"], env=env, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(0.01)                      # Python's own start-up is over; the import is not
+        _flood(p, signal.SIGINT)
+        _out, err = p.communicate(timeout=10)
+        if _ours(err):
+            bad.append(err.decode(errors="replace")[-400:])
+    assert not bad, bad[0]
