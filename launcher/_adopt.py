@@ -34,6 +34,7 @@ from ._containers import AttachResult, attach_container, trusted_facts
 from ._errors import LauncherError
 from ._evidence import RunEvidence
 from ._identity import ProcessIdentity
+from ._inbox import grace_of
 from ._layout import RunDir
 from ._options import DEFAULT_GRACE, DEFAULT_KILL_TIMEOUT, Options
 from ._platform import host
@@ -152,6 +153,7 @@ def _adopt(layout: RunDir, vouched: str | None = None) -> tuple[Run, AttachResul
     _take_record_file(r, info.get("record_file"), facts.notes)
     r.snap = S.from_record(rec.get("state", "RUNNING"), rec.get("outcome"))
     r.inbox.load()
+    _grace_applied_before(layout, r)
     _trust_the_tag(facts, att)
     if facts.identity is not None:
         r.pid = facts.identity.pid
@@ -167,6 +169,35 @@ def _adopt(layout: RunDir, vouched: str | None = None) -> tuple[Run, AttachResul
             r.snap = S.step(r.snap, S.Event.ROOT_EXITED)
     r.open_channels()
     return r, att
+
+
+def _grace_applied_before(layout: RunDir, r: Run) -> None:
+    """The grace the previous owner's stop had from the cancels it applied:
+    the first one's replaces the run's own, later ones only shorten it (as
+    in Run._read_inbox). They are acknowledged, so the adopter's inbox
+    skips them; without this it began the stop again with the run's grace,
+    whatever `cancel --grace` had asked."""
+    if r.snap.terminal or not r.snap.stopping:
+        return
+    grace: float | None = None
+    offset, first = 0, True
+    for _ in range(16):               # bounded, as one turn of the inbox is
+        got = layout.read_inbox(offset, None, require_uid=True)
+        for req in got.accepted:
+            d = req.to_dict()
+            ack = r.inbox.ops.get(str(d.get("op_id")))
+            if ack is None or ack.get("effect") != S.Effect.CANCEL_REQUESTED:
+                continue
+            g = grace_of(d)
+            if first:
+                grace, first = (r.opts.grace if g is None else g), False
+            elif g is not None and grace is not None:
+                grace = min(grace, g)
+        offset = got.offset
+        if not got.more:
+            break
+    if grace is not None:
+        r.opts.grace = grace
 
 
 def _terminal_but_held(rec: dict[str, Any], att: AttachResult) -> str | None:

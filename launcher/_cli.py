@@ -67,6 +67,8 @@ def console() -> None:
     (docs/performance.md). In-process callers use main(), which returns."""
     import os
 
+    if callable(signal.getsignal(signal.SIGINT)):     # not one the caller ignored
+        signal.signal(signal.SIGINT, _interrupt)
     out_closed = _hold_closed_stdio()
     for stream in (sys.stdout, sys.stderr):
         # A run's argv in an ASCII locale (PYTHONIOENCODING=ascii, LC_ALL=C
@@ -74,7 +76,14 @@ def console() -> None:
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
     try:
-        rc = main()
+        try:
+            rc = main()
+        finally:
+            _quiet.append(True)
+    except KeyboardInterrupt:            # one that came as main() returned
+        _quiet.append(True)
+        _die_by[:] = [signal.SIGINT]
+        rc = 128 + signal.SIGINT
     except SystemExit as e:              # argparse's --help and usage errors
         if e.code is None or isinstance(e.code, int):
             rc = e.code or 0
@@ -93,6 +102,26 @@ def console() -> None:
     if sys.platform == "win32" and rc > 0x7FFFFFFF:
         rc -= 1 << 32                    # an NTSTATUS exit code (0xC0000005): the same DWORD as an int
     os._exit(rc)
+
+
+_quiet: list[bool] = []     # main() has returned: a Ctrl-C now changes nothing (_interrupt)
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    """SIGINT until a run installs its own handler (_sigproxy): Python's
+    KeyboardInterrupt, except while one is being handled or once main() has
+    returned. Python's own raised on every Ctrl-C: a second one (a key held
+    down) landing in main()'s KeyboardInterrupt handler, or in the flush
+    and import before die_by, escaped as a traceback with status 1."""
+    if _quiet:
+        return
+    e = sys.exc_info()[1]
+    for _ in range(50):       # what is being handled, and what that interrupted
+        if e is None:
+            raise KeyboardInterrupt
+        if isinstance(e, KeyboardInterrupt):
+            return
+        e = e.__context__
 
 
 def _hold_closed_stdio() -> bool:

@@ -109,6 +109,12 @@ def abandon(run: Run, err: BaseException) -> None:
                 run.publish()
             now = time.monotonic()
             ev = run.stop.begin(now, 0.0) if run.stop.stage is None else run.stop.observe()
+            if ev is None and run.stop.stage in ("linger", "term"):
+                # Interrupted in the linger or the grace of a stop under
+                # way: nobody is left to wait it out. Waiting for a tree
+                # that ignores SIGTERM to empty by itself only left it
+                # UNCONFIRMED after the kill timeout.
+                run.stop.retry(now)
             if ev is None or ev == S.Event.OBSERVE_FAILED:
                 ev = run.stop.wait_empty(now + run.opts.kill_timeout)
             run.feed(ev)

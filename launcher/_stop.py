@@ -68,6 +68,7 @@ class StopSequence:
         self.kill_rounds = 0
         self.began_at = 0.0
         self.grace = 0.0                   # of the polite step (still to come while lingering)
+        self.asked_grace: float | None = None   # a cancel's grace that came before this process began the stop (adoption)
         self.signum = int(signal.SIGTERM)  # the polite step's signal
         self.sockets: tuple[set[int], list[str]] | None = None   # held by members at the stop
         self.never_ran = False             # cancelled before, or failed at, the spawn: no worker instruction ran
@@ -95,6 +96,8 @@ class StopSequence:
                 self.usage.at_stop(self.container.members())
             except OSError:
                 pass                       # the locks layer then says what it could not list
+        if self.asked_grace is not None:
+            grace = min(grace, self.asked_grace)
         self.grace, self.signum = grace, int(signum)
         if linger > 0 and ev is None:
             self.stage, self.deadline = "linger", min(now + linger, self.timeout_at or float("inf"))
@@ -111,8 +114,13 @@ class StopSequence:
         """A later cancel (a second signal, `cancel --grace`, `cancel(grace=)`)
         during the stop: a linger ends at once and the polite step begins
         (with this cancel's signal and grace where it gives them); a grace
-        under way ends no later than `now + grace`."""
-        if self.stage == "linger":
+        under way ends no later than `now + grace`. Before this process
+        began the stop (an adopter reading the inbox of a run already
+        stopping), the grace is kept for when it does."""
+        if self.stage is None:
+            if grace is not None:
+                self.asked_grace = grace if self.asked_grace is None else min(self.asked_grace, grace)
+        elif self.stage == "linger":
             self._end_linger(now, "cancel")
             if signum is not None:
                 self.signum = int(signum)

@@ -40,6 +40,19 @@ def _live_start(pid: int) -> int | None:
     return None if p is None or p[0] in ("Z", "X") else p[4]
 
 
+def _terminal_foreground(stdio: tuple[int, int, int]) -> bool:
+    """Whether the worker's stdin, stdout or stderr is our controlling
+    terminal with our process group in its foreground."""
+    me = os.getpgrp()
+    for i, fd in enumerate(stdio):
+        try:
+            if os.tcgetpgrp(i if fd < 0 else fd) == me:
+                return True
+        except OSError:      # not a terminal, or not our controlling one
+            pass
+    return False
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -126,10 +139,18 @@ class Container:
         return c
 
     def prepare(self, req: posix.SpawnRequest, opts: Any) -> None:
-        req.new_pgroup = True
         # As child subreaper (the CLI), every orphan of the tree reparents to
         # this process: its children other than the worker are the tree's.
         self._subreaper = bool(getattr(opts, "subreaper", False))
+        # A group of its own, so the group finds the tree; but not when this
+        # process is the foreground job of its terminal: a worker in another
+        # group would be stopped (SIGTTIN) at its first read of the terminal
+        # it inherited (tty(4), "job control"), and miss the terminal's
+        # Ctrl-C. There it shares our group, as under a container, and the
+        # group is no evidence of membership (it holds us, and a pipeline's
+        # other commands): only as subreaper, which finds every orphan
+        # without it.
+        req.new_pgroup = req.new_pgroup or not (self._subreaper and _terminal_foreground(req.stdio))
         if opts.seal:
             self._seal_error = "--seal needs a kernel container: degraded mode has nothing to seal"
 
@@ -145,8 +166,9 @@ class Container:
             raise ContainmentUnavailable(self._seal_error)
         sp = posix.spawn(req)
         sp.via = "clone3(CLONE_PIDFD) + setpgid (no container)"
-        self.root_pid = self.pgid = sp.pid
-        self._group_ours = True
+        self.root_pid = sp.pid
+        if req.new_pgroup:
+            self.pgid, self._group_ours = sp.pid, True
         start = _live_start(sp.pid)
         if start is not None:
             self.root_start = start
