@@ -227,6 +227,7 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
                        memory_max=args.memory_max, pids_max=args.pids_max, cpu_max=args.cpu_max,
                        check_locks=args.check_locks, stats_json=args.stats_json,
                        notify=None if quiet else _say_weaker)
+        opts.backend_chosen = True          # --backend, else CONTAIN_BACKEND, resolved above
         run = Run(cmd, id=args.id, options=opts)
         run.end_hooks.append(end_hook)
     except ValueError as e:

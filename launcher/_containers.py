@@ -30,7 +30,8 @@ def make_container(run_id: str, opts: Options, uid: str | None = None) -> Any:
     from the supervisor's own environment, never from the worker's `env=`:
     a job must not choose its own containment or join another run."""
     env = os.environ
-    backend = opts.backend if opts.backend != "auto" else (policy_env("CONTAIN_BACKEND", env) or "auto")
+    backend = opts.backend if opts.backend != "auto" or opts.backend_chosen else \
+        (policy_env("CONTAIN_BACKEND", env) or "auto")
     if backend == "job-object" or (backend == "auto" and sys.platform == "win32"):
         if sys.platform != "win32":
             raise ContainmentUnavailable("Job Objects exist only on Windows")

@@ -16,7 +16,7 @@ class Options:
     __slots__ = ("grace", "timeout", "kill_timeout", "backend", "seal", "user", "workspace",
                  "record_file", "env", "cwd", "stdio", "state_dir", "subreaper", "parent_cgroup",
                  "new_pgroup", "check_sockets", "pidns", "linger", "keep_ignored", "notify", "pass_fds",
-                 "limits", "check_locks", "stats_json")
+                 "limits", "check_locks", "stats_json", "backend_chosen")
 
     def __init__(self, *, grace: float = DEFAULT_GRACE, timeout: float | None = None,
                  kill_timeout: float = DEFAULT_KILL_TIMEOUT, backend: str = "auto",
@@ -70,6 +70,9 @@ class Options:
         self.check_locks = check_locks
         self.stats_json = stats_json
         self.backend = backend
+        # `contain run --backend auto` chose auto: CONTAIN_BACKEND, only a
+        # default, does not override it (the library's "auto" is its default).
+        self.backend_chosen = False
         self.seal = seal
         if isinstance(user, int) and not isinstance(user, bool):
             user = str(user)            # a uid, as --user takes it

@@ -182,6 +182,20 @@ def test_bad_backend_env_is_usage_error(box):
     assert p.returncode == 2 and "Traceback" not in p.stderr
 
 
+def test_an_explicit_backend_auto_is_not_overridden_by_contain_backend_in_the_environment(box):
+    """CONTAIN_BACKEND is the default of --backend: `--backend auto` given on
+    the command line chose auto. CONTAIN_BACKEND=none used to turn it into
+    the degraded mode anyway (process group and /proc scan, never REAPED)."""
+    env = dict(box.env, CONTAIN_BACKEND="none")
+    p = run_contain(env, "run", "--id", "explicit", "--backend", "auto", "--", "true")
+    assert p.returncode == 0, p.stderr
+    rec = box.record("explicit")
+    assert rec["containment"]["backend"] != "none" and rec["state"] == "REAPED", rec["containment"]
+    p = run_contain(env, "run", "--id", "default", "--", "true")       # not given: the environment's default
+    assert p.returncode == 0, p.stderr
+    assert box.record("default")["containment"]["backend"] == "none"
+
+
 def test_help_exits_0(box):
     p = run_contain(box.env, "run", "--help")
     assert p.returncode == 0 and "--grace" in p.stdout
