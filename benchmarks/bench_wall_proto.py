@@ -1,5 +1,6 @@
-"""A design measured before it is built: the PID-namespace wall made the
-other way round, against the wall `contain` has now. Root, x86_64, gcc.
+"""Designs measured before they were built: the PID-namespace wall made
+the other way round, and its first half alone (the init exec'd, which the
+wall now is), against the wall `contain` has now. Root, x86_64, gcc.
 
     python benchmarks/bench_wall_proto.py [--repeats 300]
 
