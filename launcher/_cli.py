@@ -67,7 +67,10 @@ def console() -> None:
     (docs/performance.md). In-process callers use main(), which returns."""
     import os
 
-    if callable(signal.getsignal(signal.SIGINT)):     # not one the caller ignored
+    # Not one the caller ignored: Python's handler, or bin/contain's SIG_DFL
+    # while it loaded the package (a process inherits no SIG_DFL for SIGINT
+    # from Python: its start-up puts its own handler there).
+    if callable(signal.getsignal(signal.SIGINT)) or signal.getsignal(signal.SIGINT) == signal.SIG_DFL:
         signal.signal(signal.SIGINT, _interrupt)
     out_closed = _hold_closed_stdio()
     for stream in (sys.stdout, sys.stderr):
