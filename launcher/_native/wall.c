@@ -148,22 +148,23 @@ static int is_our_image(const struct image_ref *r) {
 /* This process's sealed memfd of the image, made once. A descriptor
  * number can be closed and reused by anyone in the process (a caller's
  * closerange in a forked child): it is taken only while it is still our
- * sealed memfd, by device, inode and seals; else a new one is made. */
-static int init_image_fd(void) {
+ * sealed memfd, by device, inode and seals; else a new one is made. The
+ * exec'ing child checks it again (exec_child). */
+static const struct image_ref *init_image(void) {
     struct stat st;
     struct image_ref *cur = __atomic_load_n(&image_cur, __ATOMIC_ACQUIRE);
-    if (is_our_image(cur)) return cur->fd;
-    if (ct_init_image_len == 0) return -ENOEXEC;
+    if (is_our_image(cur)) return cur;
+    if (ct_init_image_len == 0) return NULL;
     int fd = (int)syscall(SYS_memfd_create, "ct-init", MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_EXEC);
     if (fd < 0 && errno == EINVAL) fd = (int)syscall(SYS_memfd_create, "ct-init", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-    if (fd < 0) return -errno;
+    if (fd < 0) return NULL;
     int rc = ct_write_all(fd, (const char *)ct_init_image, ct_init_image_len);
     if (rc == 0 && fcntl(fd, F_ADD_SEALS, CT_IMAGE_SEALS) < 0) rc = -errno;
     if (rc == 0 && fstat(fd, &st) < 0) rc = -errno;
     struct image_ref *mine = rc == 0 ? malloc(sizeof *mine) : NULL;
     if (!mine) {
         close(fd);
-        return rc < 0 ? rc : -ENOMEM;
+        return NULL;
     }
     mine->fd = fd;
     mine->dev = st.st_dev;
@@ -172,13 +173,13 @@ static int init_image_fd(void) {
         /* another thread made one meanwhile: theirs, if it is good */
         close(fd);
         free(mine);
-        return is_our_image(cur) ? cur->fd : -EAGAIN;
+        return is_our_image(cur) ? cur : NULL;
     }
-    return fd;
+    return mine;
 }
 
 struct exec_ctx {
-    int image;
+    const struct image_ref *image;
     char *argv[6];
     char *envp[1];
     const int *keep;
@@ -193,9 +194,17 @@ struct exec_ctx {
  * holds its place (ct_init_from_image). */
 static void exec_child(void *p) {
     struct exec_ctx *c = p;
+    /* Checked again here, in this child's own copy of the table, which
+     * nobody else can change: in the supervisor another thread may close
+     * the number and reuse it between init_image's check and the clone
+     * (a file of someone else's was then exec'd as the init). */
+    if (!is_our_image(c->image)) {
+        c->err = ESTALE;
+        _exit(127);
+    }
     for (int i = 0; i < c->nkeep; i++)
         if (c->keep[i] >= 0) fcntl(c->keep[i], F_SETFD, 0);
-    syscall(SYS_execveat, c->image, "", c->argv, c->envp, AT_EMPTY_PATH);
+    syscall(SYS_execveat, c->image->fd, "", c->argv, c->envp, AT_EMPTY_PATH);
     c->err = errno;
     _exit(127);
 }
@@ -206,8 +215,8 @@ static void exec_child(void *p) {
 static long spawn_execd(const struct ct_spawn_args *a, uint64_t flags, int sock, int sync_rd, int *pidfd,
                         const struct ct_wall_args *w, int *fallback) {
     *fallback = 1;
-    int image = init_image_fd();
-    if (image < 0) return -1;
+    const struct image_ref *image = init_image();
+    if (!image) return -1;
     int args_fd = -1;
     size_t len = 0;
     if (ct_args_image(a, w, &args_fd, &len) < 0) return -1;
