@@ -14,6 +14,7 @@ import select
 import signal
 import stat
 import threading
+import time
 
 import pytest
 
@@ -26,11 +27,11 @@ needs_image = pytest.mark.skipif(not ROOT or lib.ct_init_image_len == 0,
                                         "(built for x86_64 only)")
 
 
-def _image_fds() -> list[int]:
+def _image_fds(name: str = "/memfd:ct-init (") -> list[int]:
     out = []
     for n in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/self/fd/{n}").startswith("/memfd:ct-init ("):
+            if os.readlink(f"/proc/self/fd/{n}").startswith(name):
                 out.append(int(n))
     return out
 
@@ -106,4 +107,104 @@ def test_image_descriptor_swapped_by_another_thread_between_check_and_clone_is_n
     assert not t.is_alive()
     assert not marker.exists(), f"the file put at the image's descriptor number was exec'd as the init: {out}"
     # the number no longer ours in the child: the init is forked instead
+    assert "via" in out and "exec of contain's init" not in str(out["via"]), out
+
+
+def _notify_on_guard_page_mprotect() -> int:
+    """A seccomp filter parking mprotect(addr, 4096, PROT_NONE) for a
+    listener: the guard page of the stack ct_vfork_call maps, right before
+    its clone (Python and glibc here make no such call). The listener fd."""
+    import ctypes
+    import struct
+
+    from _seccomp import AUDIT_ARCH_X86_64, _NR_SECCOMP, _PR_SET_NO_NEW_PRIVS, _RET_ALLOW, _RET_USER_NOTIF, _insn
+
+    prog = [_insn(0x20, 0, 0, 4), _insn(0x15, 1, 0, AUDIT_ARCH_X86_64), _insn(0x06, 0, 0, _RET_ALLOW),
+            _insn(0x20, 0, 0, 0), _insn(0x15, 0, 5, 10),          # mprotect?
+            _insn(0x20, 0, 0, 24), _insn(0x15, 0, 3, 4096),       # len 4096?
+            _insn(0x20, 0, 0, 32), _insn(0x15, 0, 1, 0),          # PROT_NONE?
+            _insn(0x06, 0, 0, _RET_USER_NOTIF), _insn(0x06, 0, 0, _RET_ALLOW)]
+    code = b"".join(prog)
+    buf = ctypes.create_string_buffer(code, len(code))
+    fbuf = ctypes.create_string_buffer(struct.pack("HxxxxxxQ", len(prog), ctypes.addressof(buf)))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    rc = libc.syscall(_NR_SECCOMP, 1, 1 << 3, fbuf)     # SET_MODE_FILTER, FLAG_NEW_LISTENER
+    if rc < 0:
+        raise OSError(ctypes.get_errno(), "seccomp")
+    return int(rc)
+
+
+@needs_image
+@pytest.mark.forked
+def test_arguments_descriptor_swapped_by_another_thread_before_the_clone_are_never_the_inits(tmp_path) -> None:
+    """The same race for the memfd of the init's arguments (the worker's
+    program, argv, environment, credentials, descriptors): another thread
+    that put another file at its number before the clone had the init map
+    that file and run the program it named. Parked here at the guard page
+    of the clone's stack, the last call before the clone."""
+    import fcntl
+    import struct
+
+    import _seccomp
+
+    why = _seccomp.supported()
+    if why:
+        pytest.skip(why)
+    _walled_true()
+    marker = tmp_path / "hijacked"
+    for name, body in (("good", "exit 0"), ("evil", f"echo x >> {marker}")):
+        (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp_path / name).chmod(stat.S_IRWXU)
+    listener = _notify_on_guard_page_mprotect()
+    out: dict[str, object] = {}
+
+    def spawn() -> None:
+        try:
+            sp = posix.spawn(posix.SpawnRequest([str(tmp_path / "good")], pidns=True, env={"PATH": "/usr/bin:/bin"}))
+        except Exception as e:
+            out["error"] = e
+            return
+        try:
+            out["via"] = sp.via
+            select.select([sp.init_pidfd], [], [], 10.0)
+        finally:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(sp.init_pidfd, signal.SIGKILL)
+            os.waitid(os.P_PIDFD, sp.init_pidfd, os.WEXITED)
+            for fd in (sp.pidfd, sp.init_pidfd, sp.report_fd):
+                os.close(fd)
+
+    t = threading.Thread(target=spawn, daemon=True)
+    t.start()
+    p = select.poll()
+    p.register(listener, select.POLLIN)
+    assert p.poll(10_000), "the spawn never reached its clone"
+    deadline = time.monotonic() + 30.0
+    req = bytearray(80)
+    fcntl.ioctl(listener, _NOTIF_RECV, req, True)
+    notif_id = struct.unpack_from("Q", req)[0]
+    (n,) = _image_fds("/memfd:ct-init-args")
+    with open(f"/proc/self/fd/{n}", "rb") as f:
+        data = f.read()
+    assert b"/good\0" in data
+    forged = os.memfd_create("forged")
+    os.write(forged, data.replace(b"/good\0", b"/evil\0"))
+    os.dup2(forged, n, inheritable=False)       # the caller's other thread takes the number
+    fcntl.ioctl(listener, _NOTIF_SEND, bytearray(struct.pack("QqiI", notif_id, 0, 0, _NOTIF_CONTINUE)), True)
+    # Any later one goes on (the init's own clone of the worker inherits the filter).
+    while t.is_alive():
+        if not p.poll(50):
+            continue
+        with contextlib.suppress(OSError):
+            req = bytearray(80)         # RECV wants it zeroed
+            fcntl.ioctl(listener, _NOTIF_RECV, req, True)
+            fcntl.ioctl(listener, _NOTIF_SEND,
+                        bytearray(struct.pack("QqiI", struct.unpack_from("Q", req)[0], 0, 0, _NOTIF_CONTINUE)), True)
+        if time.monotonic() > deadline:
+            break
+    t.join(1.0)
+    assert not t.is_alive()
+    assert not marker.exists(), f"the init took its arguments from a file put at their descriptor number: {out}"
     assert "via" in out and "exec of contain's init" not in str(out["via"]), out

@@ -180,6 +180,7 @@ static const struct image_ref *init_image(void) {
 
 struct exec_ctx {
     const struct image_ref *image;
+    struct image_ref args;
     char *argv[6];
     char *envp[1];
     const int *keep;
@@ -197,8 +198,11 @@ static void exec_child(void *p) {
     /* Checked again here, in this child's own copy of the table, which
      * nobody else can change: in the supervisor another thread may close
      * the number and reuse it between init_image's check and the clone
-     * (a file of someone else's was then exec'd as the init). */
-    if (!is_our_image(c->image)) {
+     * (a file of someone else's was then exec'd as the init; or mapped as its
+     * arguments, naming the worker's program, credentials, descriptors). */
+    struct stat st;
+    if (!is_our_image(c->image) || fstat(c->args.fd, &st) < 0 || st.st_dev != c->args.dev ||
+        st.st_ino != c->args.ino) {
         c->err = ESTALE;
         _exit(127);
     }
@@ -219,7 +223,8 @@ static long spawn_execd(const struct ct_spawn_args *a, uint64_t flags, int sock,
     if (!image) return -1;
     int args_fd = -1;
     size_t len = 0;
-    if (ct_args_image(a, w, &args_fd, &len) < 0) return -1;
+    struct stat args_st;
+    if (ct_args_image(a, w, &args_fd, &len, &args_st) < 0) return -1;
     if ((args_fd = above_stdio(args_fd)) < 0) return -1;
     int keep[8 + a->njoin + a->npass];
     int n = 0;
@@ -237,7 +242,8 @@ static long spawn_execd(const struct ct_spawn_args *a, uint64_t flags, int sock,
         memcpy(s_sync, "-1", 3);
     *ct_put_int(s_args, args_fd) = 0;
     *ct_put_int(s_len, (long)len) = 0;
-    struct exec_ctx c = {image, {CT_INIT_NAME, s_sock, s_sync, s_args, s_len, NULL}, {NULL}, keep, n, 0};
+    struct exec_ctx c = {image, {args_fd, args_st.st_dev, args_st.st_ino},
+                         {CT_INIT_NAME, s_sock, s_sync, s_args, s_len, NULL}, {NULL}, keep, n, 0};
     long pid = ct_vfork_call(flags, pidfd, a->cgroup_fd, exec_child, &c);
     int e = errno;
     close(args_fd);
