@@ -208,3 +208,36 @@ def test_arguments_descriptor_swapped_by_another_thread_before_the_clone_are_nev
     assert not t.is_alive()
     assert not marker.exists(), f"the init took its arguments from a file put at their descriptor number: {out}"
     assert "via" in out and "exec of contain's init" not in str(out["via"]), out
+
+
+@needs_image
+@pytest.mark.forked
+@pytest.mark.parametrize("execd", [True, False], ids=["execd", "forked"])
+def test_a_caller_ignoring_sigchld_still_gets_its_walled_workers_exit(execd) -> None:
+    """A library caller that ignores SIGCHLD (for its own reasons: the
+    worker never inherits it, posix.py) handed that SIG_IGN to the wall's
+    init, across its fork or its exec: the kernel reaped the init's
+    children itself, so a worker that exited at once was "exec check
+    failed: No child processes", and a slower one's exit was never seen,
+    the init never ended (`launcher.run(backend="pidns")`: "the init of a
+    probe did not exit within 5 s")."""
+    from launcher._platform import wall
+
+    wall.EXEC_INIT = execd
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    for script in ("exit 7", "sleep 0.2; exit 7"):
+        sp = posix.spawn(posix.SpawnRequest(["sh", "-c", script], pidns=True, env={"PATH": "/usr/bin:/bin"}))
+        try:
+            assert ("exec of contain's init" in sp.via) == execd, sp.via
+            ended = select.select([sp.init_pidfd], [], [], 10.0)[0]
+            events = list(wall.read_init_events(sp.report_fd))
+        finally:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(sp.init_pidfd, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):     # ours is ignored here: the kernel reaps it
+                os.waitid(os.P_PIDFD, sp.init_pidfd, os.WEXITED)
+            for fd in (sp.pidfd, sp.init_pidfd, sp.report_fd):
+                os.close(fd)
+        assert ended, f"{script}: the init never ended"
+        exits = [e for e in events if isinstance(e, wall.InitWorkerExit)]
+        assert exits and os.waitstatus_to_exitcode(exits[0].status) == 7, events
