@@ -241,3 +241,21 @@ def test_a_caller_ignoring_sigchld_still_gets_its_walled_workers_exit(execd) -> 
         assert ended, f"{script}: the init never ended"
         exits = [e for e in events if isinstance(e, wall.InitWorkerExit)]
         assert exits and os.waitstatus_to_exitcode(exits[0].status) == 7, events
+
+
+@needs_image
+@pytest.mark.forked
+def test_a_library_caller_ignoring_sigchld_gets_the_pidns_backend(state_dir, token) -> None:
+    """The same caller through the library: the pidns backend's probe
+    waited for its init, which the kernel had already reaped (SIGCHLD
+    ignored: ECHILD), and the backend was refused ("unavailable") or the
+    probe raised ChildProcessError out of launcher.run. The init's EMPTY
+    is the word that its namespace emptied; the reaping was the kernel's."""
+    import launcher
+    from _proc import holders
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    rec = launcher.run(["sh", "-c", "sleep 30 & exit 7"], backend="pidns", timeout=20,
+                       env={"PATH": "/usr/bin:/bin", "CONTAIN_TEST_TOKEN": token})
+    assert (rec.state, rec.outcome, rec.exit_code) == ("REAPED", "exited", 7), rec
+    assert holders(token) == [], "a member outlived the run"
