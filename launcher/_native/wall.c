@@ -214,8 +214,8 @@ static void exec_child(void *p) {
 }
 
 /* The init exec'd into the new namespaces: its pid, or -1 with *fallback
- * set (nothing was left running: fork it instead) or not (the clone itself
- * failed, errno). */
+ * set and nothing left running: fork it instead (a failed clone too, its
+ * stack unmappable say: the fork's clone then says what the kernel says). */
 static long spawn_execd(const struct ct_spawn_args *a, uint64_t flags, int sock, int sync_rd, int *pidfd,
                         const struct ct_wall_args *w, int *fallback) {
     *fallback = 1;
