@@ -278,6 +278,13 @@ static void init_run(const struct ct_spawn_args *a, const struct ct_wall_args *w
     int rc;
     int extra[2] = {sock, sync_rd};
     if ((rc = close_all_but(a, extra, sync_rd >= 0 ? 2 : 1)) < 0) init_fail(sock, CT_STAGE_INIT, -rc);
+    /* SIGCHLD at SIG_DFL: a library caller's SIG_IGN (kept across the fork
+     * and the exec) has the kernel reap our children itself, and the
+     * worker's exit is never seen (waitpid: ECHILD): the init never ends. */
+    struct sigaction dfl;
+    memset(&dfl, 0, sizeof dfl);
+    dfl.sa_handler = SIG_DFL;
+    if (sigaction(SIGCHLD, &dfl, NULL) < 0) init_fail(sock, CT_STAGE_INIT, errno);
 
     if (w->userns == CT_USERNS_SELF) {
         if ((rc = self_maps(w)) < 0) init_fail(sock, CT_STAGE_USERNS, -rc);

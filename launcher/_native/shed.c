@@ -33,6 +33,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -248,7 +249,8 @@ int ct_shed(const struct ct_spawn_args **a, const struct ct_wall_args **w, int *
  * world-readable). The init maps it wherever it can and adds where
  * (ct_args_relocate). */
 
-int ct_args_image(const struct ct_spawn_args *a, const struct ct_wall_args *w, int *memfd, size_t *len) {
+int ct_args_image(const struct ct_spawn_args *a, const struct ct_wall_args *w, int *memfd, size_t *len,
+                  struct stat *st) {
     struct arena ar = {NULL, 0};
     struct ct_spawn_args *na;
     struct ct_wall_args *nw;
@@ -260,7 +262,7 @@ int ct_args_image(const struct ct_spawn_args *a, const struct ct_wall_args *w, i
     int fd = (int)syscall(SYS_memfd_create, "ct-init-args", MFD_CLOEXEC | MFD_NOEXEC_SEAL);
     if (fd < 0 && errno == EINVAL) fd = (int)syscall(SYS_memfd_create, "ct-init-args", MFD_CLOEXEC);
     if (fd < 0) return -errno;
-    if (ftruncate(fd, (off_t)size) < 0) {
+    if (fstat(fd, st) < 0 || ftruncate(fd, (off_t)size) < 0) {
         int e = errno;
         close(fd);
         return -e;

@@ -2,6 +2,7 @@
 #define CT_SHED_H
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/stat.h>
 
 #include "init.h"
 #include "spawn.h"
@@ -15,10 +16,12 @@
 int ct_shed(const struct ct_spawn_args **a, const struct ct_wall_args **w, int *n_unmapped);
 
 /* The same copy for an init that is exec'd: written into a new memfd
- * (close-on-exec, *len bytes) with every pointer an offset from its start;
+ * (close-on-exec, *len bytes, *st its identity) with every pointer an
+ * offset from its start;
  * and the copy at `at` with its pointers made offsets from `at`
  * (`to_offsets`), or made addresses again from offsets (the init's side).
  * 0, or -errno. */
-int ct_args_image(const struct ct_spawn_args *a, const struct ct_wall_args *w, int *memfd, size_t *len);
+int ct_args_image(const struct ct_spawn_args *a, const struct ct_wall_args *w, int *memfd, size_t *len,
+                  struct stat *st);
 int ct_args_relocate(char *at, size_t len, int to_offsets, struct ct_spawn_args **a, struct ct_wall_args **w);
 #endif

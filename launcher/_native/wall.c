@@ -126,26 +126,44 @@ static int above_stdio(int fd) {
 #endif
 #define CT_IMAGE_SEALS (F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE)
 
+struct image_ref {
+    int fd;
+    dev_t dev;
+    ino_t ino;
+};
+
+static int is_our_image(const struct image_ref *r) {
+    struct stat st;
+    return fstat(r->fd, &st) == 0 && st.st_dev == r->dev && st.st_ino == r->ino &&
+           fcntl(r->fd, F_GET_SEALS) == CT_IMAGE_SEALS && (unsigned long)st.st_size == ct_init_image_len;
+}
+
 /* A sealed memfd of the image, made for one spawn and closed after it
  * (the exec holds its own reference): nothing of contain's stays open in
- * the caller between runs, and no descriptor number is trusted across
- * them. About 20 us: memfd_create, 24 KB written, the seals. */
-static int init_image_fd(void) {
+ * the caller between runs. About 20 us: memfd_create, 24 KB written, the
+ * seals. 0, or -errno. The exec'ing child checks it again (exec_child). */
+static int init_image(struct image_ref *r) {
+    struct stat st;
     if (ct_init_image_len == 0) return -ENOEXEC;
     int fd = (int)syscall(SYS_memfd_create, "ct-init", MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_EXEC);
     if (fd < 0 && errno == EINVAL) fd = (int)syscall(SYS_memfd_create, "ct-init", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0) return -errno;
     int rc = ct_write_all(fd, (const char *)ct_init_image, ct_init_image_len);
     if (rc == 0 && fcntl(fd, F_ADD_SEALS, CT_IMAGE_SEALS) < 0) rc = -errno;
+    if (rc == 0 && fstat(fd, &st) < 0) rc = -errno;
     if (rc < 0) {
         close(fd);
         return rc;
     }
-    return fd;
+    r->fd = fd;
+    r->dev = st.st_dev;
+    r->ino = st.st_ino;
+    return 0;
 }
 
 struct exec_ctx {
-    int image;
+    struct image_ref image;
+    struct image_ref args;
     char *argv[6];
     char *envp[1];
     const int *keep;
@@ -160,25 +178,37 @@ struct exec_ctx {
  * holds its place (ct_init_from_image). */
 static void exec_child(void *p) {
     struct exec_ctx *c = p;
+    /* Checked again here, in this child's own copy of the table, which
+     * nobody else can change: in the supervisor another thread may close
+     * the number and reuse it between init_image's check and the clone
+     * (a file of someone else's was then exec'd as the init; or mapped as its
+     * arguments, naming the worker's program, credentials, descriptors). */
+    struct stat st;
+    if (!is_our_image(&c->image) || fstat(c->args.fd, &st) < 0 || st.st_dev != c->args.dev ||
+        st.st_ino != c->args.ino) {
+        c->err = ESTALE;
+        _exit(127);
+    }
     for (int i = 0; i < c->nkeep; i++)
         if (c->keep[i] >= 0) fcntl(c->keep[i], F_SETFD, 0);
-    syscall(SYS_execveat, c->image, "", c->argv, c->envp, AT_EMPTY_PATH);
+    syscall(SYS_execveat, c->image.fd, "", c->argv, c->envp, AT_EMPTY_PATH);
     c->err = errno;
     _exit(127);
 }
 
 /* The init exec'd into the new namespaces: its pid, or -1 with *fallback
- * set (nothing was left running: fork it instead) or not (the clone itself
- * failed, errno). */
+ * set and nothing left running: fork it instead (a failed clone too, its
+ * stack unmappable say: the fork's clone then says what the kernel says). */
 static long spawn_execd(const struct ct_spawn_args *a, uint64_t flags, int sock, int sync_rd, int *pidfd,
                         const struct ct_wall_args *w, int *fallback) {
     *fallback = 1;
-    int image = init_image_fd();
-    if (image < 0) return -1;
+    struct image_ref image;
+    if (init_image(&image) < 0) return -1;
     int args_fd = -1;
     size_t len = 0;
-    if (ct_args_image(a, w, &args_fd, &len) < 0 || (args_fd = above_stdio(args_fd)) < 0) {
-        close(image);
+    struct stat args_st;
+    if (ct_args_image(a, w, &args_fd, &len, &args_st) < 0 || (args_fd = above_stdio(args_fd)) < 0) {
+        close(image.fd);
         return -1;
     }
     int keep[8 + a->njoin + a->npass];
@@ -197,11 +227,12 @@ static long spawn_execd(const struct ct_spawn_args *a, uint64_t flags, int sock,
         memcpy(s_sync, "-1", 3);
     *ct_put_int(s_args, args_fd) = 0;
     *ct_put_int(s_len, (long)len) = 0;
-    struct exec_ctx c = {image, {CT_INIT_NAME, s_sock, s_sync, s_args, s_len, NULL}, {NULL}, keep, n, 0};
+    struct exec_ctx c = {image, {args_fd, args_st.st_dev, args_st.st_ino},
+                         {CT_INIT_NAME, s_sock, s_sync, s_args, s_len, NULL}, {NULL}, keep, n, 0};
     long pid = ct_vfork_call(flags, pidfd, a->cgroup_fd, exec_child, &c);
     int e = errno;
     close(args_fd);
-    close(image);
+    close(image.fd);
     if (pid < 0) {
         errno = e;
         return -1;

@@ -428,10 +428,10 @@ def wall_available(userns: str | None = None, mount_proc: bool = True) -> str | 
         p.register(sp.init_pidfd, select.POLLIN)
         if not p.poll(5000):
             return "the init of a probe did not exit within 5 s"
-        info = os.waitid(os.P_PIDFD, sp.init_pidfd, os.WEXITED)
+        info = reap_init(sp.init_pidfd)     # None: the kernel reaped it (our caller ignores SIGCHLD)
         evs = read_init_events(sp.report_fd)
         notes += [e.text for e in evs if isinstance(e, InitNote)]
-        if info is None or info.si_code != os.CLD_EXITED or info.si_status != 0 or \
+        if (info is not None and (info.si_code != os.CLD_EXITED or info.si_status != 0)) or \
                 not any(isinstance(e, InitEmpty) for e in sp.events + evs):
             return f"the probe's init did not report an empty namespace ({evs})"
     finally:
