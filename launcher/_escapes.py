@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from ._ledger import Ledger
 
 
+_SETTLE_S = 0.02      # the escaper pass's last look waits this long for late fork events
+
+
 def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float,
                   known: set[tuple[int, int]] | None = None) -> list[dict[str, Any]]:
     """Find every tracked process alive outside the container (`inside` says
@@ -100,7 +103,17 @@ def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float
             # its forks keep coming.
             ledger.sync()
             quiet = len(ledger.tracked) == made
-            if (not fresh and quiet) or time.monotonic() >= deadline:
+            if not fresh and quiet:
+                # Once more after a moment: a fork's event is sent after the
+                # child may already run (kernel_clone: wake_up_new_task, then
+                # proc_fork_connector), so on a loaded host the fork that
+                # keeps a chain going can be reported late.
+                time.sleep(_SETTLE_S)
+                ledger.sync()
+                quiet = len(ledger.tracked) == made
+                if quiet:
+                    break
+            if time.monotonic() >= deadline:
                 break
         if not quiet:
             newest = ledger.tracked[-1]
