@@ -30,20 +30,11 @@ needs_image = pytest.mark.skipif(not ROOT or lib.ct_init_image_len == 0,
                                         "(built for x86_64 only)")
 
 
-@contextlib.contextmanager
-def walled(argv: list[str], **kw: object) -> Iterator[posix.Spawned]:
-    sp = posix.spawn(posix.SpawnRequest(argv, pidns=True, mount_proc=True, env={"PATH": "/usr/bin:/bin"},
-                                        **kw))  # type: ignore[arg-type]
-    try:
-        yield sp
-    finally:
-        try:
-            signal.pidfd_send_signal(sp.init_pidfd, signal.SIGKILL)
-        except OSError:
-            pass
-        os.waitid(os.P_PIDFD, sp.init_pidfd, os.WEXITED)
-        for fd in (sp.pidfd, sp.init_pidfd, sp.report_fd):
-            os.close(fd)
+def walled(argv: list[str], **kw: object) -> contextlib.AbstractContextManager[posix.Spawned]:
+    """test_wall's walled() with a /proc of the namespace's own."""
+    from test_wall import walled as walled_spawn
+
+    return walled_spawn(argv, mount_proc=True, **kw)
 
 
 def _maps(pid: int) -> str:

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from _proc import contain_cmd, holders
+from test_wall import _comm
 from conftest import needs_cgroup
 
 pytestmark = needs_cgroup
@@ -30,14 +31,6 @@ def _cancel(box, run_id: str) -> tuple[int, dict]:
                        capture_output=True, text=True, timeout=60)
     assert "Traceback" not in p.stderr, p.stderr
     return p.returncode, (json.loads(p.stdout) if p.stdout.strip() else {})
-
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def _in_cgroup(pid: int, d: str) -> bool:
@@ -88,22 +81,31 @@ SEAL_FORGER = textwrap.dedent("""\
 """)
 
 
-@needs_root
-def test_unwalled_root_worker_forging_a_seal_in_its_tag_then_killing_its_supervisor_is_not_reaped(box, tmp_path):
-    esc = os.path.join(box.base, "esc")      # under the test's own base: removed with it
+def _forge_then_adopt(box, tmp_path, forger: str) -> tuple[dict, dict]:
+    """Run `forger` as an unwalled root worker that starts an escaper in a
+    cgroup of the test's own (under its base: removed with it), forges its
+    run's files and kills its supervisor; then adopt the run with `contain
+    cancel`. The record and the acknowledgement, once the escaper is known
+    to be alive still (else the test proves nothing)."""
+    esc = os.path.join(box.base, "esc")
     os.makedirs(esc)
     forged = str(tmp_path / "forged")
     env = dict(box.env, ESC_CG=esc, FORGED=forged, CONTAIN_LEDGER="off")
     sup = subprocess.Popen(contain_cmd("run", "--id", "f", "--no-pidns", "--grace", "0.3", "--", PY, "-c",
-                                       SEAL_FORGER), env=env, stderr=subprocess.DEVNULL)
+                                       forger), env=env, stderr=subprocess.DEVNULL)
     assert sup.wait(30) == -signal.SIGKILL, "the worker did not kill its supervisor"
     assert os.path.exists(forged), "the forgery did not happen (the test is void)"
     escaper = [p for p in holders(box.token) if _in_cgroup(p, esc)]
     assert escaper, f"no escaper in {esc} (the test is void): {holders(box.token)}"
-    rc, ack = _cancel(box, "f")
+    _rc, ack = _cancel(box, "f")
     rec = box.record("f")
-    alive = [p for p in escaper if p in holders(box.token)]
-    assert alive, "the escaper is gone: the test proves nothing"
+    assert [p for p in escaper if p in holders(box.token)], "the escaper is gone: the test proves nothing"
+    return rec, ack
+
+
+@needs_root
+def test_unwalled_root_worker_forging_a_seal_in_its_tag_then_killing_its_supervisor_is_not_reaped(box, tmp_path):
+    rec, ack = _forge_then_adopt(box, tmp_path, SEAL_FORGER)
     # The escaper left the container and is alive: nothing may say the tree is gone.
     assert rec["state"] != "REAPED" and ack.get("state") != "REAPED", (rec["state"], ack)
     assert rec["evidence"]["descendants_exit"]["observed"] is not True, rec["evidence"]["descendants_exit"]
@@ -131,19 +133,7 @@ tag["wall"] = {"kind": "pidns", "init": {"pid": gone.pid, "start_time": 1}, "ino
                    "cannot tell a forged wall from the owner's (docs: README 'The walls hold processes')")
 def test_unwalled_root_worker_forging_a_reaped_wall_in_its_tag_then_killing_its_supervisor_is_not_reaped(box, tmp_path):
     assert WALL_FORGER != SEAL_FORGER and 'tag["wall"]' in WALL_FORGER
-    esc = os.path.join(box.base, "esc")
-    os.makedirs(esc)
-    forged = str(tmp_path / "forged")
-    env = dict(box.env, ESC_CG=esc, FORGED=forged, CONTAIN_LEDGER="off")
-    sup = subprocess.Popen(contain_cmd("run", "--id", "f", "--no-pidns", "--grace", "0.3", "--", PY, "-c",
-                                       WALL_FORGER), env=env, stderr=subprocess.DEVNULL)
-    assert sup.wait(30) == -signal.SIGKILL, "the worker did not kill its supervisor"
-    assert os.path.exists(forged), "the forgery did not happen (the test is void)"
-    escaper = [p for p in holders(box.token) if _in_cgroup(p, esc)]
-    assert escaper, f"no escaper in {esc} (the test is void): {holders(box.token)}"
-    rc, ack = _cancel(box, "f")
-    rec = box.record("f")
-    assert [p for p in escaper if p in holders(box.token)], "the escaper is gone: the test proves nothing"
+    rec, _ack = _forge_then_adopt(box, tmp_path, WALL_FORGER)
     assert rec["state"] != "REAPED", rec["evidence"]["descendants_exit"]
     assert rec["evidence"]["descendants_exit"]["observed"] is not True
 

@@ -36,9 +36,9 @@ def _image_fds(name: str = "/memfd:ct-init (") -> list[int]:
     return out
 
 
-def _walled_true() -> str:
-    """One walled /bin/true to its end; how its init was started."""
-    sp = posix.spawn(posix.SpawnRequest(["true"], pidns=True, env={"PATH": "/usr/bin:/bin"}))
+def _to_its_end(sp: posix.Spawned) -> str:
+    """A walled spawn waited for (10 s at most), its init killed and reaped,
+    its descriptors closed; how its init was started."""
     try:
         select.select([sp.init_pidfd], [], [], 10.0)
     finally:
@@ -48,6 +48,11 @@ def _walled_true() -> str:
         for fd in (sp.pidfd, sp.init_pidfd, sp.report_fd):
             os.close(fd)
     return sp.via
+
+
+def _walled_true() -> str:
+    """One walled /bin/true to its end; how its init was started."""
+    return _to_its_end(posix.spawn(posix.SpawnRequest(["true"], pidns=True, env={"PATH": "/usr/bin:/bin"})))
 
 
 _NOTIF_RECV = 0xC0502100     # SECCOMP_IOCTL_NOTIF_RECV: struct seccomp_notif, 80 bytes
@@ -167,15 +172,7 @@ def test_arguments_descriptor_swapped_by_another_thread_before_the_clone_are_nev
         except Exception as e:
             out["error"] = e
             return
-        try:
-            out["via"] = sp.via
-            select.select([sp.init_pidfd], [], [], 10.0)
-        finally:
-            with contextlib.suppress(OSError):
-                signal.pidfd_send_signal(sp.init_pidfd, signal.SIGKILL)
-            os.waitid(os.P_PIDFD, sp.init_pidfd, os.WEXITED)
-            for fd in (sp.pidfd, sp.init_pidfd, sp.report_fd):
-                os.close(fd)
+        out["via"] = _to_its_end(sp)
 
     t = threading.Thread(target=spawn, daemon=True)
     t.start()
