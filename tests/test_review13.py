@@ -306,12 +306,16 @@ def test_terminal_degraded_run_loses_its_daemons(box):
 
 
 def _ours(err: bytes) -> bool:
-    """A traceback through contain's own code (bin/contain or the launcher
-    package). One whose frames are all Python's (its start-up before
-    bin/contain's first line, computing sys.path; its teardown, after
-    sys.stderr is gone) is Python's to report: a flood lands there too."""
+    """A traceback through contain's own code (a line of bin/contain or the
+    launcher package). One whose frames are all Python's (its start-up,
+    computing sys.path or before bin/contain's first line, 'line 0'; its
+    teardown, after sys.stderr is gone) is Python's to report: a flood lands
+    there too."""
     text = err.decode(errors="replace")
-    return "Traceback" in text and ("bin/contain" in text or f"{os.sep}launcher{os.sep}" in text)
+    frames = [ln for ln in text.splitlines() if ln.strip().startswith("File ")]
+    # 'line 0': bin/contain named, but before its first line ran (Python's).
+    return "Traceback" in text and any(("bin/contain" in f and ", line 0," not in f) or
+                                       f"{os.sep}launcher{os.sep}" in f for f in frames)
 
 
 def test_ctrl_c_held_down_while_contain_loads_prints_traceback(tmp_path):
