@@ -51,6 +51,16 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", "timeout: per-test timeout (pytest-timeout is not installed)")
     _forked_reports_keep_their_nodeid()
     _default_interactive_signals()
+    if os.path.isdir("/proc/self/task") and not hasattr(config, "workerinput"):
+        import _watchdog
+
+        config.pluginmanager.register(_watchdog.Plugin(config), "contain-watchdog")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    dog = config.pluginmanager.get_plugin("contain-watchdog")
+    if dog is not None:
+        dog.close()
 
 
 _INHERITED_IGNORED: list[str] = []
