@@ -55,6 +55,39 @@ def _walled_true() -> str:
     return _to_its_end(posix.spawn(posix.SpawnRequest(["true"], pidns=True, env={"PATH": "/usr/bin:/bin"})))
 
 
+@contextlib.contextmanager
+def _filtered_thread(install, body):
+    """`body` run in a thread of its own, under the seccomp filter that
+    `install` puts there (a filter holds the thread that installs it and
+    what that thread starts, never the test's own thread: pytest's capture
+    truncates its files with ftruncate after each phase, and a forked
+    test's only thread parked there, with nobody left to answer, hung the
+    session for ever). Yields the thread and the listener, which is closed
+    at the end: a call still parked then fails (ENOSYS), never waits."""
+    import queue
+
+    got: queue.Queue = queue.Queue()
+
+    def run() -> None:
+        try:
+            got.put(install())
+        except BaseException as e:      # noqa: BLE001 (handed to the test's thread)
+            got.put(e)
+            return
+        body()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    listener = got.get(timeout=10)
+    if isinstance(listener, BaseException):
+        raise listener
+    try:
+        yield t, listener
+    finally:
+        os.close(listener)
+        t.join(10.0)
+
+
 _NOTIF_RECV = 0xC0502100     # SECCOMP_IOCTL_NOTIF_RECV: struct seccomp_notif, 80 bytes
 _NOTIF_SEND = 0xC0182101     # SECCOMP_IOCTL_NOTIF_SEND: struct seccomp_notif_resp, 24 bytes
 _NOTIF_CONTINUE = 1
@@ -88,7 +121,6 @@ def test_image_descriptor_swapped_by_another_thread_between_check_and_clone_is_n
     script.chmod(stat.S_IRWXU)
     evil = os.open(script, os.O_RDONLY)
     _seccomp.NR.setdefault("ftruncate", 77)
-    listener = _seccomp.install({"ftruncate": _seccomp.NOTIFY})
     out: dict[str, object] = {}
 
     def spawn() -> None:
@@ -97,20 +129,19 @@ def test_image_descriptor_swapped_by_another_thread_between_check_and_clone_is_n
         except Exception as e:      # a hijacked init dies without a report
             out["error"] = e
 
-    t = threading.Thread(target=spawn, daemon=True)
-    t.start()
-    p = select.poll()
-    p.register(listener, select.POLLIN)
-    assert p.poll(10_000), "the spawn never made the memfd of its arguments"
-    req = bytearray(80)
-    fcntl.ioctl(listener, _NOTIF_RECV, req, True)
-    notif_id, _pid, _flags, nr = struct.unpack_from("QIIi", req)
-    assert nr == 77, nr
-    (n,) = _image_fds()             # this spawn's image, made just before the arguments
-    os.dup2(evil, n)                # the caller's other thread takes the number
-    fcntl.ioctl(listener, _NOTIF_SEND, bytearray(struct.pack("QqiI", notif_id, 0, 0, _NOTIF_CONTINUE)), True)
-    t.join(30.0)
-    assert not t.is_alive()
+    with _filtered_thread(lambda: _seccomp.install({"ftruncate": _seccomp.NOTIFY}), spawn) as (t, listener):
+        p = select.poll()
+        p.register(listener, select.POLLIN)
+        assert p.poll(10_000), "the spawn never made the memfd of its arguments"
+        req = bytearray(80)
+        fcntl.ioctl(listener, _NOTIF_RECV, req, True)
+        notif_id, _pid, _flags, nr = struct.unpack_from("QIIi", req)
+        assert nr == 77, nr
+        (n,) = _image_fds()             # this spawn's image, made just before the arguments
+        os.dup2(evil, n)                # the caller's other thread takes the number
+        fcntl.ioctl(listener, _NOTIF_SEND, bytearray(struct.pack("QqiI", notif_id, 0, 0, _NOTIF_CONTINUE)), True)
+        t.join(30.0)
+        assert not t.is_alive()
     assert not marker.exists(), f"the file put at the image's descriptor number was exec'd as the init: {out}"
     # the number no longer ours in the child: the init is forked instead
     assert "via" in out and "exec of contain's init" not in str(out["via"]), out
@@ -163,7 +194,6 @@ def test_arguments_descriptor_swapped_by_another_thread_before_the_clone_are_nev
     for name, body in (("good", "exit 0"), ("evil", f"echo x >> {marker}")):
         (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
         (tmp_path / name).chmod(stat.S_IRWXU)
-    listener = _notify_on_guard_page_mprotect()
     out: dict[str, object] = {}
 
     def spawn() -> None:
@@ -174,36 +204,33 @@ def test_arguments_descriptor_swapped_by_another_thread_before_the_clone_are_nev
             return
         out["via"] = _to_its_end(sp)
 
-    t = threading.Thread(target=spawn, daemon=True)
-    t.start()
-    p = select.poll()
-    p.register(listener, select.POLLIN)
-    assert p.poll(10_000), "the spawn never reached its clone"
-    deadline = time.monotonic() + 30.0
-    req = bytearray(80)
-    fcntl.ioctl(listener, _NOTIF_RECV, req, True)
-    notif_id = struct.unpack_from("Q", req)[0]
-    (n,) = _image_fds("/memfd:ct-init-args")
-    with open(f"/proc/self/fd/{n}", "rb") as f:
-        data = f.read()
-    assert b"/good\0" in data
-    forged = os.memfd_create("forged")
-    os.write(forged, data.replace(b"/good\0", b"/evil\0"))
-    os.dup2(forged, n, inheritable=False)       # the caller's other thread takes the number
-    fcntl.ioctl(listener, _NOTIF_SEND, bytearray(struct.pack("QqiI", notif_id, 0, 0, _NOTIF_CONTINUE)), True)
-    # Any later one goes on (the init's own clone of the worker inherits the filter).
-    while t.is_alive():
-        if not p.poll(50):
-            continue
-        with contextlib.suppress(OSError):
-            req = bytearray(80)         # RECV wants it zeroed
-            fcntl.ioctl(listener, _NOTIF_RECV, req, True)
-            fcntl.ioctl(listener, _NOTIF_SEND,
-                        bytearray(struct.pack("QqiI", struct.unpack_from("Q", req)[0], 0, 0, _NOTIF_CONTINUE)), True)
-        if time.monotonic() > deadline:
-            break
-    t.join(1.0)
-    assert not t.is_alive()
+    with _filtered_thread(_notify_on_guard_page_mprotect, spawn) as (t, listener):
+        p = select.poll()
+        p.register(listener, select.POLLIN)
+        assert p.poll(10_000), "the spawn never reached its clone"
+        deadline = time.monotonic() + 30.0
+        req = bytearray(80)
+        fcntl.ioctl(listener, _NOTIF_RECV, req, True)
+        notif_id = struct.unpack_from("Q", req)[0]
+        (n,) = _image_fds("/memfd:ct-init-args")
+        with open(f"/proc/self/fd/{n}", "rb") as f:
+            data = f.read()
+        assert b"/good\0" in data
+        forged = os.memfd_create("forged")
+        os.write(forged, data.replace(b"/good\0", b"/evil\0"))
+        os.dup2(forged, n, inheritable=False)       # the caller's other thread takes the number
+        fcntl.ioctl(listener, _NOTIF_SEND, bytearray(struct.pack("QqiI", notif_id, 0, 0, _NOTIF_CONTINUE)), True)
+        # Any later one goes on (the init's own clone of the worker inherits the filter).
+        while t.is_alive() and time.monotonic() < deadline:
+            if not p.poll(50):
+                continue
+            with contextlib.suppress(OSError):
+                req = bytearray(80)         # RECV wants it zeroed
+                fcntl.ioctl(listener, _NOTIF_RECV, req, True)
+                fcntl.ioctl(listener, _NOTIF_SEND, bytearray(struct.pack(
+                    "QqiI", struct.unpack_from("Q", req)[0], 0, 0, _NOTIF_CONTINUE)), True)
+        t.join(1.0)
+        assert not t.is_alive()
     assert not marker.exists(), f"the init took its arguments from a file put at their descriptor number: {out}"
     assert "via" in out and "exec of contain's init" not in str(out["via"]), out
 
