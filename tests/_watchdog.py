@@ -21,6 +21,7 @@ is SIGKILLed itself, so CI ends with the dump instead of at its limit.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -118,7 +119,9 @@ def _stuck(session: int, nodeid: str, ran: float) -> None:
 
 
 def main() -> int:
-    session = os.getppid()
+    session = int(sys.argv[1])
+    if os.fork() > 0:
+        os._exit(0)
     current: tuple[str, float, float] | None = None     # nodeid, started, limit
     killed = False
     buf = b""
@@ -167,23 +170,21 @@ class Plugin:
         except (ValueError, TypeError):     # pytest-timeout is not installed
             self.default = 120.0
         capman = config.pluginmanager.getplugin("capturemanager")
-        if capman is not None:
-            capman.suspend_global_capture(in_=True)
-        try:
+        with capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext():
             self.err = os.dup(2)
-        finally:
-            if capman is not None:
-                capman.resume_global_capture()
         os.set_inheritable(self.err, False)
         faulthandler.register(DUMP, file=self.err, all_threads=True, chain=False)
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.DEVNULL, stderr=self.err, start_new_session=True)
+        # Not a child of the session's: tests count their process's children.
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(os.getpid())], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=self.err, start_new_session=True)
+        proc.wait()         # the watchdog is its child, orphaned at once
+        self.stdin = proc.stdin
 
     def _tell(self, line: str) -> None:
         try:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(line.encode() + b"\n")
-            self.proc.stdin.flush()
+            assert self.stdin is not None
+            self.stdin.write(line.encode() + b"\n")
+            self.stdin.flush()
         except (OSError, ValueError):
             pass            # the watchdog is gone: the suite goes on without it
 
@@ -204,16 +205,12 @@ class Plugin:
             self._tell("end")
 
     def close(self) -> None:
+        """The watchdog sees end of file and exits."""
         try:
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
+            if self.stdin is not None:
+                self.stdin.close()
         except OSError:
             pass
-        try:
-            self.proc.wait(5)
-        except Exception:
-            self.proc.kill()
-            self.proc.wait()
 
 
 if __name__ == "__main__":
