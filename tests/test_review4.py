@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -319,11 +320,12 @@ def test_own_worker_naming_another_runs_init_in_its_tag_cannot_make_cancel_kill_
                              cwd="/")
         a = None
         try:
-            for _ in range(200):
-                if holders(b_token):
-                    break
-                readline_within(b.stdout, 0.05)
-            assert holders(b_token), "run b did not start"
+            deadline = time.monotonic() + 30
+            while not holders(b_token) and b.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not holders(b_token):
+                b.kill()
+                raise AssertionError(f"run b did not start: exit {b.wait(10)}, {b.communicate(timeout=10)[1]!r}")
             a = v.start("run", "-q", "--backend", "pidns", "--id", "a", "--", SYS_PY, "-c",
                         _NAME_ANOTHER_RUNS_INIT, "b")
             line = readline_within(a.stdout, 30)
