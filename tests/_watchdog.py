@@ -193,7 +193,7 @@ class Plugin:
         if m is not None:
             v = m.args[0] if m.args else m.kwargs.get("timeout")
             if v is not None:
-                return float(v)
+                return float(v) if float(v) > 0 else 3600.0     # 0: pytest-timeout's "none"
         return self.default
 
     @pytest.hookimpl(hookwrapper=True)
