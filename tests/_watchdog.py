@@ -166,9 +166,9 @@ class Plugin:
         import subprocess
 
         try:
-            self.default = float(config.getini("timeout") or 120)
+            self.default = float(config.getini("timeout") or 0) or 3600.0
         except (ValueError, TypeError):     # pytest-timeout is not installed
-            self.default = 120.0
+            self.default = 3600.0
         capman = config.pluginmanager.getplugin("capturemanager")
         with capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext():
             self.err = os.dup(2)
