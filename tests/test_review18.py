@@ -80,3 +80,40 @@ def test_doctor_as_a_user_names_no_v1_controller_that_user_cannot_get(tmp_path):
         r = as_uid(uid, [SYS_PY, "-m", "launcher", "run", "-q", opt, value, "--", "true"], env=env)
         assert r.returncode == 0, (f"doctor says {c} comes by {via!r} for uid {uid}, but {opt} fails: "
                                    f"{r.stderr.strip()}")
+
+
+@needs_cgroup
+def test_cancel_wait_that_times_out_says_so_on_stderr(box):
+    """`contain cancel ID --wait --timeout T` whose stop is not over by T
+    exits 1 ("the operation did not hold"); like `contain wait --timeout`,
+    it must say why in one line on stderr, not leave a script's log with a
+    bare status 1 (stdout, which a script may parse or discard, is not
+    where an error goes)."""
+    import time
+
+    rid = "rev18-cw"
+    run = subprocess.Popen([PY, "-m", "launcher", "run", "--id", rid, "--grace", "60", "--", "sh", "-c",
+                            "trap '' TERM; sleep 600"], env=box.env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(os.path.join(box.state_dir, "runs", rid, "run.json")):
+            assert run.poll() is None and time.monotonic() < deadline, run.stderr.read() if run.stderr else ""
+            time.sleep(0.05)
+        time.sleep(0.3)
+        p = _contain(box, "cancel", rid, "--op-id", "op1", "--wait", "--timeout", "0.5")
+        assert p.returncode == 1, (p.stdout, p.stderr)
+        assert b"Traceback" not in p.stderr
+        lines = [ln for ln in p.stderr.decode().splitlines() if ln.strip()]
+        assert len(lines) == 1 and rid in lines[0] and "0.5" in lines[0], p.stderr
+        # The stop is then finished by a second operation without the grace.
+        p = _contain(box, "cancel", rid, "--op-id", "op2", "--grace", "0", "--wait", "--timeout", "20")
+        assert p.returncode == 0, (p.stdout, p.stderr)
+        assert p.stderr == b"", p.stderr
+        assert run.wait(timeout=30) == 143
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(timeout=30)
+        if run.stderr:
+            run.stderr.close()
+    assert _survivors(box) == []
