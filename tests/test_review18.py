@@ -117,3 +117,24 @@ def test_cancel_wait_that_times_out_says_so_on_stderr(box):
         if run.stderr:
             run.stderr.close()
     assert _survivors(box) == []
+
+
+@needs_cgroup
+@pytest.mark.parametrize("name", ["/dev/stdin", "/dev/fd/0", "/proc/self/fd/0"])
+def test_record_to_stdin_however_named_never_replaces_the_callers_input_file(box, tmp_path, name):
+    """`--record /dev/fd/0` with stdin redirected from a file is refused
+    ("our descriptor 0, open only for reading"); `/dev/stdin` is the same
+    descriptor by another name (a root-owned link to /proc/self/fd/0) and
+    must get the same answer, not the atomic replace of a regular file:
+    that deleted the caller's input (`contain run --record /dev/stdin --
+    cat < data` left `data` holding the record)."""
+    data = tmp_path / "input.txt"
+    data.write_bytes(b"the caller's data\n")
+    with open(data, "rb") as stdin:
+        p = subprocess.run([PY, "-m", "launcher", "run", "--record", name, "--", "true"], env=box.env,
+                           stdin=stdin, capture_output=True, timeout=60)
+    assert data.read_bytes() == b"the caller's data\n"
+    assert p.returncode == 125, (p.returncode, p.stderr)
+    lines = p.stderr.decode().splitlines()
+    assert len(lines) == 1 and "descriptor 0" in lines[0], p.stderr
+    assert _survivors(box) == []
