@@ -280,7 +280,12 @@ def _in_place(path: str, dfd: int, name: str, expect: os.stat_result, euid: int)
         fd = os.open(name, os.O_WRONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
                      dir_fd=dfd)
     except OSError as e:
-        why = "is a FIFO with no reader" if e.errno == errno.ENXIO else os.strerror(e.errno or errno.EIO)
+        if e.errno == errno.ENXIO and stat.S_ISFIFO(expect.st_mode):
+            why = "is a FIFO with no reader"
+        elif e.errno == errno.ENXIO and path == "/dev/tty":
+            why = "this process has no controlling terminal"
+        else:
+            why = os.strerror(e.errno or errno.EIO)
         raise UnsafePath(path, why, e.errno or errno.EIO) from None
     st = os.fstat(fd)
     if (st.st_dev, st.st_ino, st.st_mode) != (expect.st_dev, expect.st_ino, expect.st_mode):

@@ -138,3 +138,17 @@ def test_record_to_stdin_however_named_never_replaces_the_callers_input_file(box
     lines = p.stderr.decode().splitlines()
     assert len(lines) == 1 and "descriptor 0" in lines[0], p.stderr
     assert _survivors(box) == []
+
+
+@needs_cgroup
+def test_record_to_dev_tty_without_a_terminal_is_not_called_a_fifo(box):
+    """`--record /dev/tty` from a process with no controlling terminal (cron,
+    a CI job) fails to open with ENXIO, as a FIFO with no reader does; the
+    one line must say what is wrong with a terminal device, not send the
+    user looking for a FIFO reader."""
+    p = subprocess.run([PY, "-m", "launcher", "run", "--record", "/dev/tty", "--", "true"], env=box.env,
+                       capture_output=True, timeout=60, start_new_session=True)
+    assert p.returncode == 125, p.stderr
+    lines = p.stderr.decode().splitlines()
+    assert len(lines) == 1 and "/dev/tty" in lines[0], p.stderr
+    assert "FIFO" not in lines[0], lines[0]
