@@ -152,3 +152,21 @@ def test_record_to_dev_tty_without_a_terminal_is_not_called_a_fifo(box):
     lines = p.stderr.decode().splitlines()
     assert len(lines) == 1 and "/dev/tty" in lines[0], p.stderr
     assert "FIFO" not in lines[0], lines[0]
+
+
+@needs_cgroup
+@pytest.mark.parametrize("spelling", [["--id", ""], ["--id="]])
+def test_run_with_an_empty_id_is_a_usage_error_not_a_generated_id(box, tmp_path, spelling):
+    """`contain run --id "$JOB" -- CMD` with $JOB unset must not start CMD
+    under a made-up id: the script's later `contain wait "$JOB"` and
+    `contain cancel "$JOB"` are usage errors ('' is no run id), so the run
+    it started could be neither waited for nor cancelled by name. As
+    `--op-id ''` is, an empty --id is refused (2, one line) and nothing runs."""
+    marker = tmp_path / "ran"
+    p = _contain(box, "run", *spelling, "--", "sh", "-c", f"touch {marker}")
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    lines = p.stderr.decode().splitlines()
+    assert lines and "id" in lines[0] and b"Traceback" not in p.stderr, p.stderr
+    assert not marker.exists()
+    runs = os.path.join(box.state_dir, "runs")
+    assert not os.path.isdir(runs) or os.listdir(runs) == []
