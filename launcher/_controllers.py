@@ -265,5 +265,20 @@ def host_report(v2_base: str | None, env: Mapping[str, str] | None = None) -> di
     where this host offers it to runs under `v2_base`, or why not.
     Read-only: nothing is enabled or created."""
     want = ["memory", "pids", "cpu", "io"] + ([] if v2_base else ["cpuacct"])
+    env = os.environ if env is None else env
     routes = routes_for(want, v2_base=v2_base, env=env, enable=False)
+    # A v1 hierarchy is offered only where this user's runs may make their
+    # cgroup in it (RunCgroups._make_v1 asks the same v1_base_for): a
+    # non-root user whose own v1 cgroup is not writable gets none there.
+    from ._procfs import cgroups_of
+
+    try:
+        own = cgroups_of("self")
+    except OSError:
+        own = {}
+    for c, r in routes.items():
+        if r.kind == "v1" and r.hierarchy is not None:
+            parent, why, _is_base = v1_base_for(r.hierarchy, env, own)
+            if parent is None:
+                routes[c] = Route(c, None, reason=f"{r.note}; {why}" if r.note else why)
     return {c: r.to_dict() for c, r in sorted(routes.items())}

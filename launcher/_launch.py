@@ -215,6 +215,10 @@ def spawn_failed(run: Run, err: LauncherError, *, ran: bool = False) -> None:
     run.facts.notes.append(str(err))
     run.facts.set("root_exit", False, "spawn", {"error": str(err), "stage": getattr(err, "stage", None)})
     run.facts.exit_code = getattr(err, "exit_code", 125)
+    if run.facts.limits is None:
+        # What was asked stays in the record though nothing could hold it
+        # (finish() reads the limits back only from cgroups that exist).
+        run.facts.limits = run.usage.unapplied(str(err))
     if run.container is None:
         run.feed(S.Event.TREE_GONE)
     else:

@@ -151,9 +151,9 @@ def _stdio_match(st: os.stat_result, path: str) -> int:
     opened) when fd N is open on it; else -1. Those magic links read back
     as `pipe:[...]`, not as paths, and are ours: they are written through."""
     cands = [1, 2]
-    for pre in ("/dev/fd/", "/proc/self/fd/", f"/proc/{os.getpid()}/fd/"):
-        if path.startswith(pre) and path[len(pre):].isdigit():
-            cands.insert(0, int(path[len(pre):]))
+    n = _fd_named(path)
+    if n is not None:
+        cands.insert(0, n)
     for fd in cands:
         try:
             s = os.fstat(fd)
@@ -162,6 +162,20 @@ def _stdio_match(st: os.stat_result, path: str) -> int:
         if (s.st_dev, s.st_ino) == (st.st_dev, st.st_ino):
             return fd
     return -1
+
+
+def _fd_named(path: str) -> int | None:
+    """N when `path` names our descriptor N: /dev/fd/N, /proc/self/fd/N,
+    or /dev/stdin, /dev/stdout, /dev/stderr (root's links to
+    /proc/self/fd/0-2 on Linux; other links are left to _resolve, which
+    follows only root's or ours)."""
+    std = {"/dev/stdin": 0, "/dev/stdout": 1, "/dev/stderr": 2}.get(path)
+    if std is not None:
+        return std
+    for pre in ("/dev/fd/", "/proc/self/fd/", f"/proc/{os.getpid()}/fd/"):
+        if path.startswith(pre) and path[len(pre):].isdigit():
+            return int(path[len(pre):])
+    return None
 
 
 def prepare(path: str) -> RecordTarget:
@@ -266,7 +280,12 @@ def _in_place(path: str, dfd: int, name: str, expect: os.stat_result, euid: int)
         fd = os.open(name, os.O_WRONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
                      dir_fd=dfd)
     except OSError as e:
-        why = "is a FIFO with no reader" if e.errno == errno.ENXIO else os.strerror(e.errno or errno.EIO)
+        if e.errno == errno.ENXIO and stat.S_ISFIFO(expect.st_mode):
+            why = "is a FIFO with no reader"
+        elif e.errno == errno.ENXIO and path == "/dev/tty":
+            why = "this process has no controlling terminal"
+        else:
+            why = os.strerror(e.errno or errno.EIO)
         raise UnsafePath(path, why, e.errno or errno.EIO) from None
     st = os.fstat(fd)
     if (st.st_dev, st.st_ino, st.st_mode) != (expect.st_dev, expect.st_ino, expect.st_mode):

@@ -65,6 +65,15 @@ class RunUsage:
                 raise ContainmentUnavailable(f"limits: {e}") from e
             self.problem = f"no cgroups of the run's own for accounting: {e}"
 
+    def unapplied(self, why: str) -> dict[str, Any] | None:
+        """The record's `limits` for a run that ended before its own cgroups
+        existed (spawn_failed: no container, or the limits could not be
+        applied): what was asked, that nothing was applied, and why. None
+        when nothing was asked or the cgroups exist (finish() reads them)."""
+        if not self.limits or self.cgroups is not None:
+            return None
+        return {"asked": self.limits.asked(), "applied": {}, "notes": [why]}
+
     def adopt(self, info: dict[str, Any], container: Any) -> str | None:
         """An adopter takes over the run's own cgroups from run.json (checked
         by RunCgroups.attach: a forged description is refused), so the final
