@@ -62,7 +62,7 @@ class Run:
                  uid: str | None = None, facts: RunEvidence | None = None) -> None:
         self.argv = check_argv(argv)
         self.opts = options or Options()
-        self.id = id or new_id()
+        self.id = new_id() if id is None else id      # "" is a bad id (claim says so), not none given
         self.uid = uid or new_uid()
         self.layout: RunDir | None = None
         self.container: Any = None

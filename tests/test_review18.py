@@ -170,3 +170,16 @@ def test_run_with_an_empty_id_is_a_usage_error_not_a_generated_id(box, tmp_path,
     assert not marker.exists()
     runs = os.path.join(box.state_dir, "runs")
     assert not os.path.isdir(runs) or os.listdir(runs) == []
+
+
+def test_library_run_with_an_empty_id_raises_and_runs_nothing(box, tmp_path):
+    """The same for `launcher.run(argv, id=job)` with an empty `job`: a
+    ValueError, as for any invalid id, never a run under a generated id."""
+    import launcher
+
+    marker = tmp_path / "ran"
+    with pytest.raises(ValueError, match="invalid run id"):
+        launcher.run(["sh", "-c", f"touch {marker}"], id="", state_dir=box.state_dir)
+    assert not marker.exists()
+    runs = os.path.join(box.state_dir, "runs")
+    assert not os.path.isdir(runs) or os.listdir(runs) == []
