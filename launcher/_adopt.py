@@ -151,7 +151,7 @@ def _adopt(layout: RunDir, vouched: str | None = None) -> tuple[Run, AttachResul
     r.attach(layout)
     r.end_hooks.append(finish_nested)
     _take_record_file(r, info.get("record_file"), facts.notes)
-    r.snap = S.from_record(rec.get("state", "RUNNING"), rec.get("outcome"))
+    r.snap = S.from_record(rec.get("state", "RUNNING"), rec.get("outcome") or rec.get("stopping"))
     r.inbox.load()
     _grace_applied_before(layout, r)
     _trust_the_tag(facts, att)

@@ -257,7 +257,10 @@ class RunEvidence:
             "run_id": run_id,
             "run_uid": run_uid,
             "state": snap.state,
-            "outcome": snap.outcome,
+            # Why the run ended; null while it is RUNNING (CONTRACT.md), also
+            # while a stop is under way: that stop's outcome-to-be is
+            # `stopping` until the run ends (an adopter goes on from it).
+            "outcome": snap.outcome if snap.state != "RUNNING" else None,
             "exit_code": self.exit_code,
             "signal": self.signal,
             "argv": argv,
@@ -271,6 +274,8 @@ class RunEvidence:
             "notes": self.notes,
             "record_written_at": now_iso(),
         }
+        if snap.state == "RUNNING" and snap.outcome is not None:
+            rec["stopping"] = snap.outcome
         if self.linger is not None:
             rec["linger"] = self.linger
         rec["accounting"] = self.accounting if self.accounting is not None else {

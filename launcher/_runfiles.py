@@ -272,6 +272,9 @@ def parse_record(obj: Any, expect_id: str | None = None, *, summary: bool = Fals
         raise ValueError(f"{what}: outcome {str(out)[:40]!r} is not one of {', '.join(sorted(OUTCOMES))}")
     if state in TERMINAL and out is None:
         raise ValueError(f"{what}: a {state} record has no outcome")
+    stopping = obj.get("stopping")
+    if stopping is not None and (state != "RUNNING" or not isinstance(stopping, str) or stopping not in OUTCOMES):
+        raise ValueError(f"{what}: stopping {str(stopping)[:40]!r} is not the outcome of a stop under way")
     rid = obj.get("run_id")
     if rid is not None and not valid_id(rid):
         raise ValueError(f"{what}: run_id is not a run id")

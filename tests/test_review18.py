@@ -183,3 +183,40 @@ def test_library_run_with_an_empty_id_raises_and_runs_nothing(box, tmp_path):
     assert not marker.exists()
     runs = os.path.join(box.state_dir, "runs")
     assert not os.path.isdir(runs) or os.listdir(runs) == []
+
+
+@needs_cgroup
+@pytest.mark.timeout(60)
+def test_a_record_read_while_a_cancel_is_under_way_is_running_with_no_outcome_yet(box):
+    """CONTRACT.md: `outcome` is null while the run is RUNNING. A record
+    read during a cancel's grace said RUNNING with outcome `cancelled`, a
+    result the run did not have yet (its worker could still exit on its
+    own, and its stop could still end UNCONFIRMED). The stop under way is
+    `stopping`; the outcome arrives with the end."""
+    import time
+
+    p = subprocess.Popen([PY, "-m", "launcher", "run", "-q", "--id", "g", "--grace", "3", "--", "sh", "-c",
+                          "trap '' TERM; echo up; sleep 60"], env=box.env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == b"up\n"
+        c = _contain(box, "cancel", "g")
+        assert c.returncode == 0, c.stderr
+        seen = None
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            rec = box.record("g")
+            if rec["state"] == "RUNNING" and rec.get("stopping"):
+                seen = rec
+                break
+            time.sleep(0.02)
+        assert seen is not None, "no record of the stop under way"
+        assert seen["outcome"] is None and seen["stopping"] == "cancelled", seen
+        p.wait(30)
+        final = box.record("g")
+        assert (final["state"], final["outcome"]) == ("REAPED", "cancelled") and "stopping" not in final, final
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    assert _survivors(box) == []
