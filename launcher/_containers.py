@@ -221,7 +221,7 @@ def attach_container(run_dir: str, run_id: str, info: dict[str, Any]) -> AttachR
         c = none.Container.adopt(run_id, facts)
         if source == "tag":
             c.bind(_tags.RunTag(run_dir, facts))   # a later owner finds what this one found
-        res = AttachResult(c)
+        res = AttachResult(c, c.unknown)           # no member known: nothing to act on, UNCONFIRMED at once
         notes.append(c.adopted or "")
     else:
         return _detached(None, f"adopting a {backend!r} run is not supported here")

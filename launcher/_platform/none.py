@@ -88,6 +88,7 @@ class Container:
         self.last_alive: list[int] = []
         self._tag: _tags.RunTag | None = None  # where a later owner finds the members (bind)
         self.adopted: str | None = None        # how an adopter rebuilt the membership
+        self.unknown: str | None = None        # why an adopter cannot tell the members at all
 
     def bind(self, tag: _tags.RunTag) -> str | None:
         """Keep the run directory's tag current with what a later owner needs
@@ -125,6 +126,13 @@ class Container:
         for m in tag.get("members") or []:
             if isinstance(m, list) and len(m) == 2 and _is_int(m[0]) and _is_int(m[1]):
                 known.append((int(m[0]), int(m[1])))
+        if not known and same_boot:
+            # The owner died before it described the worker (between the
+            # spawn and the first tag or run.json that names it): nothing
+            # says what to look for, so that nothing was found is no
+            # observation of an empty tree.
+            c.unknown = ("no member is known: the previous owner died before it recorded the worker's "
+                         "identity, so the tree cannot be found")
         alive = 0
         for pid, start in known if same_boot else []:
             if pid > 1 and pid != os.getpid() and _live_start(pid) == start:
@@ -254,6 +262,8 @@ class Container:
         return members
 
     def populated(self) -> bool:
+        if self.unknown is not None:
+            raise OSError(self.unknown)        # the stop is UNCONFIRMED with the reason
         return bool(self._closure())
 
     def refresh(self) -> None:
