@@ -109,3 +109,51 @@ echo $? > {out}/wait.rc
         assert (out / "wait.rc").read_text().strip() != "0", "contain wait said the run ended"
     finally:
         kill_holders(box.token)
+
+
+# contain's own CLI, SIGKILLed by itself right after the start-up (the
+# worker spawned and its tag written; the first record was due 5 ms later).
+_KILLED_BEFORE_FIRST_RECORD = r"""
+import os, signal, sys
+sys.path.insert(0, %(root)r)
+import launcher._launch as L
+orig = L._start
+def _start(run):
+    orig(run)
+    os.kill(os.getpid(), signal.SIGKILL)
+L._start = _start
+from launcher._cli import console
+sys.argv = ["contain"] + sys.argv[1:]
+sys.exit(console())
+"""
+
+
+@pytest.mark.timeout(90)
+def test_ls_since_shows_an_orphan_whose_supervisor_died_before_its_first_record(box, tmp_path):
+    """run.json is written once, before the spawn, so it has no start time;
+    the record that has one was due 5 ms later. A supervisor killed in
+    between leaves a live orphan that `ls` shows, but `ls --since 1h`
+    filtered it out as if it had started before then (no start time
+    compared as older), for as long as nobody adopted it."""
+    wrapper = tmp_path / "killed_before_first_record.py"
+    wrapper.write_text(_KILLED_BEFORE_FIRST_RECORD % {"root": ROOT})
+    try:
+        p = subprocess.run([sys.executable, str(wrapper), "run", "--id", "early", "--grace", "0.2", "--",
+                            "sh", "-c", "sleep 300 & exec sleep 301"], env=box.env, stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+        assert p.returncode == -9, "the supervisor was not killed there"
+        assert holders(box.token), "the worker should run on: nothing stopped it"
+        assert not os.path.exists(os.path.join(box.state_dir, "runs", "early", "record.json"))
+        plain = subprocess.run(contain_cmd("ls", "--json"), env=box.env, capture_output=True, text=True, timeout=30)
+        since = subprocess.run(contain_cmd("ls", "--json", "--since", "1h"), env=box.env, capture_output=True,
+                               text=True, timeout=30)
+        assert plain.returncode == 0 and since.returncode == 0, (plain.stderr, since.stderr)
+        [v] = [v for v in json.loads(plain.stdout) if v["id"] == "early"]
+        assert v["state"] == "RUNNING" and v["orphaned"] is True, v
+        assert [v["id"] for v in json.loads(since.stdout)] == ["early"], since.stdout
+        stop = subprocess.run(contain_cmd("cancel", "early", "--wait", "--json", "--timeout", "30"), env=box.env,
+                              capture_output=True, text=True, timeout=60)
+        assert json.loads(stop.stdout)["state"] == "REAPED", stop.stdout
+        assert holders(box.token) == []
+    finally:
+        kill_holders(box.token)
