@@ -157,3 +157,86 @@ def test_ls_since_shows_an_orphan_whose_supervisor_died_before_its_first_record(
         assert holders(box.token) == []
     finally:
         kill_holders(box.token)
+
+
+# contain's own CLI, SIGKILLed by itself just before it starts the fork
+# ledger, the last step before the clone: nothing was ever started.
+_KILLED_BEFORE_THE_CLONE = r"""
+import os, signal, sys
+sys.path.insert(0, %(root)r)
+import launcher._launch as L
+orig = L.EscapeWatch.before_spawn
+def before_spawn(*a, **k):
+    os.kill(os.getpid(), signal.SIGKILL)
+L.EscapeWatch.before_spawn = before_spawn
+from launcher._cli import console
+sys.argv = ["contain"] + sys.argv[1:]
+sys.exit(console())
+"""
+
+
+@pytest.mark.timeout(90)
+def test_degraded_run_whose_supervisor_died_before_the_clone_still_ends_when_cancelled(box, tmp_path):
+    """The other side of knowing no member: a degraded run whose owner was
+    killed before it cloned anything (its journal has no `spawning` line)
+    started nothing, and its cancel ends it (EXITED, exit 0), rather than
+    leaving it UNCONFIRMED for every cancel after."""
+    wrapper = tmp_path / "killed_before_the_clone.py"
+    wrapper.write_text(_KILLED_BEFORE_THE_CLONE % {"root": ROOT})
+    try:
+        p = subprocess.run([sys.executable, str(wrapper), "run", "--id", "unborn", "--backend", "none", "--",
+                            "sleep", "300"], env=box.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=60)
+        assert p.returncode == -9, "the supervisor was not killed there"
+        assert holders(box.token) == []
+        stop = subprocess.run(contain_cmd("cancel", "unborn", "--wait", "--json", "--timeout", "30"), env=box.env,
+                              capture_output=True, text=True, timeout=60)
+        ack = json.loads(stop.stdout)
+        assert ack["state"] == "EXITED" and stop.returncode == 0, (ack, stop.stderr)
+        assert holders(box.token) == []
+    finally:
+        kill_holders(box.token)
+
+
+# contain's own CLI, SIGKILLed by itself as soon as the clone returns, before
+# degraded mode's container writes the worker into the run's tag.
+_KILLED_AFTER_THE_CLONE = r"""
+import os, signal, sys
+sys.path.insert(0, %(root)r)
+from launcher._platform import posix
+orig = posix.spawn
+def spawn(*a, **k):
+    sp = orig(*a, **k)
+    os.kill(os.getpid(), signal.SIGKILL)
+posix.spawn = spawn
+from launcher._cli import console
+sys.argv = ["contain"] + sys.argv[1:]
+sys.exit(console())
+"""
+
+
+@pytest.mark.timeout(90)
+def test_degraded_run_whose_supervisor_dies_between_the_clone_and_its_tag_is_not_reported_ended(box, tmp_path):
+    """The same on a state directory that keeps tags: between the clone and
+    the tag that names the worker (none.Container.spawn), a supervisor
+    killed left an adopter that knew no member, found none, and said EXITED
+    with the worker running."""
+    wrapper = tmp_path / "killed_after_the_clone.py"
+    wrapper.write_text(_KILLED_AFTER_THE_CLONE % {"root": ROOT})
+    try:
+        p = subprocess.run([sys.executable, str(wrapper), "run", "--id", "undescribed", "--backend", "none", "--",
+                            "sh", "-c", "sleep 300 & exec sleep 301"], env=box.env, stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+        assert p.returncode == -9, "the supervisor was not killed there"
+        subprocess.run([sys.executable, "-c", _WAIT_WORKER, box.token], timeout=30, check=True)
+        stop = subprocess.run(contain_cmd("cancel", "undescribed", "--wait", "--json", "--timeout", "30"),
+                              env=box.env, capture_output=True, text=True, timeout=60)
+        ack = json.loads(stop.stdout)
+        alive = holders(box.token)
+        assert alive, "the worker should run on: the adopter could not find it"
+        assert ack["state"] not in ("REAPED", "EXITED") and stop.returncode != 0, (ack, alive)
+        w = subprocess.run(contain_cmd("wait", "undescribed", "--timeout", "5"), env=box.env,
+                           capture_output=True, text=True, timeout=30)
+        assert w.returncode != 0, w.stdout
+    finally:
+        kill_holders(box.token)
