@@ -95,7 +95,10 @@ def _gather(show_all: bool, states: set[str] | None, since: float | None,
                 continue
             if since is not None:
                 t = parse_iso(v["started_at"])
-                if t is None or t < since:
+                # A live run before its first record has no start time yet
+                # (run.json is written before the spawn): nothing shows it
+                # started before `since`, and a live orphan is never lost.
+                if (t is None and v["state"] != "RUNNING") or (t is not None and t < since):
                     continue
             if not show_all and _ended(v):
                 hidden += 1

@@ -218,10 +218,10 @@ def attach_container(run_dir: str, run_id: str, info: dict[str, Any]) -> AttachR
     elif backend == "none":
         from ._platform import none
 
-        c = none.Container.adopt(run_id, facts)
+        c = none.Container.adopt(run_id, facts, _may_have_spawned(run_dir), run_dir)
         if source == "tag":
             c.bind(_tags.RunTag(run_dir, facts))   # a later owner finds what this one found
-        res = AttachResult(c)
+        res = AttachResult(c, c.unknown)           # no member known: nothing to act on, UNCONFIRMED at once
         notes.append(c.adopted or "")
     else:
         return _detached(None, f"adopting a {backend!r} run is not supported here")
@@ -232,6 +232,21 @@ def attach_container(run_dir: str, run_id: str, info: dict[str, Any]) -> AttachR
     if source == "tag":
         res.sealed = facts.get("sealed") is True
     return res
+
+
+def _may_have_spawned(run_dir: str) -> bool:
+    """Whether a degraded run's owner may have cloned its worker: its
+    journal has the line written just before the clone (or the one after
+    it), or cannot be read whole. False only when it says the owner never
+    got that far (killed while making the container or the fork ledger)."""
+    from ._layout import RunDir
+    from ._safefs import UnsafePath
+
+    try:
+        data = RunDir(run_dir).read_bytes("journal.ndjson", 1 << 16)
+    except (OSError, UnsafePath):
+        return True
+    return data is None or b'"event":"spawning"' in data or b'"event":"spawned"' in data
 
 
 def _attach_job(info: dict[str, Any]) -> AttachResult:

@@ -122,6 +122,11 @@ def _start(run: Run) -> None:
     run.watch = run.stop.watch = EscapeWatch.before_spawn(run.container, req, v1=run.usage.cgroups)
     if req.pidns:
         req.on_init = lambda init_pid, start, ns: describe_wall(run, init_pid, start, ns, req.userns)
+    if run.container.backend == "none":
+        # Degraded mode: nothing names the worker until the tag (or run.json)
+        # does, a moment after the clone. An adopter that knows no member
+        # tells "never started" from "started, not described" by this line.
+        run.journal("spawning")
     t0 = time.time()
     try:
         run.usage.join(req)

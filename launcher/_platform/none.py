@@ -57,6 +57,31 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _carrying(run_dir: str | None) -> list[int] | None:
+    """Live processes whose environment names `run_dir` as their run's
+    (CONTAIN_RUN_DIR, as every worker starts with it), or None if that
+    cannot be told (no run directory, /proc not readable)."""
+    if not run_dir:
+        return None
+    needle = f"CONTAIN_RUN_DIR={run_dir}".encode()
+    found = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    for name in names:
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read(1 << 20)
+        except OSError:
+            continue          # gone, or not ours to read (then not ours to stop either)
+        if needle in env.split(b"\0") and _live_start(int(name)) is not None:
+            found.append(int(name))
+    return found
+
+
 def _snapshot() -> dict[int, tuple[int, int, int, int]]:
     """Every live process, from one native pass over /proc."""
     return {p.pid: (p.ppid, p.pgid, p.sid, p.start_time)
@@ -88,6 +113,7 @@ class Container:
         self.last_alive: list[int] = []
         self._tag: _tags.RunTag | None = None  # where a later owner finds the members (bind)
         self.adopted: str | None = None        # how an adopter rebuilt the membership
+        self.unknown: str | None = None        # why an adopter cannot tell the members at all
 
     def bind(self, tag: _tags.RunTag) -> str | None:
         """Keep the run directory's tag current with what a later owner needs
@@ -106,14 +132,21 @@ class Container:
                                 more=len(alive) > _tags.MAX_MEMBERS)
 
     @classmethod
-    def adopt(cls, run_id: str, tag: dict[str, Any]) -> "Container":
+    def adopt(cls, run_id: str, tag: dict[str, Any], may_have_run: bool = True,
+              run_dir: str | None = None) -> "Container":
         """The container of a degraded run whose owner died, rebuilt from the
         identities it persisted (`tag`: the run directory's tag, or run.json's
         worker where no tag could be kept). Each is re-read: only a process
         with that pid and that start time, in this boot, is a member; a bare
         pid never is. The worker's group counts only while its leader lives
         (an emptied group's number can be reused). The closure then adds what
-        descends from the members or sits in sessions and groups they lead."""
+        descends from the members or sits in sessions and groups they lead.
+        `may_have_run`: False only when the run's journal shows that its
+        owner never came to the spawn; then that no member is known is no
+        mystery. Else, with no member known, a process that still carries
+        the run's environment (`run_dir`) keeps the stop UNCONFIRMED: it is
+        never acted on (anyone can put a variable in their environment),
+        only never read as an empty tree."""
         c = cls(run_id)
         how = "persisted by the previous owner, identity re-read"
         worker = tag.get("worker") if isinstance(tag.get("worker"), dict) else None
@@ -125,6 +158,17 @@ class Container:
         for m in tag.get("members") or []:
             if isinstance(m, list) and len(m) == 2 and _is_int(m[0]) and _is_int(m[1]):
                 known.append((int(m[0]), int(m[1])))
+        if not known and same_boot and may_have_run:
+            # The owner died about the spawn, before it described the worker
+            # (the first tag or run.json that names it): nothing says what to
+            # look for, so that nothing was found is no observation of an
+            # empty tree while something of the run's may be alive.
+            carriers = _carrying(run_dir)
+            if carriers != []:
+                c.unknown = ("no member is known: the previous owner died before it recorded the worker's "
+                             "identity, and " + (f"pid {', '.join(map(str, carriers[:5]))} carries the run's "
+                             "environment" if carriers else "the processes' environments could not be read")
+                             + ": the tree cannot be found")
         alive = 0
         for pid, start in known if same_boot else []:
             if pid > 1 and pid != os.getpid() and _live_start(pid) == start:
@@ -254,6 +298,8 @@ class Container:
         return members
 
     def populated(self) -> bool:
+        if self.unknown is not None:
+            raise OSError(self.unknown)        # the stop is UNCONFIRMED with the reason
         return bool(self._closure())
 
     def refresh(self) -> None:

@@ -1,0 +1,242 @@
+"""Review 17: run.json written once where the run's tag holds what an
+adopter acts on (b073925), and the first record due 5 ms after the spawn
+(c27412c), attacked through the real CLI.
+
+Real kernel throughout: real `contain run`, `contain cancel`, `contain wait`
+and `contain ls` processes; a supervisor SIGKILLed at a chosen point of its
+start-up by a fault injected into its own process (a wrapper that runs
+contain's CLI with one function wrapped); a ramfs mounted in a mount
+namespace of the test's own (gone with it); survival decided by the test's
+own /proc scan (the token), never by asking contain. Everything started is
+killed, every wait bounded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from _proc import ROOT, contain_cmd, holders, kill_holders
+
+needs_mount = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                                 reason="needs root and unshare(1) to mount a ramfs in a namespace of its own")
+
+# contain's own CLI, SIGKILLed by itself where the driver is about to
+# describe the spawned worker (RunEvidence.tag_holds, right before run.json
+# is rewritten where no tag can be kept): the worker runs, and nothing
+# written names it yet.
+_KILLED_BEFORE_DESCRIBED = r"""
+import os, signal, sys
+sys.path.insert(0, %(root)r)
+import launcher._evidence as E
+orig = E.RunEvidence.tag_holds
+def tag_holds(self, run):
+    if run.pid > 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return orig(self, run)
+E.RunEvidence.tag_holds = tag_holds
+from launcher._cli import console
+sys.argv = ["contain"] + sys.argv[1:]
+sys.exit(console())
+"""
+
+_WAIT_WORKER = r"""
+import os, sys, time
+needle = ("CONTAIN_TEST_TOKEN=" + sys.argv[1]).encode()
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:
+    for p in os.listdir("/proc"):
+        try:
+            if p.isdigit() and open(f"/proc/{p}/comm").read().strip() == "sleep" \
+                    and needle in open(f"/proc/{p}/environ", "rb").read().split(b"\0"):
+                sys.exit(0)
+        except OSError:
+            pass
+    time.sleep(0.02)
+sys.exit(1)
+"""
+
+
+@needs_mount
+@pytest.mark.timeout(120)
+def test_degraded_run_on_ramfs_whose_supervisor_dies_before_describing_the_worker_is_not_reported_ended(box, tmp_path):
+    """Degraded mode with a state directory that holds no tag: until run.json
+    is rewritten after the spawn, nothing written names the worker. An
+    adopter that knows no member found none alive and ended the run EXITED
+    (root_exit null, nothing signalled), `cancel --wait` and `wait` exited
+    0, and the worker ran on. Knowing no member is an observation that
+    could not be made: UNCONFIRMED, never an ended run."""
+    mnt = tmp_path / "ramfs"
+    mnt.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    wrapper = tmp_path / "killed_before_described.py"
+    wrapper.write_text(_KILLED_BEFORE_DESCRIBED % {"root": ROOT})
+    contain = " ".join(contain_cmd())
+    script = f"""
+set -u
+mount -t ramfs none {mnt} || exit 99
+mkdir -m 700 {mnt}/state || exit 99
+python3 -c 'import os; os.setxattr("{mnt}/state", "trusted.x", b"1")' 2>/dev/null && exit 98
+export CONTAIN_STATE_DIR={mnt}/state
+{sys.executable} {wrapper} run --id nox --backend none --grace 0.2 -- sh -c 'sleep 300 & exec sleep 301' \
+    < /dev/null > {out}/run.out 2>&1
+echo $? > {out}/run.rc
+{sys.executable} -c '{_WAIT_WORKER}' {box.token} || exit 97
+{contain} cancel nox --wait --json --op-id adopt --timeout 30 > {out}/cancel.json
+echo $? > {out}/cancel.rc
+{contain} wait nox --timeout 5 > /dev/null 2>&1
+echo $? > {out}/wait.rc
+"""
+    try:
+        p = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+                           env=box.env, capture_output=True, text=True, timeout=100)
+        if p.returncode in (99, 98):
+            pytest.skip(f"no xattr-less ramfs here (rc {p.returncode}): {p.stderr.strip()[:200]}")
+        assert p.returncode == 0, (p.returncode, p.stderr)
+        assert (out / "run.rc").read_text().strip() == str(128 + 9), "the supervisor was not killed there"
+        alive = holders(box.token)
+        assert alive, "the worker should still run: nothing in this run stopped it"
+        ack = json.loads((out / "cancel.json").read_text())
+        # The adopter could not find the tree: no ended state, no success.
+        assert ack["state"] not in ("REAPED", "EXITED"), (ack, alive)
+        assert ack["effect"] != "cancelled", ack
+        assert (out / "cancel.rc").read_text().strip() != "0", (ack, alive)
+        assert (out / "wait.rc").read_text().strip() != "0", "contain wait said the run ended"
+    finally:
+        kill_holders(box.token)
+
+
+# contain's own CLI, SIGKILLed by itself right after the start-up (the
+# worker spawned and its tag written; the first record was due 5 ms later).
+_KILLED_BEFORE_FIRST_RECORD = r"""
+import os, signal, sys
+sys.path.insert(0, %(root)r)
+import launcher._launch as L
+orig = L._start
+def _start(run):
+    orig(run)
+    os.kill(os.getpid(), signal.SIGKILL)
+L._start = _start
+from launcher._cli import console
+sys.argv = ["contain"] + sys.argv[1:]
+sys.exit(console())
+"""
+
+
+@pytest.mark.timeout(90)
+def test_ls_since_shows_an_orphan_whose_supervisor_died_before_its_first_record(box, tmp_path):
+    """run.json is written once, before the spawn, so it has no start time;
+    the record that has one was due 5 ms later. A supervisor killed in
+    between leaves a live orphan that `ls` shows, but `ls --since 1h`
+    filtered it out as if it had started before then (no start time
+    compared as older), for as long as nobody adopted it."""
+    wrapper = tmp_path / "killed_before_first_record.py"
+    wrapper.write_text(_KILLED_BEFORE_FIRST_RECORD % {"root": ROOT})
+    try:
+        p = subprocess.run([sys.executable, str(wrapper), "run", "--id", "early", "--grace", "0.2", "--",
+                            "sh", "-c", "sleep 300 & exec sleep 301"], env=box.env, stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+        assert p.returncode == -9, "the supervisor was not killed there"
+        assert holders(box.token), "the worker should run on: nothing stopped it"
+        assert not os.path.exists(os.path.join(box.state_dir, "runs", "early", "record.json"))
+        plain = subprocess.run(contain_cmd("ls", "--json"), env=box.env, capture_output=True, text=True, timeout=30)
+        since = subprocess.run(contain_cmd("ls", "--json", "--since", "1h"), env=box.env, capture_output=True,
+                               text=True, timeout=30)
+        assert plain.returncode == 0 and since.returncode == 0, (plain.stderr, since.stderr)
+        [v] = [v for v in json.loads(plain.stdout) if v["id"] == "early"]
+        assert v["state"] == "RUNNING" and v["orphaned"] is True, v
+        assert [v["id"] for v in json.loads(since.stdout)] == ["early"], since.stdout
+        stop = subprocess.run(contain_cmd("cancel", "early", "--wait", "--json", "--timeout", "30"), env=box.env,
+                              capture_output=True, text=True, timeout=60)
+        assert json.loads(stop.stdout)["state"] == "REAPED", stop.stdout
+        assert holders(box.token) == []
+    finally:
+        kill_holders(box.token)
+
+
+# contain's own CLI, SIGKILLed by itself just before it starts the fork
+# ledger, the last step before the clone: nothing was ever started.
+_KILLED_BEFORE_THE_CLONE = r"""
+import os, signal, sys
+sys.path.insert(0, %(root)r)
+import launcher._launch as L
+orig = L.EscapeWatch.before_spawn
+def before_spawn(*a, **k):
+    os.kill(os.getpid(), signal.SIGKILL)
+L.EscapeWatch.before_spawn = before_spawn
+from launcher._cli import console
+sys.argv = ["contain"] + sys.argv[1:]
+sys.exit(console())
+"""
+
+
+@pytest.mark.timeout(90)
+def test_degraded_run_whose_supervisor_died_before_the_clone_still_ends_when_cancelled(box, tmp_path):
+    """The other side of knowing no member: a degraded run whose owner was
+    killed before it cloned anything (its journal has no `spawning` line)
+    started nothing, and its cancel ends it (EXITED, exit 0), rather than
+    leaving it UNCONFIRMED for every cancel after."""
+    wrapper = tmp_path / "killed_before_the_clone.py"
+    wrapper.write_text(_KILLED_BEFORE_THE_CLONE % {"root": ROOT})
+    try:
+        p = subprocess.run([sys.executable, str(wrapper), "run", "--id", "unborn", "--backend", "none", "--",
+                            "sleep", "300"], env=box.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=60)
+        assert p.returncode == -9, "the supervisor was not killed there"
+        assert holders(box.token) == []
+        stop = subprocess.run(contain_cmd("cancel", "unborn", "--wait", "--json", "--timeout", "30"), env=box.env,
+                              capture_output=True, text=True, timeout=60)
+        ack = json.loads(stop.stdout)
+        assert ack["state"] == "EXITED" and stop.returncode == 0, (ack, stop.stderr)
+        assert holders(box.token) == []
+    finally:
+        kill_holders(box.token)
+
+
+# contain's own CLI, SIGKILLed by itself as soon as the clone returns, before
+# degraded mode's container writes the worker into the run's tag.
+_KILLED_AFTER_THE_CLONE = r"""
+import os, signal, sys
+sys.path.insert(0, %(root)r)
+from launcher._platform import posix
+orig = posix.spawn
+def spawn(*a, **k):
+    sp = orig(*a, **k)
+    os.kill(os.getpid(), signal.SIGKILL)
+posix.spawn = spawn
+from launcher._cli import console
+sys.argv = ["contain"] + sys.argv[1:]
+sys.exit(console())
+"""
+
+
+@pytest.mark.timeout(90)
+def test_degraded_run_whose_supervisor_dies_between_the_clone_and_its_tag_is_not_reported_ended(box, tmp_path):
+    """The same on a state directory that keeps tags: between the clone and
+    the tag that names the worker (none.Container.spawn), a supervisor
+    killed left an adopter that knew no member, found none, and said EXITED
+    with the worker running."""
+    wrapper = tmp_path / "killed_after_the_clone.py"
+    wrapper.write_text(_KILLED_AFTER_THE_CLONE % {"root": ROOT})
+    try:
+        p = subprocess.run([sys.executable, str(wrapper), "run", "--id", "undescribed", "--backend", "none", "--",
+                            "sh", "-c", "sleep 300 & exec sleep 301"], env=box.env, stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+        assert p.returncode == -9, "the supervisor was not killed there"
+        subprocess.run([sys.executable, "-c", _WAIT_WORKER, box.token], timeout=30, check=True)
+        stop = subprocess.run(contain_cmd("cancel", "undescribed", "--wait", "--json", "--timeout", "30"),
+                              env=box.env, capture_output=True, text=True, timeout=60)
+        ack = json.loads(stop.stdout)
+        alive = holders(box.token)
+        assert alive, "the worker should run on: the adopter could not find it"
+        assert ack["state"] not in ("REAPED", "EXITED") and stop.returncode != 0, (ack, alive)
+        w = subprocess.run(contain_cmd("wait", "undescribed", "--timeout", "5"), env=box.env,
+                           capture_output=True, text=True, timeout=30)
+        assert w.returncode != 0, w.stdout
+    finally:
+        kill_holders(box.token)
