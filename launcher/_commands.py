@@ -19,7 +19,7 @@ from ._layout import RunDir
 from ._ofdlock import write_locked
 from ._runfiles import TERMINAL, RunInfo, Unreadable
 from ._safefs import UnsafePath
-from ._views import (ID_WIDTH, UNREADABLE, age, command, cost_lines, cut, empty_view, exit_text, fill_view, layers,
+from ._views import (ID_WIDTH, UNREADABLE, age, cancel_did_not_hold, command, cost_lines, cut, empty_view, exit_text, fill_view, layers,
                      live_view, observed, parse_iso, printable, signame, size, text, usage_lines)
 
 EXIT_OK, EXIT_DID_NOT_HOLD, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_CONTAIN_FAILED = 0, 1, 2, 3, 125
@@ -296,29 +296,14 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     d = ack.to_dict()
     if args.json:
         _print_json(d)
-    extra = f" ({d['detail']})" if d.get("detail") else ""
-    if not args.json:
+    else:
+        extra = f" ({d['detail']})" if d.get("detail") else ""
         print(f"run {args.id}: {d.get('effect')}  state {d.get('state') or '-'}  op {d.get('op_id')}{extra}")
-    effect = d.get("effect")
-    state = d.get("state")
     # Status 1 says why on stderr too, as `contain wait` does: the line on
     # stdout is the operation's record, which a script may parse or drop.
-    if effect == "unknown":
-        _err(f"run {args.id}: cancel {d.get('op_id')}: no answer{extra}")
-        return EXIT_DID_NOT_HOLD
-    if state in ("UNCONFIRMED", "BREACHED"):
-        # Whatever the effect (a retry of a run that ended on its own reads
-        # not_live), the answer is a stop that did not hold.
-        _err(f"run {args.id}: the stop did not hold: {state}; `contain cancel {args.id}` repeats the kill"
-             if state == "UNCONFIRMED" else
-             f"run {args.id}: BREACHED: a process left the container and is not proven gone")
-        return EXIT_DID_NOT_HOLD
-    if args.wait and effect == "cancel_requested" and state != "EXITED":
-        # The stop was issued and has not ended. An EXITED end (degraded
-        # mode) is the stop done, with what it could not prove in the
-        # record: the operation held, as far as anything can tell.
-        after = f" after {args.timeout} s" if args.timeout is not None else ""
-        _err(f"run {args.id}: cancel {d.get('op_id')}: the stop is not over{after} (state {state or '-'})")
+    why = cancel_did_not_hold(args.id, d, wait=args.wait, timeout=args.timeout)
+    if why is not None:
+        _err(why)
         return EXIT_DID_NOT_HOLD
     return EXIT_OK
 

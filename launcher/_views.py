@@ -396,3 +396,23 @@ def usage_lines(usage: Any) -> list[str]:
         if t is not None:
             out.append(f"    {label:<10} {t}")
     return out
+
+
+def cancel_did_not_hold(run_id: str, ack: dict[str, Any], *, wait: bool, timeout: float | None) -> str | None:
+    """Why `contain cancel` exits 1, as one line for stderr, or None when
+    the operation held: no answer; a stop that did not hold (UNCONFIRMED,
+    BREACHED), whatever the effect (a retry of a run that ended on its own
+    reads not_live); with --wait, a stop issued and not over. An EXITED end
+    (degraded mode) is the stop done, with what it could not prove in the
+    record: the operation held, as far as anything can tell."""
+    effect, state, op = ack.get("effect"), ack.get("state"), ack.get("op_id")
+    if effect == "unknown":
+        return f"run {run_id}: cancel {op}: no answer" + (f" ({ack['detail']})" if ack.get("detail") else "")
+    if state == "UNCONFIRMED":
+        return f"run {run_id}: the stop did not hold: UNCONFIRMED; `contain cancel {run_id}` repeats the kill"
+    if state == "BREACHED":
+        return f"run {run_id}: BREACHED: a process left the container and is not proven gone"
+    if wait and effect == "cancel_requested" and state != "EXITED":
+        after = f" after {timeout} s" if timeout is not None else ""
+        return f"run {run_id}: cancel {op}: the stop is not over{after} (state {state or '-'})"
+    return None
