@@ -79,7 +79,8 @@ def _since(text: str) -> float:
 def _gather(show_all: bool, states: set[str] | None, since: float | None,
             owner_of_ended: bool) -> tuple[list[dict[str, Any]], int]:
     """The views `ls` shows, and how many ended runs it hides.
-    `owner_of_ended`: look at an ended run's owner lock (only --json shows it)."""
+    `owner_of_ended`: open each ended run's owner lock (Windows, where no
+    one read says which locks are held; only --json shows it)."""
     views, hidden = [], 0
     # Every owner lock held now, in one read: a final record whose owner
     # still holds its lock is not final, and is shown (live_view).
@@ -126,7 +127,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
             _err(f"ls: --since: {e}")
             return EXIT_USAGE
     show_all = bool(getattr(args, "all", False)) or states is not None or since is not None
-    views, hidden = _gather(show_all, states, since, owner_of_ended=show_all and bool(args.json))
+    # --json shows an ended run's owner_alive too: from the one read of the
+    # locks held (write_locked) where there is one, not a lock opened per run.
+    views, hidden = _gather(show_all, states, since,
+                            owner_of_ended=show_all and bool(args.json) and sys.platform == "win32")
     if args.json:
         # One view per line: the C encoder (indent= is pure Python), and
         # still valid JSON for any parser.

@@ -215,6 +215,10 @@ def test_worker_forging_a_reaped_record_is_still_listed_as_live_by_ls(box):
         js = subprocess.run(contain_cmd("ls", "--json"), env=box.env, capture_output=True, text=True, timeout=30)
         view = [v for v in json.loads(js.stdout) if v["id"] == "fl"]
         assert view and view[0]["owner_alive"] is True and view[0]["not_final"], js.stdout
+        js = subprocess.run(contain_cmd("ls", "--all", "--json"), env=box.env, capture_output=True, text=True,
+                            timeout=30)
+        view = [v for v in json.loads(js.stdout) if v["id"] == "fl"]
+        assert view and view[0]["owner_alive"] is True and view[0]["not_final"], js.stdout
         st = subprocess.run(contain_cmd("status", "fl"), env=box.env, capture_output=True, text=True, timeout=30)
         assert "not final" in st.stdout, st.stdout
     finally:
