@@ -161,3 +161,70 @@ def host_pid(token: str, ns_pid: int, var: str = TOKEN_VAR) -> int | None:
         except OSError:
             continue
     return None
+
+
+# -- a state directory that holds no tag (ramfs), for tests that need one -------
+
+def _needs_mount():
+    import shutil
+
+    import pytest
+
+    return pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                              reason="needs root and unshare(1) to mount a ramfs in a namespace of its own")
+
+
+needs_mount = _needs_mount()
+
+def ramfs_state_script(mnt) -> str:
+    """Shell lines, for `unshare -m --propagation private sh -c`, that mount
+    a ramfs at `mnt` (gone with the namespace), make its `state` directory
+    and point CONTAIN_STATE_DIR there. Exit 99: no ramfs here; 98: this one
+    keeps extended attributes after all (no untagged state directory)."""
+    return f"""set -u
+mount -t ramfs none {mnt} || exit 99
+mkdir -m 700 {mnt}/state || exit 99
+python3 -c 'import os; os.setxattr("{mnt}/state", "trusted.x", b"1")' 2>/dev/null && exit 98
+export CONTAIN_STATE_DIR={mnt}/state
+"""
+
+
+def run_in_ramfs_namespace(script: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """`script` (after ramfs_state_script) in a mount namespace of its own;
+    skips the test when no untagged ramfs can be had here."""
+    import pytest
+
+    p = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+                       env=env, capture_output=True, text=True, timeout=timeout)
+    if p.returncode in (99, 98):
+        pytest.skip(f"no xattr-less ramfs here (rc {p.returncode}): {p.stderr.strip()[:200]}")
+    return p
+
+
+def contain_killed_at(path, target: str, *, after: bool, when: str = "lambda *a, **k: True") -> str:
+    """Write to `path` a wrapper of contain's CLI that SIGKILLs its own
+    process at `target` ("module:attr.attr"), before that function runs
+    (when `when(*args)` holds) or right after it returns. Returns the path."""
+    module, _, attr = target.partition(":")
+    with open(path, "w") as f:
+        f.write(f"""import importlib, os, signal, sys
+sys.path.insert(0, {ROOT!r})
+owner = importlib.import_module({module!r})
+*where, name = {attr!r}.split(".")
+for w in where:
+    owner = getattr(owner, w)
+orig = getattr(owner, name)
+when = {when}
+def hooked(*a, **k):
+    if not {after!r} and when(*a, **k):
+        os.kill(os.getpid(), signal.SIGKILL)
+    out = orig(*a, **k)
+    if {after!r}:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return out
+setattr(owner, name, hooked)
+from launcher._cli import console
+sys.argv = ["contain"] + sys.argv[1:]
+sys.exit(console())
+""")
+    return str(path)

@@ -14,35 +14,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from _proc import ROOT, contain_cmd, holders, kill_holders
+from _proc import (contain_cmd, contain_killed_at, holders, kill_holders, needs_mount, ramfs_state_script,
+                   run_in_ramfs_namespace)
 
-needs_mount = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
-                                 reason="needs root and unshare(1) to mount a ramfs in a namespace of its own")
-
-# contain's own CLI, SIGKILLed by itself where the driver is about to
-# describe the spawned worker (RunEvidence.tag_holds, right before run.json
-# is rewritten where no tag can be kept): the worker runs, and nothing
-# written names it yet.
-_KILLED_BEFORE_DESCRIBED = r"""
-import os, signal, sys
-sys.path.insert(0, %(root)r)
-import launcher._evidence as E
-orig = E.RunEvidence.tag_holds
-def tag_holds(self, run):
-    if run.pid > 0:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return orig(self, run)
-E.RunEvidence.tag_holds = tag_holds
-from launcher._cli import console
-sys.argv = ["contain"] + sys.argv[1:]
-sys.exit(console())
-"""
 
 _WAIT_WORKER = r"""
 import os, sys, time
@@ -74,15 +53,13 @@ def test_degraded_run_on_ramfs_whose_supervisor_dies_before_describing_the_worke
     mnt.mkdir()
     out = tmp_path / "out"
     out.mkdir()
-    wrapper = tmp_path / "killed_before_described.py"
-    wrapper.write_text(_KILLED_BEFORE_DESCRIBED % {"root": ROOT})
+    # Killed where the driver is about to describe the spawned worker
+    # (RunEvidence.tag_holds, right before run.json is rewritten where no tag
+    # can be kept): the worker runs, and nothing written names it yet.
+    wrapper = contain_killed_at(tmp_path / "killed_before_described.py", "launcher._evidence:RunEvidence.tag_holds",
+                                after=False, when="lambda self, run: run.pid > 0")
     contain = " ".join(contain_cmd())
-    script = f"""
-set -u
-mount -t ramfs none {mnt} || exit 99
-mkdir -m 700 {mnt}/state || exit 99
-python3 -c 'import os; os.setxattr("{mnt}/state", "trusted.x", b"1")' 2>/dev/null && exit 98
-export CONTAIN_STATE_DIR={mnt}/state
+    script = ramfs_state_script(mnt) + f"""
 {sys.executable} {wrapper} run --id nox --backend none --grace 0.2 -- sh -c 'sleep 300 & exec sleep 301' \
     < /dev/null > {out}/run.out 2>&1
 echo $? > {out}/run.rc
@@ -93,10 +70,7 @@ echo $? > {out}/cancel.rc
 echo $? > {out}/wait.rc
 """
     try:
-        p = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
-                           env=box.env, capture_output=True, text=True, timeout=100)
-        if p.returncode in (99, 98):
-            pytest.skip(f"no xattr-less ramfs here (rc {p.returncode}): {p.stderr.strip()[:200]}")
+        p = run_in_ramfs_namespace(script, box.env, timeout=100)
         assert p.returncode == 0, (p.returncode, p.stderr)
         assert (out / "run.rc").read_text().strip() == str(128 + 9), "the supervisor was not killed there"
         alive = holders(box.token)
@@ -111,23 +85,6 @@ echo $? > {out}/wait.rc
         kill_holders(box.token)
 
 
-# contain's own CLI, SIGKILLed by itself right after the start-up (the
-# worker spawned and its tag written; the first record was due 5 ms later).
-_KILLED_BEFORE_FIRST_RECORD = r"""
-import os, signal, sys
-sys.path.insert(0, %(root)r)
-import launcher._launch as L
-orig = L._start
-def _start(run):
-    orig(run)
-    os.kill(os.getpid(), signal.SIGKILL)
-L._start = _start
-from launcher._cli import console
-sys.argv = ["contain"] + sys.argv[1:]
-sys.exit(console())
-"""
-
-
 @pytest.mark.timeout(90)
 def test_ls_since_shows_an_orphan_whose_supervisor_died_before_its_first_record(box, tmp_path):
     """run.json is written once, before the spawn, so it has no start time;
@@ -135,8 +92,9 @@ def test_ls_since_shows_an_orphan_whose_supervisor_died_before_its_first_record(
     between leaves a live orphan that `ls` shows, but `ls --since 1h`
     filtered it out as if it had started before then (no start time
     compared as older), for as long as nobody adopted it."""
-    wrapper = tmp_path / "killed_before_first_record.py"
-    wrapper.write_text(_KILLED_BEFORE_FIRST_RECORD % {"root": ROOT})
+    # Killed right after the start-up: the worker spawned and its tag
+    # written; the first record was due 5 ms later.
+    wrapper = contain_killed_at(tmp_path / "killed_before_first_record.py", "launcher._launch:_start", after=True)
     try:
         p = subprocess.run([sys.executable, str(wrapper), "run", "--id", "early", "--grace", "0.2", "--",
                             "sh", "-c", "sleep 300 & exec sleep 301"], env=box.env, stdin=subprocess.DEVNULL,
@@ -159,30 +117,16 @@ def test_ls_since_shows_an_orphan_whose_supervisor_died_before_its_first_record(
         kill_holders(box.token)
 
 
-# contain's own CLI, SIGKILLed by itself just before it starts the fork
-# ledger, the last step before the clone: nothing was ever started.
-_KILLED_BEFORE_THE_CLONE = r"""
-import os, signal, sys
-sys.path.insert(0, %(root)r)
-import launcher._launch as L
-orig = L.EscapeWatch.before_spawn
-def before_spawn(*a, **k):
-    os.kill(os.getpid(), signal.SIGKILL)
-L.EscapeWatch.before_spawn = before_spawn
-from launcher._cli import console
-sys.argv = ["contain"] + sys.argv[1:]
-sys.exit(console())
-"""
-
-
 @pytest.mark.timeout(90)
 def test_degraded_run_whose_supervisor_died_before_the_clone_still_ends_when_cancelled(box, tmp_path):
     """The other side of knowing no member: a degraded run whose owner was
     killed before it cloned anything (its journal has no `spawning` line)
     started nothing, and its cancel ends it (EXITED, exit 0), rather than
     leaving it UNCONFIRMED for every cancel after."""
-    wrapper = tmp_path / "killed_before_the_clone.py"
-    wrapper.write_text(_KILLED_BEFORE_THE_CLONE % {"root": ROOT})
+    # Killed just before the fork ledger starts, the last step before the
+    # clone: nothing was ever started.
+    wrapper = contain_killed_at(tmp_path / "killed_before_the_clone.py", "launcher._launch:EscapeWatch.before_spawn",
+                                after=False)
     try:
         p = subprocess.run([sys.executable, str(wrapper), "run", "--id", "unborn", "--backend", "none", "--",
                             "sleep", "300"], env=box.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -198,31 +142,15 @@ def test_degraded_run_whose_supervisor_died_before_the_clone_still_ends_when_can
         kill_holders(box.token)
 
 
-# contain's own CLI, SIGKILLed by itself as soon as the clone returns, before
-# degraded mode's container writes the worker into the run's tag.
-_KILLED_AFTER_THE_CLONE = r"""
-import os, signal, sys
-sys.path.insert(0, %(root)r)
-from launcher._platform import posix
-orig = posix.spawn
-def spawn(*a, **k):
-    sp = orig(*a, **k)
-    os.kill(os.getpid(), signal.SIGKILL)
-posix.spawn = spawn
-from launcher._cli import console
-sys.argv = ["contain"] + sys.argv[1:]
-sys.exit(console())
-"""
-
-
 @pytest.mark.timeout(90)
 def test_degraded_run_whose_supervisor_dies_between_the_clone_and_its_tag_is_not_reported_ended(box, tmp_path):
     """The same on a state directory that keeps tags: between the clone and
     the tag that names the worker (none.Container.spawn), a supervisor
     killed left an adopter that knew no member, found none, and said EXITED
     with the worker running."""
-    wrapper = tmp_path / "killed_after_the_clone.py"
-    wrapper.write_text(_KILLED_AFTER_THE_CLONE % {"root": ROOT})
+    # Killed as soon as the clone returns, before degraded mode's container
+    # writes the worker into the run's tag.
+    wrapper = contain_killed_at(tmp_path / "killed_after_the_clone.py", "launcher._platform.posix:spawn", after=True)
     try:
         p = subprocess.run([sys.executable, str(wrapper), "run", "--id", "undescribed", "--backend", "none", "--",
                             "sh", "-c", "sleep 300 & exec sleep 301"], env=box.env, stdin=subprocess.DEVNULL,

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from _proc import contain_cmd, holders, kill_holders
+from _proc import contain_cmd, holders, kill_holders, needs_mount, ramfs_state_script, run_in_ramfs_namespace
 
-needs_mount = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
-                                 reason="needs root and unshare(1) to mount a ramfs in a namespace of its own")
 
 _WAIT_LIVE = r"""
 import json, os, sys, time
@@ -47,12 +44,7 @@ def test_state_dir_without_xattrs_keeps_the_worker_in_run_json_and_an_orphan_is_
     out.mkdir()
     run_dir = f"{mnt}/state/runs/nox"
     contain = " ".join(contain_cmd())
-    script = f"""
-set -u
-mount -t ramfs none {mnt} || exit 99
-mkdir -m 700 {mnt}/state || exit 99
-python3 -c 'import os; os.setxattr("{mnt}/state", "trusted.x", b"1")' 2>/dev/null && exit 98
-export CONTAIN_STATE_DIR={mnt}/state
+    script = ramfs_state_script(mnt) + f"""
 {contain} run --id nox --grace 0.2 -- sh -c 'setsid sleep 300 & exec sleep 300' &
 sup=$!
 {sys.executable} -c '{_WAIT_LIVE}' {run_dir} || exit 97
@@ -64,10 +56,7 @@ wait $sup
 echo $? > {out}/cancel.rc
 """
     try:
-        p = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
-                           env=box.env, capture_output=True, text=True, timeout=80)
-        if p.returncode in (99, 98):
-            pytest.skip(f"no xattr-less ramfs here (rc {p.returncode}): {p.stderr.strip()[:200]}")
+        p = run_in_ramfs_namespace(script, box.env, timeout=80)
         assert p.returncode == 0, (p.returncode, p.stderr)
         info = json.loads((out / "run.json").read_text())
         live = json.loads((out / "live.json").read_text())
