@@ -231,13 +231,6 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
                        check_locks=args.check_locks, stats_json=args.stats_json,
                        notify=None if quiet else _say_weaker)
         opts.backend_chosen = True          # --backend, else CONTAIN_BACKEND, resolved above
-        if args.id is not None:
-            # An empty --id ("$JOB" unset) is refused, as `--op-id ''` is:
-            # Run() reads it as "none given" and makes one up, and the
-            # script's `contain wait "$JOB"` then names no run.
-            from ._rundir import check_id
-
-            check_id(args.id)
         run = Run(cmd, id=args.id, options=opts)
         run.end_hooks.append(end_hook)
     except ValueError as e:

@@ -19,8 +19,8 @@ from ._layout import RunDir
 from ._ofdlock import write_locked
 from ._runfiles import TERMINAL, RunInfo, Unreadable
 from ._safefs import UnsafePath
-from ._views import (ID_WIDTH, UNREADABLE, age, cancel_did_not_hold, command, cost_lines, cut, empty_view, exit_text, fill_view, layers,
-                     live_view, observed, parse_iso, printable, signame, size, text, usage_lines)
+from ._views import (ID_WIDTH, UNREADABLE, age, cancel_did_not_hold, command, cost_lines, cut, empty_view, exit_text,
+                     fill_view, layers, live_view, observed, parse_iso, printable, signame, size, text, usage_lines)
 
 EXIT_OK, EXIT_DID_NOT_HOLD, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_CONTAIN_FAILED = 0, 1, 2, 3, 125
 

@@ -43,6 +43,7 @@ from ._args import check_argv
 from ._evidence import RunEvidence
 from ._inbox import Inbox, grace_of
 from ._layout import RunDir, new_id, new_uid
+from ._rundir import check_id
 from ._escapes import EscapeWatch
 from ._options import Options
 from ._platform import host
@@ -62,7 +63,7 @@ class Run:
                  uid: str | None = None, facts: RunEvidence | None = None) -> None:
         self.argv = check_argv(argv)
         self.opts = options or Options()
-        self.id = new_id() if id is None else id      # "" is a bad id (claim says so), not none given
+        self.id = new_id() if id is None else check_id(id)     # "" is a bad id, not none given
         self.uid = uid or new_uid()
         self.layout: RunDir | None = None
         self.container: Any = None
