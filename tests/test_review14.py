@@ -287,7 +287,9 @@ FAKE_EXIT = textwrap.dedent("""\
             # struct ct_init_msg: CT_EV_EXIT (4), the worker's pid (2), wait status 0
             os.write(fd, struct.pack("=iiiiiiqq", 4, 2, 0, 0, 0, 0, 0, 0))
             sent += 1
-    open(os.environ["FORGED"], "w").write(str(sent))
+    with open(os.environ["FORGED"] + ".tmp", "w") as f:   # renamed whole: the test reads it once it exists
+        f.write(str(sent))
+    os.rename(os.environ["FORGED"] + ".tmp", os.environ["FORGED"])
     time.sleep(300)
 """)
 
