@@ -23,6 +23,8 @@ class SpawnFailed(LauncherError):
         self.errno = errno
         self.stage = stage
         self.path = path
+        # (init pid, PID namespace inode, reaped) of the wall it failed in, if any
+        self.wall_init: tuple[int, int | None, bool] | None = None
 
     @property
     def exit_code(self) -> int:

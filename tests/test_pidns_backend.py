@@ -232,3 +232,19 @@ def test_worker_forging_its_wall_init_cannot_make_cancel_kill_a_process_outside(
     finally:
         victim.kill()
         victim.wait(10)
+
+
+@pytest.mark.parametrize("cmd", [["/nonexistent-contain-cmd"], ["/etc/passwd"]], ids=["not-found", "not-executable"])
+def test_a_start_that_failed_inside_the_wall_names_the_wall_it_was_reaped_by(user, cmd):
+    """A worker whose exec failed behind the wall: the record says REAPED
+    with the PID namespace's init reaped as its proof (container_empty), so
+    `containment.walls` must list that wall, observed empty. It listed no
+    wall at all (`walls: []`), a REAPED record naming no container."""
+    uid, token, home = user
+    rc, rec = _run(uid, token, home, "--backend", "pidns", "--", *cmd)
+    assert rc in (126, 127)
+    assert rec["outcome"] == "spawn_failed" and rec["state"] == "REAPED"
+    walls = rec["containment"]["walls"]
+    assert [w["kind"] for w in walls] == ["pidns"], walls
+    assert walls[0]["observed_empty"] is True and isinstance(walls[0]["init_pid"], int), walls
+    assert holders(token) == []

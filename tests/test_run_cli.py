@@ -98,6 +98,11 @@ def test_missing_command_is_127_and_leaves_no_leaf(box):
     assert "not found" in p.stderr and "Traceback" not in p.stderr
     rec = assert_reaped_and_clean(box, "x")
     assert rec["outcome"] == "spawn_failed"
+    # Both walls held the failed start: the cgroup, and the PID namespace
+    # whose init reported the failure and was reaped (it was left out).
+    walls = rec["containment"]["walls"]
+    assert [w["kind"] for w in walls] == ["cgroup", "pidns"], walls
+    assert all(w["observed_empty"] is True for w in walls), walls
 
 
 def test_missing_command_on_path_is_127(box):

@@ -64,6 +64,7 @@ class Container:
         self.wall_problem: str | None = None    # why a wall that was wanted is not there
         self.also_killed: str | None = None     # what else the last kill did (the wall's init)
         self.wall_gone = False                  # adopted: the wall's init was already reaped
+        self.failed_walls: list[dict[str, Any]] = []
         self.wall_unknown: str | None = None    # adopted: why the wall cannot be observed
         self.seen_empty: bool | None = None     # what cgroup.events said when last read (None: never read)
 
@@ -163,6 +164,7 @@ class Container:
             # the worker would run as the supervisor's uid, host root. So a
             # seal that cannot be made fails the run; it never falls back.
             if not (req.pidns and self.wall_mode is None and req.userns != "map" and pidwall.unavailable(e)):
+                self.failed_walls = pidwall.failed_wall(e.wall_init)     # a worker that never ran in its wall
                 raise
             # `auto`: this host will not make the namespace; the cgroup alone.
             self.wall_problem = f"PID-namespace wall unavailable: {e}"
@@ -202,7 +204,7 @@ class Container:
         out: list[dict[str, Any]] = [{"kind": "cgroup", "path": self.path, "observed_empty": seen,
                                       "via": "cgroup.events populated 0" if seen else
                                       "cgroup.events populated 1" if seen is False else "not read"}]
-        return out + pidwall.wall_records(self.wall, self.wall_gone, self.wall_unknown)
+        return out + (pidwall.wall_records(self.wall, self.wall_gone, self.wall_unknown) or self.failed_walls)
 
     def owns(self, pid: int) -> bool:
         return self.wall is not None and self.wall.owns(pid)

@@ -18,7 +18,7 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any
 
-from .._errors import ContainmentUnavailable
+from .._errors import ContainmentUnavailable, SpawnFailed
 from . import pidwall, posix, sealing
 from .posixwait import WallRoot
 
@@ -60,6 +60,7 @@ class Container:
         self._seal_error: str | None = None
         self.weaker: str | None = None   # auto got less than a root user would: said on stderr
         self.wall_gone = False           # adopted: the init's identity names no process (the namespace is empty)
+        self.failed_walls: list[dict[str, Any]] = []
         self.wall_unknown: str | None = None  # adopted: why whether it is empty cannot be told
 
     @property
@@ -108,9 +109,13 @@ class Container:
         if self._seal_error:
             raise ContainmentUnavailable(self._seal_error)
         self.empty_proof = pidwall.PROOF    # an init a failed spawn made is killed and reaped there (spawn_wall)
-        sp = posix.spawn(req)
+        try:
+            sp = posix.spawn(req)
+        except SpawnFailed as e:
+            self.failed_walls = pidwall.failed_wall(e.wall_init)     # a worker that never ran in its wall
+            raise
         self.wall = pidwall.PidWall.of(sp, self.userns)
-        self.wall.state_dir = posix.hidden_dir(req, sp.events)
+        self.wall.state_dir = pidwall.hidden_dir(req, sp.events)
         if self.wall.inode is not None:
             self.path = f"pid:[{self.wall.inode}]"
         return sp
@@ -184,7 +189,7 @@ class Container:
         return pidwall.UNLEAVABLE if self.wall is not None or self.wall_gone else None
 
     def walls(self) -> list[dict[str, Any]]:
-        return pidwall.wall_records(self.wall, self.wall_gone, self.wall_unknown)
+        return pidwall.wall_records(self.wall, self.wall_gone, self.wall_unknown) or self.failed_walls
 
     def owns(self, pid: int) -> bool:
         return self.wall is not None and self.wall.owns(pid)

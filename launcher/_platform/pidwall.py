@@ -21,7 +21,7 @@ import os
 from .. import _signals as signal
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Sequence
 
     from .spawnreq import SpawnRequest, Spawned
 
@@ -94,7 +94,7 @@ class PidWall:
         return w
 
     init_identity: dict[str, Any] | None = None
-    state_dir: dict[str, Any] | None = None     # posix.hidden_dir: the state directory out of the worker's reach
+    state_dir: dict[str, Any] | None = None     # hidden_dir(): the state directory out of the worker's reach
 
     def describe(self) -> dict[str, Any]:
         """What run.json records, for an adopter: the init's identity and
@@ -157,6 +157,34 @@ class PidWall:
 
     def close(self) -> None:
         self.init.close()
+
+
+def hidden_dir(req: SpawnRequest, events: Sequence[Any]) -> dict[str, Any] | None:
+    """What became of the directory the request asked the init to hide
+    (SpawnRequest.hide): covered, or not with the init's reason. None if
+    none was asked for."""
+    from .._native import lib
+    from .wall import InitNote
+
+    if req.hide is None:
+        return None
+    failed = [e for e in events if isinstance(e, InitNote) and e.what == lib.CT_NOTE_HIDE]
+    if failed:
+        return {"path": req.hide, "hidden": False, "detail": failed[0].text}
+    return {"path": req.hide, "hidden": True,
+            "via": "an empty tmpfs over it in the run's mount namespace, which the worker cannot unmount"}
+
+
+def failed_wall(init: tuple[int, int | None, bool] | None) -> list[dict[str, Any]]:
+    """The `walls` entry of a wall whose worker never ran (its set-up or
+    exec failed inside it: SpawnFailed.wall_init): the init said so and,
+    once reaped, held nothing. [] when the failure came before any wall."""
+    if init is None:
+        return []
+    init_pid, inode, reaped = init
+    return [{"kind": "pidns", "inode": inode, "init_pid": init_pid, "observed_empty": reaped,
+            "at": now_iso() if reaped else None, "via": PROOF if reaped else "the init was not reaped",
+            "notes": ["the worker never ran: its start failed inside the wall"]}]
 
 
 def wall_records(wall: "PidWall | None", gone: bool, unknown: str | None) -> list[dict[str, Any]]:

@@ -72,7 +72,7 @@ from .spawnreq import (NEVER_KEPT as NEVER_KEPT, SHELL as SHELL, BadInterpreter 
 from .wall import (InitClosed as InitClosed, InitEmpty as InitEmpty, InitEvent as InitEvent,
                    InitExec as InitExec, InitFailed as InitFailed, InitForwarded as InitForwarded,
                    InitNote as InitNote, InitStarted as InitStarted, InitUnknown as InitUnknown,
-                   InitWorkerExit as InitWorkerExit, hidden_dir as hidden_dir, pid_of_pidfd as pid_of_pidfd,
+                   InitWorkerExit as InitWorkerExit, pid_of_pidfd as pid_of_pidfd,
                    read_init_events as read_init_events, spawn_wall, wall_available as wall_available,
                    wall_via as wall_via)
 

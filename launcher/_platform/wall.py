@@ -252,19 +252,6 @@ def reap_init(pidfd: int) -> os.waitid_result | None:
         return None
 
 
-def hidden_dir(req: SpawnRequest, events: Sequence[InitEvent]) -> dict[str, Any] | None:
-    """What became of the directory the request asked the init to hide
-    (SpawnRequest.hide): covered, or not with the init's reason. None if
-    none was asked for."""
-    if req.hide is None:
-        return None
-    failed = [e for e in events if isinstance(e, InitNote) and e.what == lib.CT_NOTE_HIDE]
-    if failed:
-        return {"path": req.hide, "hidden": False, "detail": failed[0].text}
-    return {"path": req.hide, "hidden": True,
-            "via": "an empty tmpfs over it in the run's mount namespace, which the worker cannot unmount"}
-
-
 # The init exec'd from its image (launcher/_native/initbin/) where this process
 # can, else forked (wall.c); False: forked always (benchmarks compare the two).
 EXEC_INIT = True
@@ -381,7 +368,11 @@ def _after_clone(req: SpawnRequest, r: Any, rc: int, paths: Any, cgroup_fd: int)
             res = ffi.new("struct ct_spawn_result*")
             res.stage, res.child_errno, res.candidate, res.signal = (failed.stage, failed.errno,
                                                                      failed.candidate, failed.signal)
-            raise_failure(-(failed.errno or errno.ECANCELED), res, req, paths, False)
+            try:
+                raise_failure(-(failed.errno or errno.ECANCELED), res, req, paths, False)
+            except SpawnFailed as e:       # the wall existed, held nothing else, and its init is reaped
+                e.wall_init = (r.init_pid, init_ns, info is not None)
+                raise
         if not ran:
             raise DiedAtBirth()
         how = "without a word"
