@@ -107,8 +107,11 @@ def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float
                 # Once more after a moment: a fork's event is sent after the
                 # child may already run (kernel_clone: wake_up_new_task, then
                 # proc_fork_connector), so on a loaded host the fork that
-                # keeps a chain going can be reported late.
-                time.sleep(_SETTLE_S)
+                # keeps a chain going can be reported late. Not once every
+                # process it tracked is reaped: nothing of it can fork any
+                # more, and what it forked is all queued (Ledger.all_reaped).
+                if not ledger.all_reaped():
+                    time.sleep(_SETTLE_S)
                 ledger.sync()
                 quiet = len(ledger.tracked) == made
                 if quiet:

@@ -170,6 +170,19 @@ class Ledger:
         self.sync()
         return [t for t in list(self.tracked) if t.alive()]
 
+    def all_reaped(self) -> bool:
+        """Every process it tracked is reaped (no /proc entry with its
+        identity; a zombie is not). Each queued its forks (in its own
+        context, as it forked) before its exit, and that before the reaping:
+        so once this holds, one more drain has read every fork the tree made."""
+        for t in list(self.tracked):
+            if t.start_time is None:
+                continue                # gone (or its pid reused) before it could be read
+            st = read_stat(t.pid)
+            if st is not None and st[4] == t.start_time:
+                return False
+        return True
+
     def complete(self) -> bool:
         """Nothing lost, nothing broken, and every fork that could have been
         the tree's accounted for."""
