@@ -1,0 +1,150 @@
+"""Review 19: the acceptance checker's view, driving `contain` only through
+its outside contract (CONTRACT.md) with adversarial inputs; what reviews
+13, 15 and 18 did not try.
+
+Real kernel throughout: every workload carries the box's token and is
+killed by it at the end; survival is decided by the test's own /proc scan;
+every wait is bounded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from _proc import end_started, holders, readline_within
+from conftest import TOKEN_VAR, needs_cgroup
+
+PY = sys.executable
+
+
+def _contain(box, *args: str, env: dict[str, str] | None = None,
+             timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    e = dict(box.env)
+    e.update(env or {})
+    return subprocess.run([PY, "-m", "launcher", *args], env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def _survivors(box) -> list[int]:
+    return sorted(holders(box.token, TOKEN_VAR))
+
+
+# -- a record that says the run is over, written by the run, not its owner -------------
+
+# A root worker (not sealed: it can write its run directory) rewrites its
+# record to say REAPED, then goes on with a child. Its supervisor then dies
+# (an OOM kill, a lost session; killed here). `contain status` and `wait`
+# already see through it (what the run's tag names is alive: not final);
+# what else must not take the forged record as the run's end?
+_FORGE_REAPED_AND_STAY = r"""
+import json, os, subprocess, sys, time
+d = os.environ["CONTAIN_RUN_DIR"]
+path = os.path.join(d, "record.json")
+for _ in range(200):                       # the live record that names the worker
+    rec = json.load(open(path))
+    if (rec.get("identity") or {}).get("pid"):
+        break
+    time.sleep(0.05)
+rec.update(state="REAPED", outcome="exited", exit_code=0, signal=None)
+with open(os.path.join(d, ".forged.tmp"), "w") as f:
+    f.write(json.dumps(rec))
+os.rename(os.path.join(d, ".forged.tmp"), path)
+kid = subprocess.Popen(["sleep", "300"])
+print("forged", flush=True)
+time.sleep(300)
+"""
+
+
+def _forged_orphan(box, run_id: str) -> subprocess.Popen[bytes]:
+    """A run whose worker forged a REAPED record and whose supervisor is
+    dead, its tree alive (two processes at least, by the test's scan)."""
+    p = subprocess.Popen([PY, "-m", "launcher", "run", "-q", "--id", run_id, "--", PY, "-c", _FORGE_REAPED_AND_STAY],
+                         env=box.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    line = readline_within(p.stdout, 30)
+    assert line.strip() == b"forged", (line, p.poll())
+    assert len(_survivors(box)) >= 2
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(10)
+    return p
+
+
+def _still_stoppable(box, run_id: str) -> None:
+    """The orphan is still there to stop: cancel adopts it and the scan
+    finds nothing left."""
+    c = _contain(box, "cancel", run_id, "--grace", "0", "--wait", "--json")
+    assert _survivors(box) == [], f"cancel exited {c.returncode}: {c.stdout.strip()[-200:]} {c.stderr.strip()}"
+    assert c.returncode == 0 and json.loads(c.stdout)["effect"] == "cancelled", (c.stdout, c.stderr)
+
+
+@needs_cgroup
+@pytest.mark.timeout(120)
+def test_ls_lists_an_orphan_whose_worker_forged_a_reaped_record(box):
+    """CONTRACT.md: "A run whose supervisor died is never lost: `ls` shows
+    it as orphaned". `contain status` said "REAPED? not final: ... the PID
+    namespace's init is still alive and its supervisor is gone", while
+    `contain ls` took the forged record as the run's end and printed "no
+    live runs (1 ended)"."""
+    p = None
+    try:
+        p = _forged_orphan(box, "lsf")
+        ls = _contain(box, "ls")
+        assert ls.returncode == 0, ls.stderr
+        rows = [line.split() for line in ls.stdout.splitlines()[1:]]
+        assert any(r and r[0] == "lsf" for r in rows), f"{_survivors(box)} alive, ls says: {ls.stdout!r}"
+        row = next(r for r in rows if r and r[0] == "lsf")
+        assert "orphaned" in " ".join(row) or "final" in " ".join(row), row
+        js = _contain(box, "ls", "--json")
+        ours = [v for v in json.loads(js.stdout) if "lsf" in (v.get("id"), v.get("run_id"))]
+        assert ours and ours[0]["orphaned"] is True, js.stdout
+        _still_stoppable(box, "lsf")
+    finally:
+        end_started(p, box.token)
+    assert _survivors(box) == []
+
+
+@needs_cgroup
+@pytest.mark.timeout(120)
+def test_gc_never_removes_an_orphan_whose_worker_forged_a_reaped_record(box):
+    """`contain gc` removes ended runs only. It read the forged REAPED (and
+    the free owner lock) as ended and removed the run directory while its
+    tree ran on: afterwards `contain cancel` said "no run" (3), and nothing
+    could stop the tree by its run any more."""
+    p = None
+    try:
+        p = _forged_orphan(box, "gcf")
+        g = _contain(box, "gc", "--json")
+        assert g.returncode == 0, g.stderr
+        assert "gcf" not in json.loads(g.stdout)["removed"], (g.stdout, _survivors(box))
+        assert os.path.isdir(os.path.join(box.state_dir, "runs", "gcf"))
+        _still_stoppable(box, "gcf")
+        g = _contain(box, "gc", "--json")        # over now: gc may take it
+        assert "gcf" in json.loads(g.stdout)["removed"], g.stdout
+    finally:
+        end_started(p, box.token)
+    assert _survivors(box) == []
+
+
+@needs_cgroup
+@pytest.mark.timeout(120)
+def test_reusing_the_id_of_an_orphan_whose_worker_forged_a_reaped_record_is_a_usage_error(box):
+    """"A live run's id cannot be reused (2); an ended run's can (its
+    directory is moved aside)". The forged record made the orphan look
+    ended: `contain run --id` moved it aside (out of every listing, out of
+    reach of `cancel ID`, and `gc` then removes what was moved aside) and
+    ran a new run under its id."""
+    p = None
+    try:
+        p = _forged_orphan(box, "rid")
+        r = _contain(box, "run", "-q", "--id", "rid", "--", "true")
+        assert r.returncode == 2, (r.returncode, r.stderr, _survivors(box))
+        assert "live" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        _still_stoppable(box, "rid")
+        r = _contain(box, "run", "-q", "--id", "rid", "--", "true")      # over now: the id is free
+        assert r.returncode == 0, r.stderr
+    finally:
+        end_started(p, box.token)
+    assert _survivors(box) == []
