@@ -102,10 +102,13 @@ def user_account(user: str) -> tuple[int, int, list[int], dict[str, str | None]]
     for a name nobody has."""
     import pwd
 
+    # A uid is ASCII digits, as for chown(1) and su(1): str.isdigit() and
+    # int() also take '٣' (uid 3, sys) and '²'.
+    numeric = user.isascii() and user.isdigit()
     try:
-        pw = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+        pw = pwd.getpwuid(int(user)) if numeric else pwd.getpwnam(user)
     except (KeyError, ValueError, OverflowError):
-        if user.isdigit() and int(user) < 2**32 - 1:
+        if numeric and int(user) < 2**32 - 1:
             return int(user), int(user), [], {"HOME": "/", "USER": None, "LOGNAME": None}
         raise ValueError(f"no such user {user!r}") from None
     try:

@@ -148,3 +148,24 @@ def test_reusing_the_id_of_an_orphan_whose_worker_forged_a_reaped_record_is_a_us
     finally:
         end_started(p, box.token)
     assert _survivors(box) == []
+
+
+# -- --user -----------------------------------------------------------------------------
+
+@needs_cgroup
+@pytest.mark.parametrize("user", ["\u0663", "\u00b2", "\uff10"])       # ٣ ² ０
+def test_user_spelled_in_non_ascii_digits_is_no_such_user_not_a_uid(box, tmp_path, user):
+    """`--user ٣` (ARABIC-INDIC DIGIT THREE) ran the worker as uid 3 (sys):
+    str.isdigit() and int() take every Unicode digit, where chown(1), su(1)
+    and id(1) say there is no such user. `²` printed int()'s own message.
+    A name that no account has is a usage error (2) before anything runs."""
+    marker = tmp_path / "ran"
+    p = _contain(box, "run", "-q", "--user", user, "--", "sh", "-c", f"id -u > {marker}")
+    assert p.returncode == 2, (p.returncode, p.stderr, marker.read_text() if marker.exists() else None)
+    assert "no such user" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not marker.exists()
+    import launcher
+
+    with pytest.raises(ValueError, match="no such user"):
+        launcher.run(["sh", "-c", f"id -u > {marker}"], user=user)
+    assert not marker.exists()
