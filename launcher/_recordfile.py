@@ -43,6 +43,11 @@ from ._safefs import PersistError, UnsafePath
 from ._safepath import link_trusted, open_dir_trusted_links
 
 
+# Descriptors 0-2 that the caller closed and contain holds on /dev/null
+# (_cli._hold_closed_stdio): a record "written" through one goes nowhere.
+CLOSED_STDIO: set[int] = set()
+
+
 class RecordTarget:
     """A checked --record destination. `update()` for each record the run
     writes (only a regular-file target follows along), `final()` once with
@@ -173,7 +178,7 @@ def _fd_named(path: str) -> int | None:
     if std is not None:
         return std
     for pre in ("/dev/fd/", "/proc/self/fd/", f"/proc/{os.getpid()}/fd/"):
-        if path.startswith(pre) and path[len(pre):].isdigit():
+        if path.startswith(pre) and path[len(pre):].isascii() and path[len(pre):].isdigit():
             return int(path[len(pre):])
     return None
 
@@ -183,6 +188,8 @@ def prepare(path: str) -> RecordTarget:
     Raises UnsafePath with the reason (one line)."""
     if path == "-":
         try:
+            if 1 in CLOSED_STDIO:
+                raise OSError(errno.EBADF, "closed")
             return RecordTarget("stdout", "stream", fd=_dup(1))
         except OSError:
             raise UnsafePath("-", "stdout is closed", errno.EBADF) from None
@@ -197,7 +204,14 @@ def prepare(path: str) -> RecordTarget:
         # fd we hold, so no link leads anywhere else.
         std = _stdio_match(os.stat(path), path)
     except OSError:
+        n = _fd_named(path)
+        if n is not None:
+            # Nothing to create there (/proc/self/fd takes no new file):
+            # said now, not after the run (`--record /dev/fd/3` without `3>`).
+            raise UnsafePath(path, f"names our descriptor {n}, which is not open", errno.EBADF) from None
         std = -1
+    if std in CLOSED_STDIO:
+        raise UnsafePath(path, f"is our descriptor {std}, which the caller closed", errno.EBADF)
     if std >= 0:
         import fcntl
 

@@ -169,3 +169,51 @@ def test_user_spelled_in_non_ascii_digits_is_no_such_user_not_a_uid(box, tmp_pat
     with pytest.raises(ValueError, match="no such user"):
         launcher.run(["sh", "-c", f"id -u > {marker}"], user=user)
     assert not marker.exists()
+
+
+# -- --record through a descriptor that is not there -------------------------------------
+
+def _sh_contain(box, redirect: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """`contain ARGS` from a shell line with `redirect` (closing one of
+    contain's descriptors, as a script would)."""
+    import shlex
+
+    line = " ".join(shlex.quote(a) for a in [PY, "-m", "launcher", *args]) + " " + redirect
+    return subprocess.run(["sh", "-c", line], env=box.env, capture_output=True, text=True, timeout=60)
+
+
+@needs_cgroup
+@pytest.mark.parametrize("path, redirect", [
+    ("/dev/fd/7", ""),                     # a script's `--record /dev/fd/7` without its `7>`
+    ("/proc/self/fd/9", ""),
+    ("/dev/stdin", "<&-"),                 # written to contain's /dev/null placeholder: exit 0, no record anywhere
+    ("-", ">&-"),
+])
+def test_record_to_a_descriptor_that_is_not_open_is_refused_before_the_run(box, tmp_path, path, redirect):
+    """--record is "refused before the run when it cannot take a record"
+    (docs/api.md; `--record /no/such/dir/x` is). A record to our descriptor
+    N that is not open ran CMD first and failed afterwards (125 after the
+    work was done: a CI step ran twice on retry), and `--record /dev/stdin`
+    with stdin closed wrote the record into contain's placeholder for the
+    closed descriptor, /dev/null, and exited 0."""
+    marker = tmp_path / "ran"
+    p = _sh_contain(box, redirect, "run", "-q", "--record", path, "--", "touch", str(marker))
+    assert p.returncode == 125, (p.returncode, p.stderr)
+    assert "not open" in p.stderr or "closed" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    assert not marker.exists(), f"CMD ran first: {p.stderr}"
+
+
+@needs_cgroup
+def test_record_to_an_open_descriptor_or_stdout_is_still_written(box, tmp_path):
+    """What still works: /dev/fd/N of an open descriptor, `-`, /dev/stdin
+    opened read-write."""
+    out = tmp_path / "rec.json"
+    p = _sh_contain(box, f"7>{out}", "run", "-q", "--record", "/dev/fd/7", "--", "true")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(out.read_text())["state"] == "REAPED"
+    p = _sh_contain(box, "", "run", "-q", "--record", "-", "--", "true")
+    assert p.returncode == 0 and json.loads(p.stdout)["state"] == "REAPED", p.stderr
+    rw = tmp_path / "rw.json"
+    p = _sh_contain(box, f"0<>{rw}", "run", "-q", "--record", "/dev/stdin", "--", "true")
+    assert p.returncode == 0 and json.loads(rw.read_text())["state"] == "REAPED", p.stderr
