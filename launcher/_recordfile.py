@@ -156,7 +156,7 @@ def _stdio_match(st: os.stat_result, path: str) -> int:
     opened) when fd N is open on it; else -1. Those magic links read back
     as `pipe:[...]`, not as paths, and are ours: they are written through."""
     cands = [1, 2]
-    n = _fd_named(path)
+    n = fd_named(path)
     if n is not None:
         cands.insert(0, n)
     for fd in cands:
@@ -169,7 +169,7 @@ def _stdio_match(st: os.stat_result, path: str) -> int:
     return -1
 
 
-def _fd_named(path: str) -> int | None:
+def fd_named(path: str) -> int | None:
     """N when `path` names our descriptor N: /dev/fd/N, /proc/self/fd/N,
     or /dev/stdin, /dev/stdout, /dev/stderr (root's links to
     /proc/self/fd/0-2 on Linux; other links are left to _resolve, which
@@ -204,7 +204,7 @@ def prepare(path: str) -> RecordTarget:
         # fd we hold, so no link leads anywhere else.
         std = _stdio_match(os.stat(path), path)
     except OSError:
-        n = _fd_named(path)
+        n = fd_named(path)
         if n is not None:
             # Nothing to create there (/proc/self/fd takes no new file):
             # said now, not after the run (`--record /dev/fd/3` without `3>`).

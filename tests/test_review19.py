@@ -205,6 +205,18 @@ def test_record_to_a_descriptor_that_is_not_open_is_refused_before_the_run(box, 
 
 
 @needs_cgroup
+def test_stats_json_to_a_descriptor_that_is_not_open_is_refused_before_the_run(box, tmp_path):
+    """The same for --stats-json, which refuses /dev/fd/N of an open N
+    before the run (a link, not a regular file): of a closed N it ran CMD,
+    then failed with 125."""
+    marker = tmp_path / "ran"
+    p = _sh_contain(box, "", "run", "-q", "--stats-json", "/dev/fd/7", "--", "touch", str(marker))
+    assert p.returncode == 125, (p.returncode, p.stderr)
+    assert "Traceback" not in p.stderr and "--stats-json /dev/fd/7" in p.stderr, p.stderr
+    assert not marker.exists(), f"CMD ran first: {p.stderr}"
+
+
+@needs_cgroup
 def test_record_to_an_open_descriptor_or_stdout_is_still_written(box, tmp_path):
     """What still works: /dev/fd/N of an open descriptor, `-`, /dev/stdin
     opened read-write."""
