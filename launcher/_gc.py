@@ -307,7 +307,7 @@ def auto_prune(st: StateDir, keep: int, count: int | None) -> GcResult:
 
 def parse_count(text: str) -> int:
     """`--keep N`: an integer >= 0. Raises ValueError."""
-    if not text.isdigit() or len(text) > 9:
+    if not (text.isascii() and text.isdigit()) or len(text) > 9:
         raise ValueError(f"not a count (an integer >= 0): {text!r}")
     return int(text)
 

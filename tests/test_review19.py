@@ -229,3 +229,18 @@ def test_record_to_an_open_descriptor_or_stdout_is_still_written(box, tmp_path):
     rw = tmp_path / "rw.json"
     p = _sh_contain(box, f"0<>{rw}", "run", "-q", "--record", "/dev/stdin", "--", "true")
     assert p.returncode == 0 and json.loads(rw.read_text())["state"] == "REAPED", p.stderr
+
+
+# -- numbers in Unicode digits -------------------------------------------------------
+
+@needs_cgroup
+def test_keep_runs_in_a_non_ascii_digit_is_ignored_not_a_failed_run(box, tmp_path):
+    """CONTAIN_KEEP_RUNS that is not a count is ignored (the default
+    applies), as `CONTAIN_KEEP_RUNS=lots` is: `²` (isdigit(), but not for
+    int()) failed every run with exit 2 and int()'s own message, naming no
+    variable, before anything ran."""
+    marker = tmp_path / "ran"
+    p = _contain(box, "run", "-q", "--", "touch", str(marker), env={"CONTAIN_KEEP_RUNS": "\u00b2"})
+    assert p.returncode == 0 and marker.exists(), (p.returncode, p.stderr)
+    g = _contain(box, "gc", "--keep", "\u00b2")
+    assert g.returncode == 2 and "not a count" in g.stderr, (g.returncode, g.stderr)
