@@ -244,3 +244,55 @@ def test_keep_runs_in_a_non_ascii_digit_is_ignored_not_a_failed_run(box, tmp_pat
     assert p.returncode == 0 and marker.exists(), (p.returncode, p.stderr)
     g = _contain(box, "gc", "--keep", "\u00b2")
     assert g.returncode == 2 and "not a count" in g.stderr, (g.returncode, g.stderr)
+
+
+# -- a start that the state directory could not keep ----------------------------------
+
+_FULL_STATE_DIR = r"""set -u
+mount -t tmpfs -o size=64k tmpfs {mnt} || exit 99
+export CONTAIN_STATE_DIR={mnt}/state
+P="{py} -m launcher"
+$P run -q --id before -- true || exit 97
+dd if=/dev/zero of={mnt}/fill bs=1k count=200 2>/dev/null
+$P run -q --id full -- touch {marker}
+echo "run=$?"
+rm {mnt}/fill
+$P ls --json > {out}/ls.json
+$P cancel full --json > {out}/cancel.json
+echo "cancel=$?"
+$P gc --json > {out}/gc.json
+"""
+
+
+@needs_cgroup
+@pytest.mark.timeout(120)
+def test_a_start_the_full_state_directory_could_not_keep_leaves_no_run_to_cancel(box, tmp_path):
+    """A full state directory (ENOSPC writing run.json) fails the start with
+    125 before anything runs, as it should; but the roll-back could not
+    write its spawn_failed record either and left the directory with the
+    run's tag and nothing else. That read as "described" forever: `ls`
+    listed it (UNREADABLE, "its tag says it was described"), `gc` kept it
+    as live, and `contain cancel` adopted it and answered effect
+    `cancelled`, state EXITED, outcome `cancelled` for a run that never
+    ran anything."""
+    import shutil
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) for a small tmpfs in a mount namespace of its own")
+    mnt, out, marker = tmp_path / "mnt", tmp_path / "out", tmp_path / "ran"
+    mnt.mkdir()
+    out.mkdir()
+    script = _FULL_STATE_DIR.format(mnt=mnt, py=PY, marker=marker, out=out)
+    p = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], env=box.env,
+                       capture_output=True, text=True, timeout=100)
+    if p.returncode == 99:
+        pytest.skip(f"no tmpfs mount here: {p.stderr.strip()[:200]}")
+    assert p.returncode == 0 and "run=125" in p.stdout, (p.returncode, p.stdout, p.stderr)
+    assert "Traceback" not in p.stderr, p.stderr
+    assert not marker.exists()
+    listed = [v for v in json.loads((out / "ls.json").read_text()) if v.get("id") == "full"]
+    assert all(v.get("unreadable") and "never started" in v["unreadable"] for v in listed), listed
+    ack = json.loads((out / "cancel.json").read_text())      # (--json: an answer even then)
+    assert ack["effect"] == "unknown" and ack.get("outcome") != "cancelled", ack
+    assert "cancel=1" in p.stdout and "never started" in p.stderr, (p.stdout, p.stderr)
+    assert "full" in json.loads((out / "gc.json").read_text())["removed"], (out / "gc.json").read_text()
