@@ -231,6 +231,12 @@ def prepare(path: str) -> RecordTarget:
                 raise UnsafePath(path, f"is {kind}: not written", errno.EINVAL)
             if not os.access(name, os.W_OK, dir_fd=dfd, effective_ids=True, follow_symlinks=False):
                 raise UnsafePath(path, "is not writable", errno.EACCES)
+            dst = os.fstat(dfd)
+            if dst.st_mode & stat.S_ISVTX and euid not in (0, target.st_uid, dst.st_uid):
+                # The rename over it would fail (EPERM, the sticky bit:
+                # unlink(2)) after the run; said now.
+                raise UnsafePath(path, f"belongs to uid {target.st_uid} in a sticky directory: it cannot be "
+                                 f"replaced by uid {euid}", errno.EPERM)
         if not os.access(".", os.W_OK | os.X_OK, dir_fd=dfd, effective_ids=True):
             raise UnsafePath(path, f"its directory {os.path.dirname(path) or '.'} is not writable", errno.EACCES)
         mode = 0o600

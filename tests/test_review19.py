@@ -296,3 +296,41 @@ def test_a_start_the_full_state_directory_could_not_keep_leaves_no_run_to_cancel
     assert ack["effect"] == "unknown" and ack.get("outcome") != "cancelled", ack
     assert "cancel=1" in p.stdout and "never started" in p.stderr, (p.stdout, p.stderr)
     assert "full" in json.loads((out / "gc.json").read_text())["removed"], (out / "gc.json").read_text()
+
+
+# -- another user's file at the --record path -------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_another_users_file_at_the_record_path_in_a_sticky_directory_is_refused_before_the_run(tmp_path):
+    """A user's `--record /tmp/job.json`, where another user made
+    /tmp/job.json first (0666, so writable: the check passed). The
+    record is replaced by rename, which the sticky bit forbids over another
+    user's file: the run ran, then exited 125 "Operation not permitted
+    (rename)". It is refused before the run now; the other user's file is
+    never written through, and a path of the user's own still works."""
+    from _users import SYS_PY, Shared, as_uid, spare_uids, user_env, why_not
+
+    reason = why_not()
+    if reason:
+        pytest.skip(reason)
+    victim, other = spare_uids(2)
+    with Shared() as sh:
+        shared = sh.sub("tmp", mode=0o1777)
+        xdg = sh.sub("xdg", uid=victim, mode=0o700)
+        planted = os.path.join(shared, "job.json")
+        p = as_uid(other, ["sh", "-c", f"echo planted > {planted}; chmod 666 {planted}"])
+        assert p.returncode == 0, p.stderr
+        marker = os.path.join(xdg, "ran")
+        run = as_uid(victim, [SYS_PY, "-m", "launcher", "run", "-q", "--record", planted, "--", "touch", marker],
+                     env=user_env(XDG_RUNTIME_DIR=xdg))
+        assert run.returncode == 125, (run.returncode, run.stderr)
+        assert "sticky" in run.stderr and "Traceback" not in run.stderr, run.stderr
+        assert not os.path.exists(marker), f"CMD ran first: {run.stderr}"
+        with open(planted) as f:
+            assert f.read() == "planted\n"
+        own = os.path.join(shared, "own.json")
+        run = as_uid(victim, [SYS_PY, "-m", "launcher", "run", "-q", "--record", own, "--", "true"],
+                     env=user_env(XDG_RUNTIME_DIR=xdg))
+        assert run.returncode == 0, run.stderr
+        with open(own) as f:
+            assert json.load(f)["outcome"] == "exited"
