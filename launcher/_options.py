@@ -62,6 +62,12 @@ class Options:
             self.limits = Limits(memory_max=None if memory_max is None else parse_bytes(str(memory_max)),
                                  pids_max=None if pids_max is None else parse_pids(str(pids_max)),
                                  cpu_max=None if cpu_max is None else parse_cpu_max(str(cpu_max)))
+        # Paths as subprocess takes them (str, bytes, os.PathLike, no NUL):
+        # record_file=pathlib.Path(...) failed with AttributeError at the spawn.
+        record_file, stats_json, workspace, state_dir, parent_cgroup = (
+            None if v is None else check_path(v, name) for v, name in (
+                (record_file, "record_file"), (stats_json, "stats_json"), (workspace, "workspace"),
+                (state_dir, "state_dir"), (parent_cgroup, "parent_cgroup")))
         # An empty path is not "option not given": it would drop the stats
         # or the workspace layer without a word.
         for flag, path in (("--stats-json", stats_json), ("--workspace", workspace)):

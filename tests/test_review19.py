@@ -334,3 +334,28 @@ def test_another_users_file_at_the_record_path_in_a_sticky_directory_is_refused_
         assert run.returncode == 0, run.stderr
         with open(own) as f:
             assert json.load(f)["outcome"] == "exited"
+
+
+# -- the library, as a CI runner calls it -------------------------------------------
+
+@needs_cgroup
+def test_library_takes_record_and_stats_paths_as_pathlib_paths(box, tmp_path):
+    """`launcher.run(argv, record_file=Path(...))`, as a runner written
+    with pathlib passes it (subprocess takes os.PathLike everywhere, and
+    cwd= and workspace= already did): AttributeError 'PosixPath' object
+    has no attribute 'startswith', from inside the spawn. A wrong type is
+    a TypeError, before anything runs."""
+    import pathlib
+
+    import launcher
+
+    rec_path, stats_path = tmp_path / "rec.json", tmp_path / "stats.ndjson"
+    rec = launcher.run(["true"], record_file=rec_path, stats_json=stats_path, state_dir=pathlib.Path(box.state_dir))
+    assert rec.state == "REAPED", rec.to_dict()
+    assert json.loads(rec_path.read_text())["run_id"] == rec.run_id
+    assert json.loads(stats_path.read_text().splitlines()[0])["run_id"] == rec.run_id
+    marker = tmp_path / "ran"
+    for bad in (True, -1, 1.5):
+        with pytest.raises(TypeError):
+            launcher.run(["touch", str(marker)], record_file=bad)
+    assert not marker.exists()
