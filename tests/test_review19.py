@@ -359,3 +359,33 @@ def test_library_takes_record_and_stats_paths_as_pathlib_paths(box, tmp_path):
         with pytest.raises(TypeError):
             launcher.run(["touch", str(marker)], record_file=bad)
     assert not marker.exists()
+
+
+@needs_cgroup
+def test_worker_cancel_after_its_run_ended_and_was_collected_is_not_live(box, tmp_path):
+    """A runner's clean-up cancels every Worker it started, ended or not
+    ("w.cancel(...) -> effect cancel_requested | not_live"). Once `contain
+    gc` had removed an ended run's directory, `w.cancel()` raised
+    RunNotFound, even with the op id it had answered `not_live` before;
+    and once another run had the id, it answered `unknown` ("refused").
+    The Worker saw its run end: the answer is `not_live`, and the other
+    run of the id is left alone."""
+    import launcher
+
+    w = launcher.spawn(["true"], id="gone")
+    assert w.wait(30).state == "REAPED"
+    assert w.cancel(op_id="first").effect == "not_live"
+    g = _contain(box, "gc", "--keep", "0", "--json")
+    assert "gone" in json.loads(g.stdout)["removed"], g.stdout
+    for op in ("first", "later"):
+        ack = w.cancel(op_id=op)
+        assert ack.effect == "not_live" and ack.state == "REAPED" and ack.op_id == op, ack.to_dict()
+    other = launcher.spawn(["sleep", "60"], id="gone")
+    try:
+        ack = w.cancel(op_id="third")
+        assert ack.effect == "not_live" and ack.run_uid == w.run_uid, ack.to_dict()
+        assert other.record().state == "RUNNING" and not other.done()
+    finally:
+        other.cancel(grace=0)
+        other.wait(30)
+    assert _survivors(box) == []
