@@ -355,10 +355,15 @@ def test_library_takes_record_and_stats_paths_as_pathlib_paths(box, tmp_path):
     assert json.loads(rec_path.read_text())["run_id"] == rec.run_id
     assert json.loads(stats_path.read_text().splitlines()[0])["run_id"] == rec.run_id
     marker = tmp_path / "ran"
-    for bad in (True, -1, 1.5):
-        with pytest.raises(TypeError):
-            launcher.run(["touch", str(marker)], record_file=bad)
+    for option in ("record_file", "stats_json", "workspace", "parent_cgroup"):
+        for bad in (True, -1, 1.5):
+            with pytest.raises(TypeError):
+                launcher.run(["touch", str(marker)], **{option: bad})
     assert not marker.exists()
+    # workspace=True ran the worker and then killed the owner loop at the
+    # postcondition (os.path.realpath(True)): no record was ever written,
+    # and the run stayed behind as an orphan with its cgroups.
+    assert [v for v in os.listdir(os.path.join(box.state_dir, "runs")) if not v.startswith(".")] == [rec.run_id]
 
 
 @needs_cgroup
