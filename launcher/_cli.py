@@ -150,6 +150,9 @@ def _hold_closed_stdio() -> bool:
         if held != fd:                   # cannot differ (lower ones are open or held by now): defensive
             os.dup2(held, fd, inheritable=False)
             os.close(held)
+        from . import _recordfile
+
+        _recordfile.CLOSED_STDIO.add(fd)     # `--record /dev/stdin` is refused, not written to /dev/null
     closed = sys.stdout is None
     if sys.stdout is None:
         sys.stdout = io.StringIO()

@@ -258,15 +258,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _no_such_run(args: argparse.Namespace, why: str) -> int:
+def _no_such_run(args: argparse.Namespace, why: str, status: int = EXIT_NOT_FOUND) -> int:
     """No such run: 3, and with --json still the operation's record, effect
     `unknown` (the contract's answer for "no such run"), so that a script
-    reading the effect gets one rather than an empty stdout."""
+    reading the effect gets one rather than an empty stdout. The same, with
+    1, for a run that nothing can answer for (it never started)."""
     _err(why)
     if args.json:
         _print_json({"op_id": args.op_id, "run_id": args.id, "effect": "unknown", "state": None,
                      "detail": why})
-    return EXIT_NOT_FOUND
+    return status
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
@@ -295,8 +296,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         _err(f"cancel: {e}")
         return EXIT_CONTAIN_FAILED
     except LauncherError as e:
-        _err(f"cancel: {e}")
-        return EXIT_DID_NOT_HOLD
+        return _no_such_run(args, f"cancel: {e}", EXIT_DID_NOT_HOLD)
     d = ack.to_dict()
     if args.json:
         _print_json(d)

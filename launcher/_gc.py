@@ -7,7 +7,9 @@ KEEP_RUNS are left. Both count `runs/<id>/` and the `runs/.ended-*` that id
 reuse moved aside.
 
 Ended means: no process holds the owner lock, and the record is readable and
-terminal (REAPED, EXITED, BREACHED). A run that is live, orphaned (record
+terminal (REAPED, EXITED, BREACHED), and, for REAPED or EXITED, nothing the
+run's tag names is alive (_tags.still_alive: else a member that can write
+its run directory wrote that record). A run that is live, orphaned (record
 RUNNING or UNCONFIRMED, nobody owning it: `contain cancel` adopts it), or
 whose files cannot be read, is never removed: nothing proves it over. A
 moved-aside `.ended-*` directory was not live when it was moved, and is
@@ -169,6 +171,11 @@ def _status(st: StateDir, e: Entry, now: float) -> str:
             return "unreadable"
         if rec["state"] not in TERMINAL:
             return "live"
+        if rec["state"] != "BREACHED":
+            from ._tags import still_alive
+
+            if still_alive(path) is not None:
+                return "live"     # the record is not its owner's: a live orphan (_views.fill_view)
         ended = iso_epoch((rec.get("timings") or {}).get("ended_at"))
         if ended is not None:
             e.ended_at = ended
@@ -300,7 +307,7 @@ def auto_prune(st: StateDir, keep: int, count: int | None) -> GcResult:
 
 def parse_count(text: str) -> int:
     """`--keep N`: an integer >= 0. Raises ValueError."""
-    if not text.isdigit() or len(text) > 9:
+    if not (text.isascii() and text.isdigit()) or len(text) > 9:
         raise ValueError(f"not a count (an integer >= 0): {text!r}")
     return int(text)
 

@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from ._cancel import cancel
+from ._errors import RunNotFound
 from ._record import CancelRecord, StopRecord, now_iso
 from ._run import Run
 from ._state import TERMINAL_STATES
@@ -80,8 +81,26 @@ class RunHandle:
         """A cancel for a run whose owner loop has finished: answered from the
         layout, as any other process would be."""
         assert self._run.layout is not None
-        return cancel(self.id, op_id=op, run_uid=self._run.uid,
-                      state_dir=os.path.dirname(os.path.dirname(self._run.layout.path)))
+        try:
+            ack: CancelRecord | None = cancel(self.id, op_id=op, run_uid=self._run.uid,
+                                              state_dir=os.path.dirname(os.path.dirname(self._run.layout.path)))
+        except RunNotFound:
+            ack = None
+        if ack is not None and ack.effect != "unknown":
+            return ack
+        rec = self.record()
+        if not rec.terminal:
+            if ack is None:
+                raise RunNotFound(f"run {self.id}: its directory is gone and its end was not seen")
+            return ack
+        # This object saw its run end, and the run's directory is gone
+        # (`contain gc`) or holds another run of the id now: the answer is
+        # the record's, as it would have been from the directory.
+        now = now_iso()
+        return CancelRecord({"op_id": op, "run_id": self.id, "run_uid": self._run.uid, "requested_at": now,
+                             "acknowledged_at": now, "effect": "not_live", "state": rec.state,
+                             "outcome": rec.outcome, "detail": "the run had ended; its directory is gone "
+                             "or holds another run of its id now"})
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} id={self.id} pid={self.pid} state={self._run.snap.state}>"

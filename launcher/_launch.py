@@ -87,8 +87,20 @@ def roll_back(run: Run, e: BaseException) -> None:
                 run.container.remove()
             if run.usage.cgroups is not None:
                 run.usage.cgroups.remove()
+            _untag_unrecorded(run)
         run.close()
         raise
+
+
+def _untag_unrecorded(run: Run) -> None:
+    """Nothing ran, and no record in the state directory says so (it is
+    full: ENOSPC): without its tag the run directory reads "never started"
+    (gc removes it), not a described run that an adopter would stop and
+    call cancelled."""
+    if run.layout is not None and run.pid <= 0:
+        from . import _tags
+
+        _tags.remove(run.layout.path, _tags.RUN_TAG)
 
 
 def _start(run: Run) -> None:
@@ -232,3 +244,5 @@ def spawn_failed(run: Run, err: LauncherError, *, ran: bool = False) -> None:
             ev = run.stop.wait_empty(run.stop.deadline)
         run.feed(ev)
     run.finish()
+    if not ran and any(u.startswith("record.json:") for u in run.facts.unsaved):
+        _untag_unrecorded(run)

@@ -101,6 +101,12 @@ def token_hex(nbytes: int) -> str:
     return os.urandom(nbytes).hex()
 
 
+class Summary(dict):
+    """A record's listing fields as summary.json gave them. The owner writes
+    one after each final record, naming it: a record.json that a member
+    rewrote has none, so a listing reads it whole (_views.fill_view)."""
+
+
 class RunDir(RunDirBase):
     """One run's directory and what is in it. Constructed from its path
     (`<state>/runs/<id>`); nothing is opened until it is used, and every
@@ -193,15 +199,22 @@ class RunDir(RunDirBase):
         not terminal, or, with no record yet, once it has a run.json (an
         owner that died before the first record leaves a run to adopt). A
         record that is unreadable is not live (it never holds an id for
-        ever); its directory is moved aside, not removed, on reuse."""
+        ever); its directory is moved aside, not removed, on reuse. A
+        record that says the run is over (or cannot be read) while what the
+        run's tag names is alive was not its owner's (a member that can write
+        its run directory wrote it): the run is a live orphan, and moving it
+        aside would take it out of reach of `cancel ID`."""
         if self.owner_alive():
             return True
         rec = self.load_record()
         if rec is None:
             return self.load_run() is not None
-        if isinstance(rec, Unreadable):
-            return False
-        return rec["state"] in LIVE_STATES
+        if isinstance(rec, Unreadable) or rec["state"] in ("REAPED", "EXITED"):
+            from ._tags import still_alive
+
+            if still_alive(self.path) is not None:
+                return True
+        return not isinstance(rec, Unreadable) and rec["state"] in LIVE_STATES
 
     # -- files -------------------------------------------------------------
 
@@ -300,7 +313,7 @@ class RunDir(RunDirBase):
         if not isinstance(obj, dict) or obj.pop("of", None) != [st.st_ino, st.st_size, st.st_mtime_ns]:
             return None
         try:
-            return parse_record(obj, self.id, summary=True)
+            return Summary(parse_record(obj, self.id, summary=True))
         except ValueError:
             return None
 

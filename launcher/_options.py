@@ -62,6 +62,12 @@ class Options:
             self.limits = Limits(memory_max=None if memory_max is None else parse_bytes(str(memory_max)),
                                  pids_max=None if pids_max is None else parse_pids(str(pids_max)),
                                  cpu_max=None if cpu_max is None else parse_cpu_max(str(cpu_max)))
+        # Paths as subprocess takes them (str, bytes, os.PathLike, no NUL):
+        # record_file=pathlib.Path(...) failed with AttributeError at the spawn.
+        record_file, stats_json, workspace, state_dir, parent_cgroup = (
+            None if v is None else check_path(v, name) for v, name in (
+                (record_file, "record_file"), (stats_json, "stats_json"), (workspace, "workspace"),
+                (state_dir, "state_dir"), (parent_cgroup, "parent_cgroup")))
         # An empty path is not "option not given": it would drop the stats
         # or the workspace layer without a word.
         for flag, path in (("--stats-json", stats_json), ("--workspace", workspace)):
@@ -102,10 +108,13 @@ def user_account(user: str) -> tuple[int, int, list[int], dict[str, str | None]]
     for a name nobody has."""
     import pwd
 
+    # A uid is ASCII digits, as for chown(1) and su(1): str.isdigit() and
+    # int() also take '٣' (uid 3, sys) and '²'.
+    numeric = user.isascii() and user.isdigit()
     try:
-        pw = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+        pw = pwd.getpwuid(int(user)) if numeric else pwd.getpwnam(user)
     except (KeyError, ValueError, OverflowError):
-        if user.isdigit() and int(user) < 2**32 - 1:
+        if numeric and int(user) < 2**32 - 1:
             return int(user), int(user), [], {"HOME": "/", "USER": None, "LOGNAME": None}
         raise ValueError(f"no such user {user!r}") from None
     try:

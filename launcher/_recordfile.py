@@ -43,6 +43,11 @@ from ._safefs import PersistError, UnsafePath
 from ._safepath import link_trusted, open_dir_trusted_links
 
 
+# Descriptors 0-2 that the caller closed and contain holds on /dev/null
+# (_cli._hold_closed_stdio): a record "written" through one goes nowhere.
+CLOSED_STDIO: set[int] = set()
+
+
 class RecordTarget:
     """A checked --record destination. `update()` for each record the run
     writes (only a regular-file target follows along), `final()` once with
@@ -151,7 +156,7 @@ def _stdio_match(st: os.stat_result, path: str) -> int:
     opened) when fd N is open on it; else -1. Those magic links read back
     as `pipe:[...]`, not as paths, and are ours: they are written through."""
     cands = [1, 2]
-    n = _fd_named(path)
+    n = fd_named(path)
     if n is not None:
         cands.insert(0, n)
     for fd in cands:
@@ -164,7 +169,7 @@ def _stdio_match(st: os.stat_result, path: str) -> int:
     return -1
 
 
-def _fd_named(path: str) -> int | None:
+def fd_named(path: str) -> int | None:
     """N when `path` names our descriptor N: /dev/fd/N, /proc/self/fd/N,
     or /dev/stdin, /dev/stdout, /dev/stderr (root's links to
     /proc/self/fd/0-2 on Linux; other links are left to _resolve, which
@@ -173,7 +178,7 @@ def _fd_named(path: str) -> int | None:
     if std is not None:
         return std
     for pre in ("/dev/fd/", "/proc/self/fd/", f"/proc/{os.getpid()}/fd/"):
-        if path.startswith(pre) and path[len(pre):].isdigit():
+        if path.startswith(pre) and path[len(pre):].isascii() and path[len(pre):].isdigit():
             return int(path[len(pre):])
     return None
 
@@ -183,6 +188,8 @@ def prepare(path: str) -> RecordTarget:
     Raises UnsafePath with the reason (one line)."""
     if path == "-":
         try:
+            if 1 in CLOSED_STDIO:
+                raise OSError(errno.EBADF, "closed")
             return RecordTarget("stdout", "stream", fd=_dup(1))
         except OSError:
             raise UnsafePath("-", "stdout is closed", errno.EBADF) from None
@@ -197,7 +204,14 @@ def prepare(path: str) -> RecordTarget:
         # fd we hold, so no link leads anywhere else.
         std = _stdio_match(os.stat(path), path)
     except OSError:
+        n = fd_named(path)
+        if n is not None:
+            # Nothing to create there (/proc/self/fd takes no new file):
+            # said now, not after the run (`--record /dev/fd/3` without `3>`).
+            raise UnsafePath(path, f"names our descriptor {n}, which is not open", errno.EBADF) from None
         std = -1
+    if std in CLOSED_STDIO:
+        raise UnsafePath(path, f"is our descriptor {std}, which the caller closed", errno.EBADF)
     if std >= 0:
         import fcntl
 
@@ -217,6 +231,12 @@ def prepare(path: str) -> RecordTarget:
                 raise UnsafePath(path, f"is {kind}: not written", errno.EINVAL)
             if not os.access(name, os.W_OK, dir_fd=dfd, effective_ids=True, follow_symlinks=False):
                 raise UnsafePath(path, "is not writable", errno.EACCES)
+            dst = os.fstat(dfd)
+            if dst.st_mode & stat.S_ISVTX and euid not in (0, target.st_uid, dst.st_uid):
+                # The rename over it would fail (EPERM, the sticky bit:
+                # unlink(2)) after the run; said now.
+                raise UnsafePath(path, f"belongs to uid {target.st_uid} in a sticky directory: it cannot be "
+                                 f"replaced by uid {euid}", errno.EPERM)
         if not os.access(".", os.W_OK | os.X_OK, dir_fd=dfd, effective_ids=True):
             raise UnsafePath(path, f"its directory {os.path.dirname(path) or '.'} is not writable", errno.EACCES)
         mode = 0o600

@@ -107,17 +107,19 @@ class RunCgroups:
             parent, why, is_base = v1_base_for(h, env, own)
             problem = None
             if parent is not None:
+                d = ""
                 try:
                     pdir = h.fs_path(parent)
                     d = os.path.join(pdir, self.name)
+                    self.made.append(d)        # before the mkdir: an interrupt after it left one remove() missed
                     made_base = mkdir_under(pdir, d, make_base=is_base, mark=is_base and named)
                     if is_base and named:      # named for runs (not root's /contain): the last run out removes it
                         self.bases.append((pdir, made_base))
                 except (OSError, ValueError) as e:
+                    self.made = [m for m in self.made if m != d]     # not made (or not ours: EEXIST)
                     problem = f"cgroup v1 {h.name}: cannot create {self.name} under {parent}: " + (
                         os.strerror(e.errno or 0) if isinstance(e, OSError) else str(e))
                 else:
-                    self.made.append(d)
                     self.v1[h.name] = d
                     self.v1_hier[h.name] = h
                     mine = own.get(h.name)
@@ -158,9 +160,7 @@ class RunCgroups:
             return None
         if r.kind == "v2":
             return (self.v2_dir, "cgroup2") if self.v2_dir else None
-        if r.hierarchy is None or r.hierarchy.name not in self.v1:
-            return None
-        return self._dir_for(controller)
+        return self._dir_for(controller) if r.hierarchy is not None and r.hierarchy.name in self.v1 else None
 
     def cg_path(self, fs_dir: str) -> str:
         for name, d in self.v1.items():

@@ -107,7 +107,7 @@ CLAIM_WAIT_S = 10.0
 def keep_runs(env: dict[str, str] | os._Environ[str] = os.environ) -> int:
     """CONTAIN_KEEP_RUNS (a count >= 0; 0: no automatic bound), else KEEP_RUNS."""
     v = policy_env("CONTAIN_KEEP_RUNS", env)
-    if v is not None and v.isdigit() and len(v) <= 9:
+    if v is not None and v.isascii() and v.isdigit() and len(v) <= 9:
         return int(v)
     return KEEP_RUNS
 

@@ -94,6 +94,13 @@ def _open_stats(path: str, *, create: bool) -> int | None:
     parent, name = os.path.split(path)
     if not name:
         raise OSError(21, "is a directory")
+    from ._recordfile import fd_named
+
+    if fd_named(path) is not None:
+        # /dev/fd/N is a link (refused below when N is open) or, when N is
+        # not open, a name in /proc/self/fd, where no file can be made:
+        # said before the run, not after it.
+        raise OSError(22, "names a descriptor, not a regular file")
     # The directories above: a symlink there is followed only when it
     # belongs to root or to us, as in --record (another user's would choose
     # the directory root appends in).

@@ -75,6 +75,14 @@ def write(path: str, name: str, value: dict[str, Any], data: bytes | None = None
     return None
 
 
+def remove(path: str, name: str) -> None:
+    """Remove a tag of ours from `path` (never through a symlink), if any."""
+    try:
+        os.removexattr(path, prefix() + name, follow_symlinks=False)
+    except (OSError, AttributeError):
+        pass
+
+
 class TagRead:
     """One tag as read: `value` (a dict) or None; when None, `supported`
     says whether the file system could hold one (an absent tag where this

@@ -306,11 +306,16 @@ def abandon(run: Run) -> StopRecord | None:
         return None
     if not _claim(run):
         # Its Worker's thread owns it (the interrupt came once that thread
-        # existed): that owner stops it.
+        # existed): that owner stops it, and this caller (Supervisor.close)
+        # waits for that stop, bounded as the stop is: returning at once let
+        # the process exit with the stop under way and the tree running.
         run.layout.append_request({"op_id": f"abandon-{run.uid}", "run_uid": run.uid,
                                    "requested_at": now_iso(), "grace": 0.0,
                                    "by": {"pid": os.getpid(), "reason": "its Worker could not be made"}})
         run.wake()
+        deadline = time.monotonic() + run.opts.kill_timeout + 1.0
+        while not run.finished() and time.monotonic() < deadline:
+            time.sleep(0.005)          # (no Worker here to wait on: the owner thread sets finished)
         return None
     if run.pid <= 0:
         if run.container is not None:
