@@ -34,12 +34,40 @@ def stat_fields(data: bytes) -> tuple[str, int, int, int, int]:
 
 
 def read_stat(pid: int | str) -> tuple[str, int, int, int, int] | None:
-    """stat_fields of a process, or None if it is gone or unreadable."""
+    """stat_fields of a process, or None if it is gone or unreadable. The
+    state is the process's: /proc/<pid>/stat is its leader thread's, which
+    says Z once that thread exited alone (SYS_exit), while another thread
+    of the process may run on for ever (the leader stays a zombie until the
+    last thread exits: delay_group_leader, kernel/exit.c). Every caller
+    reads Z as "exited", so a Z is checked against the other threads."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return stat_fields(f.read())
+            fields = stat_fields(f.read())
     except (OSError, ValueError):
         return None
+    if fields[0] in ("Z", "X"):
+        live = _live_thread_state(pid)
+        if live is not None:
+            return (live,) + fields[1:]
+    return fields
+
+
+def _live_thread_state(pid: int | str) -> str | None:
+    """The state of a thread of `pid` that has not exited, or None if there
+    is none (a true zombie lists only its leader in /proc/<pid>/task)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                state = stat_fields(f.read())[0]
+        except (OSError, ValueError):
+            continue
+        if state not in ("Z", "X"):
+            return state
+    return None
 
 
 def start_time(pid: int) -> int:

@@ -83,9 +83,11 @@ def _carrying(run_dir: str | None) -> list[int] | None:
 
 
 def _snapshot() -> dict[int, tuple[int, int, int, int]]:
-    """Every live process, from one native pass over /proc."""
+    """Every live process, from one native pass over /proc. A Z there is the
+    leader thread's state: read_stat tells a zombie from a process whose
+    leader exited alone while another thread runs on."""
     return {p.pid: (p.ppid, p.pgid, p.sid, p.start_time)
-            for p in scan_processes(cgroups=False) if p.state not in ("Z", "X")}
+            for p in scan_processes(cgroups=False) if p.state not in ("Z", "X") or _live_start(p.pid) is not None}
 
 
 class Container:
