@@ -16,6 +16,7 @@ two to the same answers.
 """
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 
@@ -50,6 +51,30 @@ def read_stat(pid: int | str) -> tuple[str, int, int, int, int] | None:
         if live is not None:
             return (live,) + fields[1:]
     return fields
+
+
+def read_environ(pid: int | str, limit: int = 1 << 20) -> bytes:
+    """/proc/<pid>/environ (at most `limit` bytes). Raises OSError. A process
+    whose leader thread exited alone cannot be read there (ESRCH: the leader
+    has no mm any more): then a live thread's, which is the same memory."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read(limit)
+    except OSError as e:
+        if e.errno != errno.ESRCH:
+            raise
+        err = e
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        raise err from None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/environ", "rb") as f:
+                return f.read(limit)
+        except OSError:
+            continue
+    raise err
 
 
 def _live_thread_state(pid: int | str) -> str | None:

@@ -25,7 +25,7 @@ def holders(token: str, var: str = TOKEN_VAR) -> list[int]:
     """Live (non-zombie) processes whose environment holds `var=token`
     as one entry. The one survivor scan of the test suite. A process whose
     leader thread exited alone (SYS_exit) while another thread runs on
-    shows Z and an empty environ at /proc/<pid>: its threads are looked at."""
+    shows Z and has no readable environ at /proc/<pid>: its threads are looked at."""
     needle = f"{var}={token}".encode()
     me = os.getpid()
     found = []

@@ -5,7 +5,8 @@ Real kernel throughout: real `contain run` and `contain cancel` processes,
 cgroups under the test's own base, survival decided by the test's own /proc
 scan (tests/_proc.holders, which now looks at the threads of a process
 whose leader shows `Z`: one whose leader thread exited alone while another
-thread runs on has a zombie's /proc/<pid>/stat and an empty environ there). Everything started is killed by pid, every wait bounded.
+thread runs on has a zombie's /proc/<pid>/stat, and its /proc/<pid>/environ
+cannot be read). Everything started is killed by pid, every wait bounded.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import time
 
 import pytest
 
-from _proc import contain_cmd, holders, kill_holders
+from _proc import (contain_cmd, contain_killed_at, holders, kill_holders, needs_mount, ramfs_state_script,
+                   run_in_ramfs_namespace)
 from conftest import needs_cgroup
 
 PY = sys.executable
@@ -153,5 +155,67 @@ def test_degraded_stop_kills_a_member_whose_leader_thread_exited(box, tmp_path):
             time.sleep(0.02)
         alive = holders(box.token)
         assert not alive, (alive, rec["evidence"]["signal_sent"], rec["evidence"]["descendants_exit"]["detail"])
+    finally:
+        _kill_tasks(box.token)
+
+
+# A worker whose leader thread exits alone at once, a thread running on
+# (comm stays python): its /proc/<pid>/environ cannot be read from then on (ESRCH).
+WORKER_LEADER_EXITS = ("import ctypes, threading, time; threading.Thread(target=time.sleep, args=(300,)).start(); "
+                       "ctypes.CDLL(None).syscall(60, 0)")
+
+_WAIT_LEADER_ZOMBIE = r"""
+import os, sys, time
+sys.path.insert(0, sys.argv[2])
+from _proc import holders
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:
+    for pid in holders(sys.argv[1]):
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            st = f.read()
+        if st[st.rindex(b")") + 2:st.rindex(b")") + 3] == b"Z":
+            sys.exit(0)
+    time.sleep(0.02)
+sys.exit(1)
+"""
+
+
+@needs_mount
+@pytest.mark.timeout(120)
+def test_degraded_adopter_that_knows_no_member_still_sees_a_worker_whose_leader_thread_exited(box, tmp_path):
+    """Degraded mode, a state directory that holds no tag (ramfs), the
+    supervisor killed before it described the worker: the adopter knows no
+    member, and a process still carrying the run's environment keeps the
+    stop UNCONFIRMED (review 17). It read that environment at
+    /proc/<pid>/environ, unreadable (ESRCH) once the worker's leader thread has exited
+    alone: the adopter found nobody, recorded EXITED and `cancel --wait`
+    exited 0, with the worker's thread running on."""
+    mnt = tmp_path / "ramfs"
+    mnt.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    wrapper = contain_killed_at(tmp_path / "killed_before_described.py", "launcher._evidence:RunEvidence.tag_holds",
+                                after=False, when="lambda self, run: run.pid > 0")
+    contain = " ".join(contain_cmd())
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = ramfs_state_script(mnt) + f"""
+{PY} {wrapper} run --id lz --backend none --grace 0.2 -- {PY} -c '{WORKER_LEADER_EXITS}' \
+    < /dev/null > {out}/run.out 2>&1
+echo $? > {out}/run.rc
+{PY} -c '{_WAIT_LEADER_ZOMBIE}' {box.token} {tests} || exit 97
+{contain} cancel lz --wait --json --op-id adopt --timeout 30 > {out}/cancel.json
+echo $? > {out}/cancel.rc
+cp {mnt}/state/runs/lz/record.json {out}/record.json
+"""
+    try:
+        p = run_in_ramfs_namespace(script, box.env, timeout=100)
+        assert p.returncode == 0, (p.returncode, p.stderr)
+        assert (out / "run.rc").read_text().strip() == str(128 + 9), "the supervisor was not killed there"
+        alive = holders(box.token)
+        assert alive, "the worker should still run: nothing in this run stopped it"
+        ack = json.loads((out / "cancel.json").read_text())
+        notes = json.loads((out / "record.json").read_text())["notes"]
+        assert ack["state"] not in ("REAPED", "EXITED"), (ack["state"], notes, alive)
+        assert (out / "cancel.rc").read_text().strip() != "0", (ack, alive)
     finally:
         _kill_tasks(box.token)

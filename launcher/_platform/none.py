@@ -24,7 +24,7 @@ from typing import Any
 from .. import _tags
 from .._errors import ContainmentUnavailable
 from .._identity import boot_id
-from .._procfs import read_stat
+from .._procfs import read_environ, read_stat
 from .._scan import scan_processes
 from . import posix
 from .posixwait import Root
@@ -73,8 +73,7 @@ def _carrying(run_dir: str | None) -> list[int] | None:
         if not name.isdigit() or int(name) == os.getpid():
             continue
         try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                env = f.read(1 << 20)
+            env = read_environ(name)
         except OSError:
             continue          # gone, or not ours to read (then not ours to stop either)
         if needle in env.split(b"\0") and _live_start(int(name)) is not None:
