@@ -219,3 +219,80 @@ cp {mnt}/state/runs/lz/record.json {out}/record.json
         assert (out / "cancel.rc").read_text().strip() != "0", (ack, alive)
     finally:
         _kill_tasks(box.token)
+
+
+# An unwalled root worker shares the supervisor's mount namespace: it has a
+# child leave the run's cgroup, then binds a file over that child's
+# /proc/<pid>/stat that shows another start time ("the pid names another
+# process now"), and exits.
+PROC_OVERMOUNT = textwrap.dedent("""\
+    import os, subprocess, time
+    esc, fake = os.environ["ESC_CG"], os.environ["FAKE"]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        with open(os.path.join(esc, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        os.write(w, b"x")
+        time.sleep(300)
+        os._exit(0)
+    os.read(r, 1)
+    st = open(f"/proc/{pid}/stat").read()
+    head, rest = st[:st.rindex(")") + 2], st[st.rindex(")") + 2:].split()
+    rest[19] = str(int(rest[19]) + 1)
+    open(fake, "w").write(head + " ".join(rest) + "\\n")
+    subprocess.run(["mount", "--bind", fake, f"/proc/{pid}/stat"], check=True)
+    open(os.environ["READY"], "w").close()
+""")
+
+
+def _unmount_binds_of(source: str) -> None:
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f if line.split()[3] == source]
+    for point in points:
+        subprocess.run(["umount", point], capture_output=True, timeout=10)
+
+
+@needs_root
+@needs_cgroup
+@pytest.mark.timeout(120)
+def test_escaper_hidden_by_a_file_bound_over_its_proc_stat_is_not_reaped(box, tmp_path):
+    """Without the wall the worker shares the supervisor's mount namespace,
+    and a root worker can mount over /proc/<pid>/... The fork ledger and the
+    escaper pass read an escaper's identity through /proc/<pid>/stat: a
+    file bound there with another start time made the escaper read as
+    gone, and the record said REAPED, descendants_exit true, escapes false,
+    with it alive outside the run's cgroup."""
+    esc = os.path.join(box.base, "esc")
+    os.makedirs(esc)
+    fake, ready, rec_path = str(tmp_path / "fakestat"), str(tmp_path / "ready"), tmp_path / "record.json"
+    # No v1 cgroups of the run: the escaper found in them is another route (tried by other tests).
+    env = dict(box.env, ESC_CG=esc, FAKE=fake, READY=ready, CONTAIN_CGROUP_V1="off")
+    try:
+        with open(tmp_path / "err", "w+") as err:
+            subprocess.run(contain_cmd("run", "--no-pidns", "--grace", "0.3", "--record", str(rec_path), "--",
+                                       PY, "-c", PROC_OVERMOUNT), env=env, stdout=subprocess.DEVNULL, stderr=err,
+                           timeout=60)
+            err.seek(0)
+            stderr = err.read()
+        assert "Traceback" not in stderr, stderr
+        assert os.path.exists(ready), f"the mount did not happen (the test is void): {stderr}"
+        rec = json.loads(rec_path.read_text())
+        with open(os.path.join(esc, "cgroup.procs")) as f:
+            outside = f.read().split()
+        if outside:
+            ev = rec["evidence"]
+            assert rec["state"] != "REAPED", (outside, rec["state"], ev["escapes"])
+            assert ev["descendants_exit"]["observed"] is not True, (outside, ev["descendants_exit"])
+            assert ev["escapes"]["observed"] is not False, (outside, ev["escapes"])
+        else:
+            assert rec["evidence"]["escapes"]["observed"] is True, rec["evidence"]["escapes"]
+    finally:
+        with open(os.path.join(esc, "cgroup.procs")) as f:
+            for pid in f.read().split():
+                try:
+                    os.kill(int(pid), 9)
+                except ProcessLookupError:
+                    pass
+        _kill_tasks(box.token)
+        _unmount_binds_of(fake)
