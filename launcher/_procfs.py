@@ -16,8 +16,90 @@ two to the same answers.
 """
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
+
+
+# -- where /proc is read ------------------------------------------------------
+
+_view_at: tuple[int, int, int] | None = None     # (fd, st_dev, st_ino) of the clone
+
+
+def _view(check: bool = False) -> tuple[int, int, int]:
+    """A descriptor of /proc that nothing mounted below it can lie through
+    (procscan.c, ct_proc_view_take: an unwalled root worker shares our mount
+    namespace and can bind a file over /proc/<pid>/stat), with its identity;
+    fd -1 where the kernel will not clone the mount (no CAP_SYS_ADMIN: then
+    nothing we run can mount in our namespace either) and /proc is read by
+    its path. A library caller may close descriptors it did not open: after
+    a failed read (`check`) the clone is checked to be still ours (fstat),
+    and taken again if not."""
+    global _view_at
+    if _view_at is not None:
+        fd, dev, ino = _view_at
+        if fd < 0 or not check:
+            return _view_at
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == (dev, ino):
+                return _view_at
+        except OSError:
+            pass
+    fd, dev, ino = -1, 0, 0
+    try:
+        from ._native import ffi, lib
+
+        out = ffi.new("int*")
+        if lib.ct_proc_view_take(out) == 0:
+            fd = out[0]
+            st = os.fstat(fd)
+            dev, ino = st.st_dev, st.st_ino
+    except (ImportError, AttributeError, OSError):
+        pass
+    _view_at = (fd, dev, ino)
+    return _view_at
+
+
+def _read(rel: str, limit: int = 1 << 16) -> bytes:
+    """The first `limit` bytes of /proc/`rel`, through the view. Raises OSError."""
+    view = _view()
+    if view[0] < 0:
+        fd = os.open("/proc/" + rel, os.O_RDONLY | os.O_CLOEXEC)
+    else:
+        try:
+            fd = os.open(rel, os.O_RDONLY | os.O_CLOEXEC, dir_fd=view[0])
+        except OSError:
+            if _view(check=True) is view:
+                raise
+            return _read(rel, limit)     # our descriptor was closed under us: taken again
+    try:
+        chunks, left = [], limit
+        while left > 0:
+            got = os.read(fd, min(left, 1 << 16))
+            if not got:
+                break
+            chunks.append(got)
+            left -= len(got)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _listdir(rel: str) -> list[str]:
+    view = _view()
+    if view[0] < 0:
+        return os.listdir("/proc/" + rel)
+    try:
+        d = os.open(rel, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=view[0])
+    except OSError:
+        if _view(check=True) is view:
+            raise
+        return _listdir(rel)
+    try:
+        return os.listdir(d)
+    finally:
+        os.close(d)
 
 
 # -- /proc/<pid>/stat ---------------------------------------------------------
@@ -34,18 +116,65 @@ def stat_fields(data: bytes) -> tuple[str, int, int, int, int]:
 
 
 def read_stat(pid: int | str) -> tuple[str, int, int, int, int] | None:
-    """stat_fields of a process, or None if it is gone or unreadable."""
+    """stat_fields of a process, or None if it is gone or unreadable. The
+    state is the process's: /proc/<pid>/stat is its leader thread's, which
+    says Z once that thread exited alone (SYS_exit), while another thread
+    of the process may run on for ever (the leader stays a zombie until the
+    last thread exits: delay_group_leader, kernel/exit.c). Every caller
+    reads Z as "exited", so a Z is checked against the other threads."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return stat_fields(f.read())
+        fields = stat_fields(_read(f"{pid}/stat"))
     except (OSError, ValueError):
         return None
+    if fields[0] in ("Z", "X"):
+        live = _live_thread_state(pid)
+        if live is not None:
+            return (live,) + fields[1:]
+    return fields
+
+
+def read_environ(pid: int | str, limit: int = 1 << 20) -> bytes:
+    """/proc/<pid>/environ (at most `limit` bytes). Raises OSError. A process
+    whose leader thread exited alone cannot be read there (ESRCH: the leader
+    has no mm any more): then a live thread's, which is the same memory."""
+    try:
+        return _read(f"{pid}/environ", limit)
+    except OSError as e:
+        if e.errno != errno.ESRCH:
+            raise
+        err = e
+    try:
+        tids = _listdir(f"{pid}/task")
+    except OSError:
+        raise err from None
+    for tid in tids:
+        try:
+            return _read(f"{pid}/task/{tid}/environ", limit)
+        except OSError:
+            continue
+    raise err
+
+
+def _live_thread_state(pid: int | str) -> str | None:
+    """The state of a thread of `pid` that has not exited, or None if there
+    is none (a true zombie lists only its leader in /proc/<pid>/task)."""
+    try:
+        tids = _listdir(f"{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            state = stat_fields(_read(f"{pid}/task/{tid}/stat"))[0]
+        except (OSError, ValueError):
+            continue
+        if state not in ("Z", "X"):
+            return state
+    return None
 
 
 def start_time(pid: int) -> int:
     """Field 22 of /proc/<pid>/stat (clock ticks after boot). Raises OSError."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return stat_fields(f.read())[4]
+    return stat_fields(_read(f"{pid}/stat"))[4]
 
 
 # -- /proc/<pid>/status --------------------------------------------------------
@@ -56,8 +185,7 @@ def read_nspid(pid: int | str) -> list[int] | None:
     in its own namespace (1 for a namespace's init). None if it is gone or
     unreadable, or the line is missing or malformed."""
     try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            data = f.read(16384)
+        data = _read(f"{pid}/status", 16384)
     except OSError:
         return None
     for line in data.splitlines():
@@ -76,8 +204,7 @@ def read_comm(pid: int | str) -> str | None:
     """The command name (at most 15 bytes, set by the process itself: a
     label, never an identity), or None if it is gone or unreadable."""
     try:
-        with open(f"/proc/{pid}/comm", "rb") as f:
-            return f.read(64).rstrip(b"\n").decode("utf-8", "replace")
+        return _read(f"{pid}/comm", 64).rstrip(b"\n").decode("utf-8", "replace")
     except OSError:
         return None
 
@@ -104,8 +231,7 @@ def parse_cgroups(text: str) -> dict[str, str]:
 
 def cgroups_of(pid: int | str) -> dict[str, str]:
     """parse_cgroups of a live process. Raises OSError."""
-    with open(f"/proc/{pid}/cgroup", errors="surrogateescape") as f:
-        return parse_cgroups(f.read())
+    return parse_cgroups(_read(f"{pid}/cgroup", 1 << 20).decode(errors="surrogateescape"))
 
 
 def parse_cgroup(text: str) -> str | None:
@@ -120,8 +246,7 @@ def cgroup_of(pid: int | str, *, missing_ok: bool = False) -> str | None:
     """The v2 path of a process. Raises OSError when the file cannot be
     read, unless `missing_ok` (then None: the caller treats it as unknown)."""
     try:
-        with open(f"/proc/{pid}/cgroup", errors="surrogateescape") as f:
-            return parse_cgroup(f.read())
+        return parse_cgroup(_read(f"{pid}/cgroup", 1 << 20).decode(errors="surrogateescape"))
     except OSError:
         if missing_ok:
             return None

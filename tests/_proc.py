@@ -23,25 +23,49 @@ def new_token() -> str:
 
 def holders(token: str, var: str = TOKEN_VAR) -> list[int]:
     """Live (non-zombie) processes whose environment holds `var=token`
-    as one entry. The one survivor scan of the test suite."""
+    as one entry. The one survivor scan of the test suite. A process whose
+    leader thread exited alone (SYS_exit) while another thread runs on
+    shows Z and has no readable environ at /proc/<pid>: its threads are looked at."""
     needle = f"{var}={token}".encode()
     me = os.getpid()
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == me:
             continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                env = f.read()
-            if needle not in env.split(b"\0"):
+        for where in _live_task_dirs(name):
+            try:
+                with open(f"{where}/environ", "rb") as f:
+                    env = f.read()
+            except OSError:
                 continue
-            with open(f"/proc/{name}/stat", "rb") as f:
-                st = f.read()
-        except OSError:
-            continue
-        if st[st.rindex(b")") + 2:st.rindex(b")") + 3] not in (b"Z", b"X"):
-            found.append(int(name))
+            if needle in env.split(b"\0"):
+                found.append(int(name))
+            break
     return found
+
+
+def _state(stat_path: str) -> bytes | None:
+    try:
+        with open(stat_path, "rb") as f:
+            st = f.read()
+    except OSError:
+        return None
+    return st[st.rindex(b")") + 2:st.rindex(b")") + 3]
+
+
+def _live_task_dirs(pid: str) -> list[str]:
+    """/proc/<pid> if its leader is not a zombie, else the directories of
+    its threads that are not (none for a true zombie)."""
+    state = _state(f"/proc/{pid}/stat")
+    if state is None:
+        return []
+    if state not in (b"Z", b"X"):
+        return [f"/proc/{pid}"]
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    return [f"/proc/{pid}/task/{t}" for t in tids if _state(f"/proc/{pid}/task/{t}/stat") not in (None, b"Z", b"X")]
 
 
 def readline_within(f, timeout: float = 30.0) -> bytes:

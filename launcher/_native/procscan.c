@@ -43,6 +43,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -1083,5 +1084,25 @@ int ct_procscan_pack(const struct ct_proc *in, int n, int odd_mask, struct ct_pr
     }
     c->comm_len = (size_t)(comm - c->comm);
     free(table);
+    return 0;
+}
+
+/* Whoever shares our mount namespace with CAP_SYS_ADMIN (an unwalled root
+ * worker) can bind-mount a file over /proc/<pid>/stat or /cgroup and make a
+ * live escaper read as another process, or gone. A path walk crosses every
+ * mount, from a held /proc descriptor too; a detached clone of the /proc
+ * mount alone has none below it (open_tree(2), OPEN_TREE_CLONE without
+ * AT_RECURSIVE). The same procfs instance: the same pids. */
+#ifndef SYS_open_tree
+#define SYS_open_tree 428
+#endif
+#ifndef OPEN_TREE_CLONE
+#define OPEN_TREE_CLONE 1
+#endif
+
+int ct_proc_view_take(int *fd_out) {
+    long fd = syscall(SYS_open_tree, AT_FDCWD, "/proc", OPEN_TREE_CLONE | O_CLOEXEC);
+    if (fd < 0) return -errno;
+    *fd_out = (int)fd;
     return 0;
 }

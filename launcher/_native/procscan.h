@@ -74,4 +74,9 @@ struct ct_procscan_cols {
 
 /* Lay out in[0..n) as columns. Returns 0, or -ENOMEM. */
 int ct_procscan_pack(const struct ct_proc *in, int n, int odd_mask, struct ct_procscan_cols *cols);
+
+/* A clone of the /proc mount alone, without anything mounted below it
+ * (open_tree(2) OPEN_TREE_CLONE, not AT_RECURSIVE; 5.2), into *fd_out.
+ * Returns 0, or -errno (EPERM without CAP_SYS_ADMIN). */
+int ct_proc_view_take(int *fd_out);
 #endif

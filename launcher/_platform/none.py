@@ -24,7 +24,7 @@ from typing import Any
 from .. import _tags
 from .._errors import ContainmentUnavailable
 from .._identity import boot_id
-from .._procfs import read_stat
+from .._procfs import read_environ, read_stat
 from .._scan import scan_processes
 from . import posix
 from .posixwait import Root
@@ -73,8 +73,7 @@ def _carrying(run_dir: str | None) -> list[int] | None:
         if not name.isdigit() or int(name) == os.getpid():
             continue
         try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                env = f.read(1 << 20)
+            env = read_environ(name)
         except OSError:
             continue          # gone, or not ours to read (then not ours to stop either)
         if needle in env.split(b"\0") and _live_start(int(name)) is not None:
@@ -83,9 +82,11 @@ def _carrying(run_dir: str | None) -> list[int] | None:
 
 
 def _snapshot() -> dict[int, tuple[int, int, int, int]]:
-    """Every live process, from one native pass over /proc."""
+    """Every live process, from one native pass over /proc. A Z there is the
+    leader thread's state: read_stat tells a zombie from a process whose
+    leader exited alone while another thread runs on."""
     return {p.pid: (p.ppid, p.pgid, p.sid, p.start_time)
-            for p in scan_processes(cgroups=False) if p.state not in ("Z", "X")}
+            for p in scan_processes(cgroups=False) if p.state not in ("Z", "X") or _live_start(p.pid) is not None}
 
 
 class Container:
