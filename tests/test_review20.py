@@ -35,16 +35,20 @@ def _kill_tasks(token: str) -> None:
         time.sleep(0.02)
 
 
-# A child of the worker moves itself into a cgroup of the test's own, starts a
-# thread, and its leader thread exits alone (SYS_exit, not exit_group): the
-# process runs on in that thread, and its /proc/<pid>/stat says Z. The thread
-# writes READY once it sees that; the worker then exits.
+# A child of the worker leaves (into ESC_CG, a cgroup of the test's own, when
+# given; else by setsid alone), starts a thread, and its leader thread exits
+# alone (SYS_exit, not exit_group): the process runs on in that thread, and
+# its /proc/<pid>/stat says Z. The thread writes READY once it sees that; the
+# worker then exits.
 LEADER_EXITS = textwrap.dedent("""\
     import ctypes, os, sys, threading, time
-    esc, ready = os.environ["ESC_CG"], os.environ["READY"]
+    esc, ready = os.environ.get("ESC_CG"), os.environ["READY"]
     if os.fork() == 0:
-        with open(os.path.join(esc, "cgroup.procs"), "w") as f:
-            f.write(str(os.getpid()))
+        if esc:
+            with open(os.path.join(esc, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+        else:
+            os.setsid()
         def linger():
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:
@@ -105,31 +109,6 @@ def test_escaper_whose_leader_thread_exited_while_a_thread_runs_on_is_not_reaped
         _kill_tasks(box.token)
 
 
-# The same process without the cgroup move: a setsid child whose leader
-# thread exits alone, a thread running on; the worker exits after it.
-LEADER_EXITS_IN_PLACE = textwrap.dedent("""\
-    import ctypes, os, threading, time
-    ready = os.environ["READY"]
-    if os.fork() == 0:
-        os.setsid()
-        def linger():
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
-                with open("/proc/self/stat", "rb") as f:
-                    st = f.read()
-                if st[st.rindex(b")") + 2:st.rindex(b")") + 3] == b"Z":
-                    open(ready, "w").close()
-                    break
-                time.sleep(0.01)
-            time.sleep(300)
-        threading.Thread(target=linger).start()
-        ctypes.CDLL(None).syscall(60, 0)      # SYS_exit: the leader thread only
-    deadline = time.monotonic() + 20
-    while not os.path.exists(ready) and time.monotonic() < deadline:
-        time.sleep(0.01)
-""")
-
-
 @pytest.mark.timeout(120)
 def test_degraded_stop_kills_a_member_whose_leader_thread_exited(box, tmp_path):
     """Degraded mode stops what it can see: the fork ledger saw the child,
@@ -142,7 +121,7 @@ def test_degraded_stop_kills_a_member_whose_leader_thread_exited(box, tmp_path):
     try:
         with open(tmp_path / "err", "w+") as err:
             subprocess.run(contain_cmd("run", "--backend", "none", "--grace", "0.3", "--record", str(rec_path),
-                                       "--", PY, "-c", LEADER_EXITS_IN_PLACE), env=env, stdout=subprocess.DEVNULL,
+                                       "--", PY, "-c", LEADER_EXITS), env=env, stdout=subprocess.DEVNULL,
                            stderr=err, timeout=60)
             err.seek(0)
             stderr = err.read()
