@@ -24,6 +24,7 @@ import posixpath
 # -- where /proc is read ------------------------------------------------------
 
 _view_at: tuple[int, int, int] | None = None     # (fd, st_dev, st_ino) of the clone
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)           # none on Windows, where /proc is not there (OSError)
 
 
 def _view(check: bool = False) -> tuple[int, int, int]:
@@ -65,10 +66,10 @@ def _read(rel: str, limit: int = 1 << 16) -> bytes:
     """The first `limit` bytes of /proc/`rel`, through the view. Raises OSError."""
     view = _view()
     if view[0] < 0:
-        fd = os.open("/proc/" + rel, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open("/proc/" + rel, os.O_RDONLY | _CLOEXEC)
     else:
         try:
-            fd = os.open(rel, os.O_RDONLY | os.O_CLOEXEC, dir_fd=view[0])
+            fd = os.open(rel, os.O_RDONLY | _CLOEXEC, dir_fd=view[0])
         except OSError:
             if _view(check=True) is view:
                 raise
