@@ -96,8 +96,9 @@ def _untag_unrecorded(run: Run) -> None:
     """Nothing ran, and no record in the state directory says so (it is
     full: ENOSPC): without its tag the run directory reads "never started"
     (gc removes it), not a described run that an adopter would stop and
-    call cancelled."""
-    if run.layout is not None and run.pid <= 0:
+    call cancelled. Only once the run's container was observed empty
+    (REAPED): a degraded run may have cloned a worker it never named."""
+    if run.layout is not None and run.pid <= 0 and run.snap.state == "REAPED":
         from . import _tags
 
         _tags.remove(run.layout.path, _tags.RUN_TAG)

@@ -92,7 +92,7 @@ def _listdir(rel: str) -> list[str]:
     if view[0] < 0:
         return os.listdir("/proc/" + rel)
     try:
-        d = os.open(rel, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=view[0])
+        d = os.open(rel, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC, dir_fd=view[0])
     except OSError:
         if _view(check=True) is view:
             raise
