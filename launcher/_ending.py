@@ -27,7 +27,9 @@ def settle_tree(run: Run, terminal: bool) -> None:
     if terminal and (run.opts.workspace or run.opts.check_sockets):
         from ._postconditions import measure   # lazy: only runs that asked for it
 
-        run.facts.layers.update(measure(run.opts.workspace, run.opts.check_sockets, run.stop.sockets))
+        c = run.container
+        cg = getattr(c, "dir", None) if c is not None and c.backend == "cgroup2" else None
+        run.facts.layers.update(measure(run.opts.workspace, run.opts.check_sockets, run.stop.sockets, cg))
     if run.container is not None:
         run.facts.cpu = run.container.cpu_stat() or run.facts.cpu
         run.see_nested()

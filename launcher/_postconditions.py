@@ -72,31 +72,61 @@ def _netns(pid: str) -> int | None:
         return None
 
 
-def live_socket_inodes() -> set[int]:
+def live_socket_inodes(cgroups: frozenset[int] = frozenset()) -> tuple[set[int], set[int]]:
     """Every inet (TCP, UDP) and unix socket in this network namespace, by
-    sock_diag (pyroute2). Raises OSError when the kernel will not answer."""
+    sock_diag (pyroute2), and those inet sockets, open in some process, that
+    were made in one of `cgroups` (INET_DIAG_CGROUP_ID: the cgroup v2 id the
+    kernel stamps on a socket at its creation, Linux 5.7). Raises OSError
+    when the kernel will not answer."""
     from pyroute2.netlink.diag import DiagSocket
 
     out: set[int] = set()
+    made_in: set[int] = set()
     with DiagSocket() as ds:
         ds.bind()
         for fam in (socket.AF_INET, socket.AF_INET6):
             for proto in (socket.IPPROTO_TCP, socket.IPPROTO_UDP):
                 for s in ds.get_sock_stats(family=fam, protocol=proto, states=0xFFF):
-                    out.add(int(s.get("idiag_inode")))
+                    ino = int(s.get("idiag_inode"))
+                    out.add(ino)
+                    # Inode 0: no descriptor (TIME_WAIT, an orphan the kernel finishes).
+                    if ino and cgroups and s.get_attr("INET_DIAG_CGROUP_ID") in cgroups:
+                        made_in.add(ino)
         for s in ds.get_sock_stats(family=socket.AF_UNIX, states=0xFFF):
             out.add(int(s.get("udiag_ino")))
-    return out
+    return out, made_in
 
 
-def sockets_closed(before: set[int], problems: list[str]) -> dict[str, Any]:
+def cgroup_ids(top: str | None) -> frozenset[int]:
+    """The ids of a cgroup v2 directory and every cgroup below it (a v2
+    cgroup's id is its directory's inode number)."""
+    ids: set[int] = set()
+    stack = [top] if top else []
+    while stack:
+        d = stack.pop()
+        try:
+            ids.add(os.stat(d).st_ino)
+            with os.scandir(d) as it:
+                stack.extend(e.path for e in it if _is_dir(e))
+        except OSError:
+            continue
+    return frozenset(ids)
+
+
+def sockets_closed(before: set[int], problems: list[str], cgroups: frozenset[int] = frozenset()) -> dict[str, Any]:
     """Whether every socket the tree held at the stop is gone now. sock_diag
     lists only the hashed TCP/UDP and the unix sockets: an unbound inet
     socket, a netlink, raw or packet one is open while any descriptor names
-    it, so those are looked for in every process's fds too."""
+    it, so those are looked for in every process's fds too. `cgroups`: the
+    run's v2 cgroups, checked once the container is empty: an inet socket
+    made in one of them and still open is the tree's, wherever it went (one
+    handed out before the stop is in no member's fds at the stop)."""
     via = "sock_diag (pyroute2), then /proc/*/fd, against socket inodes held by members at the stop"
+    if cgroups:
+        via += ", and inet sockets made in the run's cgroups (INET_DIAG_CGROUP_ID)"
     try:
-        alive = before & live_socket_inodes()
+        live, made_in = live_socket_inodes(cgroups)
+        alive = (before & live) | made_in
     except Exception as e:  # pyroute2 raises its own NetlinkError as well as OSError
         return evidence(None, via, f"sock_diag failed: {e}")
     unseen = before - alive
@@ -267,17 +297,22 @@ def _drain(fd: int, window: float) -> int:
 
 
 def measure(workspace: str | None, check_sockets: bool,
-            sockets_at_stop: tuple[set[int], list[str]] | None) -> dict[str, dict[str, Any]]:
+            sockets_at_stop: tuple[set[int], list[str]] | None,
+            cgroup_dir: str | None = None) -> dict[str, dict[str, Any]]:
     """The postcondition layers a run asked for, measured once its tree is
     gone. `sockets_at_stop`: what the members held when the stop began
-    (None if the container was already empty then)."""
+    (None if the container was already empty then). `cgroup_dir`: the run's
+    v2 cgroup, still there (the inet sockets made in it are the tree's)."""
     layers: dict[str, dict[str, Any]] = {}
     if workspace:
         layers["workspace_quiescent"] = workspace_quiescent(workspace)
     if check_sockets:
         held, problems = sockets_at_stop if sockets_at_stop is not None else (set(), [])
-        layers["sockets_closed"] = layer = sockets_closed(held, problems)
-        if sockets_at_stop is None:
-            layer["detail"] = {"held_at_stop": 0, "note": "the container was already empty when the stop "
-                               "began: sockets handed to other processes before that are not known"}
+        cgroups = cgroup_ids(cgroup_dir)
+        layers["sockets_closed"] = layer = sockets_closed(held, problems, cgroups)
+        if sockets_at_stop is None and isinstance(layer["detail"], dict):
+            what = "unix sockets" if cgroups else "sockets"
+            made = ": inet sockets made in the run's cgroups are found by their cgroup id" if cgroups else ""
+            layer["detail"]["note"] = (f"the container was already empty when the stop began: {what} handed to "
+                                       f"other processes before that are not known{made}")
     return layers
