@@ -261,13 +261,14 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
             _say(f"run: --stats-json {args.stats_json}: {e.strerror or e}")
             return EXIT_CONTAIN_FAILED
 
-    # Signals cancel the run; they are turned into wake-ups of the owner
-    # loop, which records the intent durably before anything is signalled
-    # (_sigproxy.py). Installed before the claim: one that arrives during
-    # the start-up is queued and acted on before the spawn.
+    # Signals cancel the run, or are forwarded to the worker; they are
+    # turned into wake-ups of the owner loop, which records the intent
+    # durably before anything is signalled (_sigproxy.py). Installed before
+    # the claim: a cancel that arrives during the start-up is acted on
+    # before the spawn, a signal to forward waits for the worker.
     proxy = SignalProxy(run, say=None if quiet else _say)
     proxy.install()
-    run.on_change = proxy.changed
+    run.on_change = proxy.after_turn      # also forwards the other signals to the worker
     if sys.platform != "win32":          # Windows: no subreaper (the job holds the tree)
         from ._native import lib
 
@@ -290,7 +291,7 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
         _say(f"run: {e}")
         return _ended(proxy, finish(run, target, EXIT_CONTAIN_FAILED))
     try:
-        rec = run.supervise()
+        rec = run.supervise(extra_fds=proxy.sources())
     except Exception:                   # a bug, not bad input: never the worker's exit status
         import traceback
 

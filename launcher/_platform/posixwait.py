@@ -51,6 +51,19 @@ def exit_of(status: int, via: str) -> "RootExit":
     return RootExit("signaled", None, os.WTERMSIG(status), evidence(True, via, {"signal": os.WTERMSIG(status)}))
 
 
+def _send_by_pidfd(pidfd: int, sig: int) -> bool:
+    """`sig` to the process a pidfd pins (pidfd_send_signal(2): never to a
+    pid reused since). False once there is nothing to send it to: the
+    pidfd is closed (its end was taken) or the process is gone."""
+    if pidfd < 0:
+        return False
+    try:
+        signal.pidfd_send_signal(pidfd, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 class Root:
     """The worker, pinned by its pidfd. Our child: `waitid(P_PIDFD)` takes
     its status. Adopted (not our child): its pidfd polls readable on exit,
@@ -105,6 +118,11 @@ class Root:
                 True, "pidfd readable + waitid(P_PIDFD)", {"exit_code": info.si_status}))
         return RootExit("signaled", None, info.si_status, evidence(
             True, "pidfd readable + waitid(P_PIDFD)", {"signal": info.si_status}))
+
+    def send_signal(self, sig: int) -> bool:
+        """`sig` to the worker itself, by its pidfd (the CLI's signal
+        forwarding, _sigproxy.py). False once it has ended."""
+        return _send_by_pidfd(self.pidfd, sig)
 
     def close(self) -> None:
         if self.pidfd >= 0:
@@ -315,6 +333,12 @@ class WallRoot:
                 True, "the PID namespace's init was reaped (every member is gone)",
                 "exit status unknown: the init ended before it reported the worker's"))
         return None
+
+    def send_signal(self, sig: int) -> bool:
+        """`sig` to the worker itself, by the pidfd the init passed us, from
+        outside its namespace: it reaches the worker, not the init (which
+        would forward it to every member, init.c). False once it has ended."""
+        return False if self._ended else _send_by_pidfd(self.pidfd, sig)
 
     def _end(self) -> None:
         self._ended = True
