@@ -252,3 +252,34 @@ sys.argv = ["contain"] + sys.argv[1:]
 sys.exit(console())
 """)
     return str(path)
+
+
+def comm_of(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def waiting_for_claim(pid: int, lock_path: str) -> bool:
+    """Whether `pid` waits for the claim lock: blocked in flock (a "->" line
+    of /proc/locks), or holding the lock file open while it retries a
+    non-blocking flock (the claim waits at most CLAIM_WAIT_S that way)."""
+    with open("/proc/locks") as f:
+        for line in f:
+            fields = line.split()
+            if "->" in fields and "FLOCK" in fields:
+                i = fields.index("FLOCK")
+                if len(fields) > i + 3 and fields[i + 3] == str(pid):
+                    return True
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == lock_path:
+                    return True
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return False

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from _proc import contain_cmd, holders
-from test_wall import _comm
+from _proc import comm_of as _comm
 from conftest import needs_cgroup
 
 pytestmark = needs_cgroup

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from _proc import contain_cmd, holders, wait_holders
+from _proc import comm_of, contain_cmd, holders, wait_holders, waiting_for_claim
 from conftest import needs_cgroup
 
 PY = sys.executable
@@ -123,7 +123,7 @@ def test_signals_to_contain_reach_the_worker_and_never_kill_contain(box, tmp_pat
     sigs = FORWARDED + [LAST]
     proc, out = start_recorder(box, tmp_path, args, sigs)
     try:
-        worker = [p for p in holders(box.token) if p != proc.pid and _comm(p) != "ct/init"]
+        worker = [p for p in holders(box.token) if p != proc.pid and comm_of(p) != "ct/init"]
         assert len(worker) == 1, worker
         for n, s in enumerate(FORWARDED, 1):
             proc.send_signal(s)
@@ -147,34 +147,8 @@ def test_signals_to_contain_reach_the_worker_and_never_kill_contain(box, tmp_pat
     assert ("pidns" in kinds) == (wall == "pidns"), kinds
 
 
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
-def _waiting_for_claim(pid: int, lock_path: str) -> bool:
-    """Whether `pid` waits for the claim lock: blocked in flock, or holding
-    the lock file open while it retries (as tests/test_signals.py)."""
-    with open("/proc/locks") as f:
-        for line in f:
-            fields = line.split()
-            if "->" in fields and "FLOCK" in fields:
-                i = fields.index("FLOCK")
-                if len(fields) > i + 3 and fields[i + 3] == str(pid):
-                    return True
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") == lock_path:
-                    return True
-            except OSError:
-                continue
-    except OSError:
-        pass
-    return False
 
 
 @needs_cgroup
@@ -196,7 +170,7 @@ def test_signals_sent_before_the_worker_exists_reach_it_in_order(box, tmp_path):
         fcntl.flock(guard, fcntl.LOCK_EX)           # the claim now waits for us
         proc = subprocess.Popen(contain_cmd("run", "--id", "e", "--", "sleep", "300"),
                                 env=box.env, stderr=subprocess.PIPE, text=True)
-        wait_until(lambda: _waiting_for_claim(proc.pid, lock_path) or proc.poll() is not None,
+        wait_until(lambda: waiting_for_claim(proc.pid, lock_path) or proc.poll() is not None,
                    what="contain at the claim")
         assert proc.poll() is None and holders(box.token) == [proc.pid], "a worker before the claim"
         proc.send_signal(signal.SIGUSR2)
@@ -223,7 +197,7 @@ def test_a_signal_the_caller_ignored_stays_ignored(box, tmp_path):
     proc, out = start_recorder(box, tmp_path, [], [signal.SIGUSR1, signal.SIGUSR2, LAST],
                                preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN))
     try:
-        worker = [p for p in holders(box.token) if p != proc.pid and _comm(p) != "ct/init"]
+        worker = [p for p in holders(box.token) if p != proc.pid and comm_of(p) != "ct/init"]
         assert len(worker) == 1, worker
         with open(f"/proc/{worker[0]}/status") as f:
             ign = int(next(x for x in f if x.startswith("SigIgn:")).split()[1], 16)
@@ -254,7 +228,7 @@ def test_a_signal_after_the_worker_ended_is_dropped_and_contain_lives(box, tmp_p
     try:
         # Only the leftover (and the wall's init) besides contain: the worker is gone.
         wait_until(lambda: proc.poll() is not None or (
-            [_comm(p) for p in holders(box.token) if p != proc.pid and _comm(p) != "ct/init"] == ["sleep"]),
+            [comm_of(p) for p in holders(box.token) if p != proc.pid and comm_of(p) != "ct/init"] == ["sleep"]),
             what="the worker's exit with its leftover running")
         assert wait_holders(box.token, 2, timeout=5)
         time.sleep(0.2)                     # past the stop's SIGTERM, inside its grace

@@ -23,7 +23,8 @@ import time
 
 import pytest
 
-from _proc import cgroup2_mount, contain_cmd, holders, remove_cgroup_tree, run_contain, wait_comm, wait_holders
+from _proc import (cgroup2_mount, contain_cmd, holders, remove_cgroup_tree, run_contain, wait_comm, wait_holders,
+                   waiting_for_claim)
 from conftest import needs_cgroup
 
 pytestmark = needs_cgroup
@@ -452,27 +453,6 @@ def test_a_worker_starts_with_default_dispositions_besides_what_the_caller_ignor
 
 # -- early signals: during the start-up ----------------------------------------------
 
-def _waiting_for_claim(pid: int, lock_path: str) -> bool:
-    """Whether `pid` waits for the claim lock: blocked in flock (a "->" line
-    of /proc/locks), or holding the lock file open while it retries a
-    non-blocking flock (the claim waits at most CLAIM_WAIT_S that way)."""
-    with open("/proc/locks") as f:
-        for line in f:
-            fields = line.split()
-            if "->" in fields and "FLOCK" in fields:
-                i = fields.index("FLOCK")
-                if len(fields) > i + 3 and fields[i + 3] == str(pid):
-                    return True
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") == lock_path:
-                    return True
-            except OSError:
-                continue
-    except OSError:
-        pass
-    return False
 
 
 def test_a_sigterm_during_a_slow_claim_ends_the_run_with_nothing_started(box, tmp_path):
@@ -490,7 +470,7 @@ def test_a_sigterm_during_a_slow_claim_ends_the_run_with_nothing_started(box, tm
         proc = subprocess.Popen(contain_cmd("run", "--id", "e", "--", "sh", "-c", f"touch {marker}; sleep 300"),
                                 env=box.env, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 20
-        while not _waiting_for_claim(proc.pid, os.path.join(root, ".claim.lock")):
+        while not waiting_for_claim(proc.pid, os.path.join(root, ".claim.lock")):
             assert time.monotonic() < deadline and proc.poll() is None, "contain never reached the claim"
             time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)

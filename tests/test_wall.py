@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from _proc import TOKEN_VAR, holders, new_token
+from _proc import TOKEN_VAR, comm_of, holders, new_token
 from launcher._errors import SpawnFailed
 from launcher._platform import posix
 
@@ -442,7 +442,7 @@ def test_adopter_pidfd_is_readable_only_after_every_member_is_gone() -> None:
     adopter = None
     try:
         with walled(["sh", "-c", "sleep 300 & wait"], env=_env(token), mount_proc=True) as sp:
-            sleeps = _wait_for(lambda: [p for p in holders(token) if _comm(p) == "sleep"])
+            sleeps = _wait_for(lambda: [p for p in holders(token) if comm_of(p) == "sleep"])
             assert sleeps
             with open(os.path.join(freezer, "cgroup.procs"), "w") as f:
                 f.write(str(sleeps[0]))                 # a process this test started
@@ -477,12 +477,6 @@ def test_adopter_pidfd_is_readable_only_after_every_member_is_gone() -> None:
         _wait_for(lambda: _rmdir(freezer))
 
 
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def _rmdir(d: str) -> bool:
