@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import sys
 import time
 from typing import Any
@@ -46,16 +47,36 @@ class Watcher:
         except OSError:
             self.fd, self.path = -1, ""
         self.owner_fd = -1
+        self.owner_pid = 0
         if owner:
             ident = ProcessIdentity.from_dict(owner)
             try:
                 fd = os.pidfd_open(ident.pid)
                 if ident.is_alive():
-                    self.owner_fd = fd
+                    self.owner_fd, self.owner_pid = fd, ident.pid
                 else:
                     os.close(fd)
             except OSError:
                 pass
+
+    def resume_owner(self) -> int | None:
+        """SIGCONT to the owner, by the pidfd taken with its identity checked,
+        when it is stopped (SIGSTOP, or a Ctrl-Z that stopped `contain run`
+        and not its worker): a stopped owner never reads the request, and a
+        cancel would wait on it for ever. The owner's pid when it was
+        resumed; None when it is not stopped or cannot be signalled by us."""
+        if self.owner_fd < 0:
+            return None
+        from ._procfs import read_stat
+
+        st = read_stat(self.owner_pid)
+        if st is None or st[0] != "T":     # not "t": a tracer's stop is the tracer's to end
+            return None
+        try:
+            signal.pidfd_send_signal(self.owner_fd, signal.SIGCONT)
+        except OSError:
+            return None                    # gone, or not ours to signal (EPERM)
+        return self.owner_pid
 
     def wait(self, timeout: float) -> None:
         p = select.poll()
@@ -117,6 +138,14 @@ def cancel(run_id: str, *, op_id: str | None = None, grace: float | None = None,
     return _await(layout, op, info, wait, timeout)
 
 
+def _said(ack: dict[str, Any], notes: list[str]) -> CancelRecord:
+    """The owner's acknowledgement, with what this process did on the way."""
+    if notes:
+        earlier = ack.get("notes")
+        ack = dict(ack, notes=[*(earlier if isinstance(earlier, list) else []), *notes])
+    return CancelRecord(ack)
+
+
 def _run_uid_elsewhere(layout: RunDir) -> str | None:
     """The run uid when run.json does not give it (gone, unreadable, or a
     FIFO a worker put there): the record's, else the run's own tag (root's
@@ -138,6 +167,7 @@ def _await(layout: RunDir, op: str, info: dict[str, Any], wait: bool, timeout: f
     limit = timeout if timeout is not None else (None if wait else ACK_TIMEOUT)
     deadline = None if limit is None else time.monotonic() + limit
     watch = Watcher(layout, info.get("supervisor"))
+    resumed: list[str] = []
     try:
         while True:
             ack = layout.read_ack(op)
@@ -145,7 +175,7 @@ def _await(layout: RunDir, op: str, info: dict[str, Any], wait: bool, timeout: f
             # go of its lock (it settles, then releases): a worker that can
             # write its run directory could have written it (cmd_wait alike).
             if ack is not None and (not wait or (settled(ack) and layout.owner() is not True)):
-                return CancelRecord(ack)
+                return _said(ack, resumed)
             if not layout.owner_alive():
                 # Lazy: adoption loads the whole run driver, which a cancel
                 # of a live run never needs (`contain cancel`'s start-up).
@@ -154,16 +184,22 @@ def _await(layout: RunDir, op: str, info: dict[str, Any], wait: bool, timeout: f
                 adopted = take_over(layout, op)
                 if adopted is not None:
                     return adopted
+            woke = watch.resume_owner()
+            if woke is not None and not resumed:
+                resumed.append(f"the owner (pid {woke}) was stopped: contain cancel resumed it with SIGCONT")
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 ack = layout.read_ack(op)
                 held = ack is not None and wait and settled(ack) and layout.owner() is True
                 if ack is not None and not held:
-                    return CancelRecord(ack)
-                return CancelRecord({"op_id": op, "run_id": layout.id, "effect": "unknown", "state": None,
-                                     "detail": "a settled acknowledgement is there but the owner still holds the "
-                                     "run: not final" if held else "no acknowledgement from the owner before the "
-                                     "deadline; the request stays in the inbox"})
-            watch.wait(0.5 if remaining is None else min(remaining, 0.5))
+                    return _said(ack, resumed)
+                return _said({"op_id": op, "run_id": layout.id, "effect": "unknown", "state": None,
+                              "detail": "a settled acknowledgement is there but the owner still holds the "
+                              "run: not final" if held else "no acknowledgement from the owner before the "
+                              "deadline; the request stays in the inbox"}, resumed)
+            # Stopped once, it may be stopped again (a worker that can signal
+            # it): look again soon.
+            pause = 0.05 if resumed else 0.5
+            watch.wait(pause if remaining is None else min(remaining, pause))
     finally:
         watch.close()

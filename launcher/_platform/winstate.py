@@ -106,6 +106,10 @@ class Watcher:
                 self.owner = h
                 self.waiter.watch_process(h)
 
+    def resume_owner(self) -> int | None:
+        """(_cancel.Watcher resumes a stopped owner: Windows has no job-control stop.)"""
+        return None
+
     def wait(self, timeout: float) -> None:
         # Without an event of our own the bounded timeout is the only wake-up.
         self.waiter.wait(timeout if self.path else min(timeout, 0.05))
