@@ -30,9 +30,10 @@ def add_parsers(sub: Any, argtype: Any) -> None:
     argparse type from a function that raises ValueError)."""
     from ._gc import parse_count, parse_duration
 
-    ls = sub.add_parser("ls", help="list live runs (--all: every run)",
-                        description="List runs: by default those not ended (running, unconfirmed, orphaned, "
-                        "unreadable); --all, --state or --since select from every run.")
+    ls = sub.add_parser("ls", help="list live runs (--all, --json: every run)",
+                        description="List runs: the table shows those not ended (running, unconfirmed, orphaned, "
+                        "unreadable); --all, --state or --since select from every run. --json lists every run, "
+                        "ended ones too (a script filters by `state`), unless --state or --since select.")
     ls.add_argument("-a", "--all", action="store_true", help="ended runs too")
     ls.add_argument("--state", action="append", metavar="STATE",
                     help="only runs in STATE (RUNNING, REAPED, EXITED, UNCONFIRMED, BREACHED, UNREADABLE, "
@@ -40,7 +41,7 @@ def add_parsers(sub: Any, argtype: Any) -> None:
     ls.add_argument("--since", metavar="WHEN", help="only runs started since WHEN: a duration ago (15m, 2h, "
                     "7d) or an ISO-8601 UTC time")
     ls.add_argument("--no-trunc", action="store_true", help="do not shorten long run ids")
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--json", action="store_true", help="one JSON array of every run (ended ones too)")
     g = sub.add_parser("gc", help="remove ended runs' directories",
                        description="Remove the directories of ended runs (a terminal record and no owner). "
                        "Live, orphaned and unreadable runs are never removed. Without options every ended "
@@ -126,7 +127,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         except ValueError as e:
             _err(f"ls: --since: {e}")
             return EXIT_USAGE
-    show_all = bool(getattr(args, "all", False)) or states is not None or since is not None
+    # The machine form is the whole listing: a script reading `ls --json`
+    # for a run that has ended must find it, with its state.
+    show_all = bool(getattr(args, "all", False) or args.json) or states is not None or since is not None
     # --json shows an ended run's owner_alive too: from the one read of the
     # locks held (write_locked) where there is one, not a lock opened per run.
     views, hidden = _gather(show_all, states, since,

@@ -4,6 +4,7 @@ timeouts refused, and closed standard descriptors handled without a
 traceback (and without contain reusing them behind the worker's back)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -193,3 +194,19 @@ def test_a_non_ascii_command_in_an_ascii_locale_is_escaped_not_a_traceback(box):
         assert q.returncode == 0, (args, q.returncode, err)
         if args[0] != "wait":
             assert "h\\xe9llo \\u2603" in out, (args, out)
+
+
+def test_ls_json_lists_an_ended_run_with_its_state_and_the_table_says_it_is_hidden(tmp_path):
+    """A script reading `contain ls --json` after a run must find it: the
+    machine form is every run. The table keeps to the runs not ended and
+    says how many it left out."""
+    env = _env(tmp_path)
+    assert run_contain(env, "run", "--id", "done", "--backend", "none", "-q", "--", "sh", "-c", "exit 3").returncode == 3
+    js = run_contain(env, "ls", "--json")
+    assert js.returncode == 0, js.stderr
+    [v] = [v for v in json.loads(js.stdout) if v["id"] == "done"]
+    assert (v["state"], v["outcome"], v["exit_code"]) == ("EXITED", "exited", 3), v
+    live = run_contain(env, "ls", "--json", "--state", "RUNNING")
+    assert json.loads(live.stdout) == [], live.stdout
+    table = run_contain(env, "ls")
+    assert "done" not in table.stdout.split() and "1 ended" in table.stdout, table.stdout
