@@ -6,9 +6,9 @@ under 0.5 s), medians over repeats, whole process.
 One real `contain run -- /bin/true` makes a real run directory; it is copied
 10,000 times (its run id and run uid rewritten, files and modes as the
 layout makes them) into a temporary state directory, which is removed at
-the end. Timed: `contain ls` (the default: live runs only, so every record is
-still read to know it has ended), `ls --json`, `ls --all` and `ls --all
---json` (every run printed). `--checkout` times another checkout's `launcher`
+the end. Timed: `contain ls` (the table: runs not ended only, so every record is
+still read to know it has ended), `ls --json` (every run, ended ones too,
+as one JSON document), `ls --all` and `ls --all --json` (every run). `--checkout` times another checkout's `launcher`
 on the same directory (e.g. the code before this change, for a before/after;
 there `ls` and `ls --json` list every run, and `--all` does not exist).
 
