@@ -123,7 +123,9 @@ def cancel(run_id: str, *, op_id: str | None = None, grace: float | None = None,
     ack = layout.read_ack(op)
     info = layout.read_run() or {}
     known_uid = info.get("run_uid") or _run_uid_elsewhere(layout)
-    if ack is None and run_uid is not None and known_uid != run_uid:
+    if ack is not None and isinstance(ack.get("run_uid"), str):
+        known_uid = ack["run_uid"]   # a known op id answers for the run it was applied to alone
+    if run_uid is not None and known_uid != run_uid:
         return CancelRecord({"op_id": op, "run_id": run_id, "run_uid": run_uid, "effect": "unknown",
                              "state": None, "detail": f"refused: run {run_id} is now run uid "
                              f"{known_uid}, not {run_uid}", "requested_at": now_iso()})

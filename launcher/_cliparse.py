@@ -279,7 +279,7 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("cancel", help="cancel a run (durably, idempotently by --op-id)")
     c.add_argument("id", type=_run_id)
     c.add_argument("--op-id", type=_op_id, help="operation id; repeating it returns the same record")
-    c.add_argument("--run-uid", help="refuse unless the run's uid is this one")
+    c.add_argument("--run-uid", help="refuse unless the run (for a known --op-id, the run it was applied to) has this uid")
     c.add_argument("--grace", type=_seconds, help="seconds between SIGTERM and SIGKILL")
     c.add_argument("--wait", action="store_true", help="wait for the terminal acknowledgement")
     c.add_argument("--timeout", type=_seconds, default=None, help="with --wait: give up after this long")

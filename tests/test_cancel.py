@@ -152,6 +152,13 @@ def test_stale_run_uid_is_refused(box):
     assert rc == 0 and ack["effect"] == "cancelled"
     proc.wait(30)
     assert holders(box.token) == []
+    # A known op id asked for with another run uid is the same contradiction:
+    # refused, not answered with the other run's record.
+    rc, ack = cancel(box, "r", "--op-id", "new", "--run-uid", old_uid)
+    assert rc == 1 and ack["effect"] == "unknown" and "refused" in ack["detail"], (rc, ack)
+    assert ack["run_uid"] == old_uid
+    rc, ack = cancel(box, "r", "--op-id", "new", "--run-uid", new_uid)
+    assert rc == 0 and ack["effect"] == "cancelled" and ack["run_uid"] == new_uid, (rc, ack)
 
 
 def test_reconnecting_reader_gets_the_result_from_the_layout(box):
