@@ -6,11 +6,11 @@ under 0.5 s), medians over repeats, whole process.
 One real `contain run -- /bin/true` makes a real run directory; it is copied
 10,000 times (its run id and run uid rewritten, files and modes as the
 layout makes them) into a temporary state directory, which is removed at
-the end. Timed: `contain ls` (the table: runs not ended only, so every record is
-still read to know it has ended), `ls --json` (every run, ended ones too,
-as one JSON document), `ls --all` and `ls --all --json` (every run). `--checkout` times another checkout's `launcher`
-on the same directory (e.g. the code before this change, for a before/after;
-there `ls` and `ls --json` list every run, and `--all` does not exist).
+the end. Timed: `contain ls` (the table: runs not ended only, so every
+record is still read to know it has ended), `ls --json` (every run, ended
+ones too), `ls --all` and `ls --all --json` (every run). `--checkout` times
+another checkout's `launcher` on the same directory (e.g. older code, for
+a before/after).
 
 `run()` is the entry point for a harness; it returns the result dict.
 """

@@ -122,13 +122,16 @@ def cancel(run_id: str, *, op_id: str | None = None, grace: float | None = None,
     layout = RunDir.find(run_id, state_dir)
     ack = layout.read_ack(op)
     info = layout.read_run() or {}
-    known_uid = info.get("run_uid") or _run_uid_elsewhere(layout)
-    if ack is not None and isinstance(ack.get("run_uid"), str):
-        known_uid = ack["run_uid"]   # a known op id answers for the run it was applied to alone
+    applied_to = ack.get("run_uid") if ack is not None else None   # a known op answers for that run alone
+    known_uid: str | None
+    if isinstance(applied_to, str):
+        known_uid, what = applied_to, f"operation {op} was applied to run uid"
+    else:
+        known_uid, what = info.get("run_uid") or _run_uid_elsewhere(layout), f"run {run_id} is now run uid"
     if run_uid is not None and known_uid != run_uid:
         return CancelRecord({"op_id": op, "run_id": run_id, "run_uid": run_uid, "effect": "unknown",
-                             "state": None, "detail": f"refused: run {run_id} is now run uid "
-                             f"{known_uid}, not {run_uid}", "requested_at": now_iso()})
+                             "state": None, "detail": f"refused: {what} {known_uid}, not {run_uid}",
+                             "requested_at": now_iso()})
     if ack is not None and (not wait or (settled(ack) and layout.owner() is not True)):
         return CancelRecord(ack)
     if ack is None:
