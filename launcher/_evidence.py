@@ -43,6 +43,7 @@ class RunEvidence:
         self.notes: list[str] = []
         self.sealed: tuple[bool, str | None] = (False, "not sealed")
         self.placement: str | None = None
+        self.spawn_via: str | None = None             # how the worker was started (the clone, its container entry)
         self.cleanup: dict[str, Any] = {}
         self.cpu: dict[str, int] | None = None
         self.nested_seen: list[dict[str, Any]] = []    # runs nested in this one, as the kernel showed them
@@ -102,6 +103,7 @@ class RunEvidence:
         """What is known right after the spawn: when, who (identity), where
         the kernel put it, and whether the tree's credentials are sealed."""
         self.times["spawned_at"] = now_iso(t0)
+        self.spawn_via = getattr(sp, "via", None)
         try:
             self.identity = ProcessIdentity.read(sp.pid, sp.pidfd)
             if self.identity.pidns is None:
@@ -250,8 +252,9 @@ class RunEvidence:
             "seal": getattr(container, "seal_detail", None),
             "walls": container.walls() if container is not None and hasattr(container, "walls") else [],
         }
-        if container is not None and getattr(container, "spawn_via", None):
-            containment["spawn_via"] = container.spawn_via
+        via = (getattr(container, "spawn_via", None) if container is not None else None) or self.spawn_via
+        if via:
+            containment["spawn_via"] = via
         rec: dict[str, Any] = {
             "schema": SCHEMA,
             "run_id": run_id,
@@ -313,6 +316,7 @@ class RunEvidence:
         c = rec.get("containment") or {}
         e.sealed = (bool(c.get("sealed")), c.get("sealed_reason"))
         e.placement = c.get("placement")
+        e.spawn_via = c.get("spawn_via") if isinstance(c.get("spawn_via"), str) else None
         if rec.get("identity"):
             e.identity = ProcessIdentity.from_dict(rec["identity"])
         return e

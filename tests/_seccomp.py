@@ -50,6 +50,12 @@ def install(rules: dict[str, int]) -> int:
         prog.append(_insn(0x15, 0, 1, NR[name]))        # nr == name ? next : skip
         prog.append(_insn(0x06, 0, 0, ret))
     prog.append(_insn(0x06, 0, 0, _RET_ALLOW))
+    return install_program(prog, notify)
+
+
+def install_program(prog: list[bytes], notify: bool = False) -> int:
+    """Install a filter of BPF instructions (`_insn`); the listener fd when
+    `notify`, else -1."""
     code = b"".join(prog)
     buf = ctypes.create_string_buffer(code, len(code))
     fprog = struct.pack("HxxxxxxQ", len(prog), ctypes.addressof(buf))

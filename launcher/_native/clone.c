@@ -24,7 +24,83 @@ struct ct_clone_args {  /* struct clone_args, version 2 (88 bytes) */
         tls, set_tid, set_tid_size, cgroup;
 };
 
+static long raw_clone3(uint64_t flags, int *pidfd, int cgroup_fd);
+
+/* -- clone3, or the legacy clone where clone3 is refused ----------------
+ *
+ * Docker's default seccomp profile answers clone3 with ENOSYS (unless the
+ * container has CAP_SYS_ADMIN) "so that libc falls back to clone"; other
+ * profiles answered EPERM; kernels before 5.3 have no clone3. glibc's
+ * posix_spawn and fork fall back to clone on ENOSYS (__clone_internal);
+ * so does this file. What the legacy clone cannot do is CLONE_INTO_CGROUP
+ * (its flags are 32 bits, kernel/fork.c): a spawn into a cgroup then
+ * fails with ENOSYS, and Python places the child by the join before exec
+ * instead (linux.py, _spawn). The legacy clone's namespace flags meet the
+ * filter on their own (Docker refuses them: EPERM).
+ *
+ * Whether clone3 is refused is probed by calling it with no arguments: the
+ * kernel answers EINVAL (a size below CLONE_ARGS_SIZE_VER0, before any
+ * permission check: copy_clone_args_from_user), a filter answers first
+ * with its own errno. The probe runs once per process, when a real clone3
+ * first fails with ENOSYS or EPERM: so an EPERM the kernel meant (a
+ * namespace this caller may not make) is returned as it is, and a filter
+ * installed after an earlier success is still found. A refusal is kept for
+ * good (a seccomp filter can never be removed). */
+static int clone3_refused;     /* 0, or the errno clone3 is refused with */
+
+int ct_clone3_probe(void) {
+    int saved = errno;
+    long r = syscall(SYS_clone3, NULL, (size_t)0);
+    int e = r < 0 ? errno : 0;
+    errno = saved;
+    return e == EINVAL ? 0 : -(e ? e : EIO);
+}
+
+int ct_clone3_refused(void) {
+    return clone3_refused;
+}
+
+/* Whether a clone3 that failed with `e` was refused as such (then the
+ * legacy clone is tried): only ENOSYS and EPERM, and only when the probe
+ * agrees. errno is kept. */
+static int refused_now(int e) {
+    if (clone3_refused) return 1;
+    if (e != ENOSYS && e != EPERM) return 0;
+    int p = ct_clone3_probe();
+    if (p < 0) clone3_refused = -p;
+    return clone3_refused != 0;
+}
+
+#ifndef CLONE_PIDFD
+#define CLONE_PIDFD 0x00001000
+#endif
+
+/* The legacy clone, fork-like (no new stack: the child returns here on a
+ * copy of ours). The pidfd comes back through parent_tid, the third
+ * argument on x86_64 and on CLONE_BACKWARDS architectures alike. */
+static long legacy_clone(uint64_t flags, int *pidfd) {
+    unsigned long f = (unsigned long)(flags & 0xffffffffULL) | SIGCHLD | (pidfd ? CLONE_PIDFD : 0);
+    return syscall(SYS_clone, f, NULL, pidfd, NULL, NULL);
+}
+
 long ct_raw_clone3(uint64_t flags, int *pidfd, int cgroup_fd) {
+    if (clone3_refused) {
+        if (cgroup_fd >= 0) {
+            errno = ENOSYS;      /* CLONE_INTO_CGROUP needs clone3: the caller joins instead */
+            return -1;
+        }
+        return legacy_clone(flags, pidfd);
+    }
+    long r = raw_clone3(flags, pidfd, cgroup_fd);
+    if (r >= 0 || !refused_now(errno)) return r;
+    if (cgroup_fd >= 0) {
+        errno = ENOSYS;
+        return -1;
+    }
+    return legacy_clone(flags, pidfd);
+}
+
+static long raw_clone3(uint64_t flags, int *pidfd, int cgroup_fd) {
     struct ct_clone_args ca;
     memset(&ca, 0, sizeof ca);
     ca.flags = flags;
@@ -58,6 +134,8 @@ long ct_raw_clone3(uint64_t flags, int *pidfd, int cgroup_fd) {
 #define CT_HAVE_CLONE_VM 1
 long ct_clone3_vm_asm(struct ct_clone_args *ca, size_t size, void (*fn)(void *), void *arg)
     __attribute__((visibility("hidden")));
+long ct_clone_vm_asm(unsigned long flags, void *stack_top, int *parent_tid, void (*fn)(void *), void *arg)
+    __attribute__((visibility("hidden")));
 #if defined(__x86_64__)
 __asm__(
     ".text\n"
@@ -79,6 +157,30 @@ __asm__(
     "    hlt\n"
     "1:  ret\n"
     ".size ct_clone3_vm_asm, .-ct_clone3_vm_asm\n");
+/* The legacy clone(flags, stack_top, parent_tid, 0, 0) the same way, where
+ * clone3 is refused; the child gets every register but rcx and r11, and
+ * rsp = stack_top. arg rides in r8, the tls argument, which the kernel
+ * reads only with CLONE_SETTLS. */
+__asm__(
+    ".text\n"
+    ".p2align 4\n"
+    ".type ct_clone_vm_asm,@function\n"
+    "ct_clone_vm_asm:\n"
+    "    mov %rcx, %r9\n"          /* fn */
+    "    xor %r10d, %r10d\n"       /* child_tid: none */
+    "    mov $56, %eax\n"          /* SYS_clone */
+    "    syscall\n"
+    "    test %rax, %rax\n"
+    "    jnz 1f\n"
+    "    xor %ebp, %ebp\n"
+    "    mov %r8, %rdi\n"
+    "    call *%r9\n"
+    "    mov $127, %edi\n"
+    "    mov $60, %eax\n"
+    "    syscall\n"
+    "    hlt\n"
+    "1:  ret\n"
+    ".size ct_clone_vm_asm, .-ct_clone_vm_asm\n");
 #else
 __asm__(
     ".text\n"
@@ -99,6 +201,27 @@ __asm__(
     "    svc #0\n"
     "1:  ret\n"
     ".size ct_clone3_vm_asm, .-ct_clone3_vm_asm\n");
+__asm__(
+    ".text\n"
+    ".p2align 2\n"
+    ".type ct_clone_vm_asm,%function\n"
+    "ct_clone_vm_asm:\n"
+    "    mov x9, x3\n"             /* fn */
+    "    mov x10, x4\n"            /* arg */
+    "    mov x3, xzr\n"            /* tls */
+    "    mov x4, xzr\n"            /* child_tid */
+    "    mov x8, #220\n"           /* SYS_clone */
+    "    svc #0\n"
+    "    cbnz x0, 1f\n"
+    "    mov x29, xzr\n"
+    "    mov x30, xzr\n"
+    "    mov x0, x10\n"
+    "    blr x9\n"
+    "    mov x0, #127\n"
+    "    mov x8, #93\n"
+    "    svc #0\n"
+    "1:  ret\n"
+    ".size ct_clone_vm_asm, .-ct_clone_vm_asm\n");
 #endif
 #endif
 
@@ -116,6 +239,10 @@ static void vfork_child(void *p) {
 
 long ct_vfork_call(uint64_t flags, int *pidfd, int cgroup_fd, void (*fn)(void *), void *arg) {
 #ifdef CT_HAVE_CLONE_VM
+    if (clone3_refused && cgroup_fd >= 0) {
+        errno = ENOSYS;          /* CLONE_INTO_CGROUP needs clone3: the caller joins instead */
+        return -1;
+    }
     void *stack = mmap(NULL, CT_CHILD_STACK, PROT_READ | PROT_WRITE,
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK | MAP_NORESERVE, -1, 0);
     if (stack == MAP_FAILED) return -1;
@@ -131,7 +258,16 @@ long ct_vfork_call(uint64_t flags, int *pidfd, int cgroup_fd, void (*fn)(void *)
         ca.flags |= CLONE_INTO_CGROUP;
         ca.cgroup = (uint64_t)cgroup_fd;
     }
-    long ret = ct_clone3_vm_asm(&ca, sizeof ca, fn, arg);
+    long ret = clone3_refused ? -ENOSYS : ct_clone3_vm_asm(&ca, sizeof ca, fn, arg);
+    if (ret < 0 && ret > -4096 && refused_now((int)-ret)) {
+        if (cgroup_fd >= 0)
+            ret = -ENOSYS;
+        else if (flags >> 32)
+            ret = -EINVAL;       /* no such flag for the legacy clone */
+        else
+            ret = ct_clone_vm_asm((unsigned long)(CLONE_VM | CLONE_VFORK | CLONE_PIDFD | flags) | SIGCHLD,
+                                  (char *)stack + CT_CHILD_STACK, pidfd, fn, arg);
+    }
     /* Released: the child exec'd (its mm is another) or exited. */
     munmap(stack, CT_CHILD_STACK);
     if (ret < 0 && ret > -4096) {

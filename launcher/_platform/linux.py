@@ -210,21 +210,51 @@ class Container:
         return self.wall is not None and self.wall.owns(pid)
 
     def _spawn(self, req: posix.SpawnRequest) -> posix.Spawned:
-        """clone3 straight into the leaf. If the kernel lacks CLONE_INTO_CGROUP,
-        or the child is killed at birth (the cgroup.kill fork bug), fall back
-        to a fresh leaf that the child joins itself before exec (it writes "0"
-        to the leaf's cgroup.procs, opened here, and checks /proc/self/cgroup
-        names the leaf): it never runs a worker instruction outside."""
+        """clone3 straight into the leaf. Where clone3 is refused (a seccomp
+        filter: Docker's default profile), or the kernel lacks
+        CLONE_INTO_CGROUP, or the child is killed at birth (the cgroup.kill
+        fork bug), the child joins a leaf itself before exec instead (it
+        writes "0" to the leaf's cgroup.procs, opened here, and checks that
+        /proc/self/cgroup names the leaf): placed before exec, not at clone
+        time. contain's own child code runs outside the leaf for a few
+        system calls; no instruction of the worker's does."""
+        reason = posix.clone3_refused()
+        leaf = self.leaf             # fresh: nothing was ever cloned into it
+        if reason is None:
+            sp = self._clone_into(req)
+            if isinstance(sp, posix.Spawned):
+                return sp
+            reason = sp
+            leaf = os.path.join(self.dir, f"main-{os.urandom(2).hex()}")
+            os.mkdir(leaf)
+            self._leaves.append(leaf)
+            self.leaf = leaf
+        procs = os.open(os.path.join(leaf, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            sp = posix.spawn(req, join_fds=[procs], expect_cgroup=["0::" + self.hierarchy.cg_path(leaf)])
+        finally:
+            os.close(procs)
+        refused = posix.clone3_refused()
+        who = "the init joined the leaf before forking the worker" if sp.wall else \
+            f"{'clone' if refused else 'clone3'}(CLONE_VM|CLONE_VFORK|CLONE_PIDFD), joined its leaf before exec"
+        sp.via = f"{who} (wrote 0 to cgroup.procs, verified /proc/self/cgroup)"
+        if sp.wall:
+            sp.via = f"{sp.via}; {posix.wall_via(req)}"     # names the clone, and why not clone3
+        if not (sp.wall and refused):
+            sp.via = f"{sp.via} ({reason})"
+        return sp
+
+    def _clone_into(self, req: posix.SpawnRequest) -> posix.Spawned | str:
+        """clone3(CLONE_INTO_CGROUP) into the leaf: the worker, or why the
+        join is needed instead."""
         fd = os.open(self.leaf, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         sp = None
         try:
             sp = posix.spawn(req, cgroup_fd=fd)
         except posix.CloneUnsupported:
-            sp = None
-            reason = "clone3(CLONE_INTO_CGROUP) unsupported"
+            return posix.clone3_refused() or "clone3(CLONE_INTO_CGROUP) unsupported"
         except posix.DiedAtBirth:
-            sp = None
-            reason = "child SIGKILLed at birth (cgroup.kill fork bug); fresh leaf"
+            return "child SIGKILLed at birth (cgroup.kill fork bug); fresh leaf"
         finally:
             try:
                 os.close(fd)
@@ -232,23 +262,8 @@ class Container:
                 if sp is not None:
                     posix.discard(sp)     # an interrupt as the spawn returned: nothing else holds it
                 raise
-        if sp is not None:
-            if sp.wall is None:      # a wall's init says how it was made
-                sp.via = "clone3(CLONE_INTO_CGROUP|CLONE_PIDFD)"
-            return sp
-        leaf = os.path.join(self.dir, f"main-{os.urandom(2).hex()}")
-        os.mkdir(leaf)
-        self._leaves.append(leaf)
-        self.leaf = leaf
-        procs = os.open(os.path.join(leaf, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            sp = posix.spawn(req, join_fds=[procs], expect_cgroup=["0::" + self.hierarchy.cg_path(leaf)])
-        finally:
-            os.close(procs)
-        who = "the init joined the leaf before forking the worker" if sp.wall else "joined its leaf before exec"
-        sp.via = f"{who} (wrote 0 to cgroup.procs, verified /proc/self/cgroup) ({reason})"
-        if sp.wall:
-            sp.via = f"{sp.via}; {posix.wall_via(req)}"
+        if sp.wall is None:      # a wall's init says how it was made
+            sp.via = "clone3(CLONE_INTO_CGROUP|CLONE_PIDFD)"
         return sp
 
     empty_via = "cgroup.events populated"

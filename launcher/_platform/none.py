@@ -210,7 +210,7 @@ class Container:
         if self._seal_error:
             raise ContainmentUnavailable(self._seal_error)
         sp = posix.spawn(req)
-        sp.via = "clone3(CLONE_PIDFD) + setpgid (no container)"
+        sp.via = f"{posix.clone_call('CLONE_VM', 'CLONE_VFORK', 'CLONE_PIDFD')} + setpgid (no container)"
         self.root_pid = sp.pid
         if req.new_pgroup:
             self.pgid, self._group_ours = sp.pid, True

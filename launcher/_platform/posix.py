@@ -65,6 +65,7 @@ from .._native import ffi, lib
 # (wall.py), are part of this module's face: callers import them from here.
 from .spawnreq import (NEVER_KEPT as NEVER_KEPT, SHELL as SHELL, BadInterpreter as BadInterpreter,
                        CloneUnsupported as CloneUnsupported, DiedAtBirth as DiedAtBirth,
+                       clone3_refused as clone3_refused, clone_call as clone_call,
                        KilledBeforeExec as KilledBeforeExec, SpawnRequest as SpawnRequest, Spawned as Spawned,
                        caller_ignored_signals as caller_ignored_signals, candidates as candidates,
                        ignored_signals as ignored_signals, inherited_fds as inherited_fds,

@@ -48,6 +48,25 @@ class CloneUnsupported(Exception):
     """clone3 or CLONE_INTO_CGROUP is not available: use the join fallback."""
 
 
+def clone3_refused() -> str | None:
+    """Why this process starts children with the legacy clone (clone.c:
+    Docker's default seccomp profile answers clone3 with ENOSYS, older
+    profiles with EPERM, kernels before 5.3 have none), or None while
+    clone3 works. Found at the first refused clone3, kept for the process."""
+    e = lib.ct_clone3_refused()
+    if e == 0:
+        return None
+    return f"clone3 refused with {errno.errorcode.get(e, str(e))}: a seccomp filter, or a kernel without it"
+
+
+def clone_call(*flags: str) -> str:
+    """The system call that starts a child here, with `flags`, as the
+    record says it: clone3, or the legacy clone and why."""
+    why = clone3_refused()
+    call = f"{'clone' if why else 'clone3'}({'|'.join(flags)})"
+    return f"{call} ({why})" if why else call
+
+
 class DiedAtBirth(Exception):
     """The child was killed before running any of our code."""
 

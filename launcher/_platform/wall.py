@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 from .._errors import SpawnFailed
 from .._native import ffi, lib
-from .spawnreq import DiedAtBirth, SpawnRequest, Spawned, candidates, close_fds, raise_failure, spawn_args
+from .spawnreq import (DiedAtBirth, SpawnRequest, Spawned, candidates, clone_call, close_fds, raise_failure,
+                       spawn_args)
 
 class InitEvent:
     """One message of the wall's init, parsed from its fixed shape. The init
@@ -261,8 +262,8 @@ def wall_via(req: SpawnRequest, into_cgroup: bool = False, execd: bool = False) 
     flags = ["CLONE_NEWPID"] + (["CLONE_NEWUSER"] if req.userns else []) + \
         (["CLONE_NEWIPC"] if req.userns == "map" else []) + \
         (["CLONE_NEWNS"] if req.mount_proc else []) + (["CLONE_INTO_CGROUP"] if into_cgroup else [])
-    how = f"clone3({'|'.join(['CLONE_VM', 'CLONE_VFORK'] + flags)}) and exec of contain's init" if execd else \
-        f"clone3({'|'.join(flags)}) init"
+    how = f"{clone_call(*['CLONE_VM', 'CLONE_VFORK'] + flags)}, and exec of contain's init" if execd else \
+        f"{clone_call(*flags)}, init"
     return how + " at pid 1, worker forked by it"
 
 

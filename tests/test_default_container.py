@@ -1,0 +1,115 @@
+"""contain inside a default container: it starts there, proves what it can,
+and says what the container withholds.
+
+A default `docker run` or Kubernetes pod refuses clone3 (ENOSYS, from
+Docker's seccomp profile), namespaces, mounts and CAP_SYS_ADMIN, and its
+cgroup filesystem is read-only. tests/_container.py makes one around a
+function of the test's; the test's own /proc scan (the token in every
+workload's environment) decides what survived. Everything that installs a
+filter or makes namespaces runs forked.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import _container
+import _seccomp
+from conftest import ROOT, pids_with_token
+
+pytestmark = pytest.mark.skipif(_container.why_not() is not None, reason=_container.why_not() or "")
+
+SETSID_SLEEPER = "setsid sleep 300 & echo started; exit 0"
+
+
+def _wait_gone(token: str, timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (alive := pids_with_token(token)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+# -- the spawn: clone where clone3 is refused -----------------------------------
+
+@pytest.mark.forked
+@pytest.mark.parametrize("refusal,pidns", [(errno.ENOSYS, None), (errno.ENOSYS, False), (errno.EPERM, None)],
+                         ids=["ENOSYS-wall", "ENOSYS-no-pidns", "EPERM-wall"])
+def test_a_refused_clone3_falls_back_to_clone_and_the_cgroup_still_holds_the_tree(box, refusal, pidns) -> None:
+    """Docker's profile answers clone3 with ENOSYS, older ones with EPERM:
+    before, every spawn failed ("clone failed: Function not implemented").
+    Now the worker starts with the legacy clone, joins its leaf before exec
+    (no CLONE_INTO_CGROUP without clone3), and the record says so. (Under
+    an EPERM filter glibc itself cannot start a thread, since it falls back
+    from clone3 only on ENOSYS: a run that needs the fork ledger's thread,
+    --no-pidns, fails there whatever contain does.)"""
+    import launcher
+    from launcher._native import lib
+
+    assert lib.ct_clone3_probe() == 0
+    _seccomp.NR.setdefault("clone3", 435)
+    _seccomp.install({"clone3": refusal})
+    assert lib.ct_clone3_probe() == -refusal
+    kw = {} if pidns is None else {"pidns": pidns}
+    rec = launcher.run(["sh", "-c", SETSID_SLEEPER], stdio=(-1, -1, -1), **kw).to_dict()
+    via = rec["containment"].get("spawn_via") or ""
+    assert rec["state"] == "REAPED" and rec["exit_code"] == 0, rec
+    assert f"clone3 refused with {errno.errorcode[refusal]}" in via and "clone(" in via, via
+    assert "wrote 0 to cgroup.procs, verified /proc/self/cgroup" in via, via
+    kinds = [w["kind"] for w in rec["containment"]["walls"]]
+    assert kinds == (["cgroup", "pidns"] if pidns is None else ["cgroup"]), kinds
+    assert _wait_gone(box.token) == []
+
+
+@pytest.mark.forked
+def test_the_pidns_backend_starts_its_init_and_worker_without_clone3(box) -> None:
+    """The wall alone (no cgroup): its init is cloned with the legacy clone
+    and forks the worker the same way."""
+    import launcher
+
+    _seccomp.NR.setdefault("clone3", 435)
+    _seccomp.install({"clone3": errno.ENOSYS})
+    rec = launcher.run(["sh", "-c", SETSID_SLEEPER], backend="pidns", stdio=(-1, -1, -1)).to_dict()
+    assert rec["state"] == "REAPED" and rec["exit_code"] == 0, rec
+    via = rec["containment"].get("spawn_via") or ""
+    assert "clone(" in via and "CLONE_NEWPID" in via and "clone3 refused" in via, via
+    assert _wait_gone(box.token) == []
+
+
+@pytest.mark.forked
+def test_a_clone3_refused_after_it_worked_is_found_at_the_next_spawn(box) -> None:
+    """The refusal is probed when a clone3 fails, not once at import: a
+    filter installed after a first spawn (a sandbox that locks itself down
+    late) still gets the fallback."""
+    import launcher
+
+    assert launcher.run(["true"], pidns=False).to_dict()["state"] == "REAPED"
+    _seccomp.NR.setdefault("clone3", 435)
+    _seccomp.install({"clone3": errno.ENOSYS})
+    rec = launcher.run(["true"], pidns=False).to_dict()
+    assert rec["state"] == "REAPED", rec
+    assert "clone3 refused with ENOSYS" in rec["containment"]["spawn_via"]
+
+
+@pytest.mark.forked
+def test_an_eperm_of_the_kernel_is_not_taken_for_a_refused_clone3(box) -> None:
+    """EPERM from clone3 means a refused clone3 only when the probe agrees.
+    Without CAP_SYS_ADMIN the kernel itself answers clone3(CLONE_NEWPID)
+    with EPERM: the wall is unavailable (auto goes on with the cgroup
+    alone), and the worker is still cloned into its cgroup by clone3. (The
+    state is the cgroup's alone: EXITED for a root worker whose fork ledger
+    could not subscribe without the capability.)"""
+    import launcher
+    from launcher._native import lib
+
+    _container.drop_caps(set(range(64)) - {_container.CAP_SYS_ADMIN})
+    rec = launcher.run(["true"]).to_dict()
+    assert lib.ct_clone3_refused() == 0
+    assert rec["exit_code"] == 0 and rec["evidence"]["container_empty"]["observed"] is True, rec["evidence"]
+    assert [w["kind"] for w in rec["containment"]["walls"]] == ["cgroup"], rec["containment"]
+    assert rec["containment"]["spawn_via"] == "clone3(CLONE_INTO_CGROUP|CLONE_PIDFD)", rec["containment"]
