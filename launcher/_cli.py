@@ -211,8 +211,8 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
         _say("run: nothing to run (usage: contain run [OPTIONS] -- CMD [ARG...])")
         return EXIT_USAGE
     backend = args.backend or policy_env("CONTAIN_BACKEND") or "auto"
-    if backend not in ("auto", "cgroup2", "pidns", "job-object", "none"):
-        _say(f"run: CONTAIN_BACKEND={backend!r} is not auto, cgroup2, pidns, job-object or none")
+    if backend not in ("auto", "cgroup2", "pidns", "subreaper", "job-object", "none"):
+        _say(f"run: CONTAIN_BACKEND={backend!r} is not auto, cgroup2, pidns, subreaper, job-object or none")
         return EXIT_USAGE
     quiet = bool(getattr(args, "quiet", False))
     # What the caller handed us without close-on-exec goes on to the worker
@@ -234,6 +234,7 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
                        check_locks=args.check_locks, stats_json=args.stats_json,
                        notify=None if quiet else _say_weaker)
         opts.backend_chosen = True          # --backend, else CONTAIN_BACKEND, resolved above
+        opts.sole = True                    # this process starts no child but the worker
         run = Run(cmd, id=args.id, options=opts)
         run.end_hooks.append(end_hook)
     except ValueError as e:

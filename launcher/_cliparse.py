@@ -97,7 +97,7 @@ _ENVIRONMENT = """environment:
   CONTAIN_CGROUP_BASE   the cgroup v2 directory runs are made under (default:
                         contain/ under the mount for root, your own delegated
                         cgroup otherwise)
-  CONTAIN_BACKEND       the default of --backend (auto, cgroup2, pidns, job-object, none)
+  CONTAIN_BACKEND       the default of --backend (auto, cgroup2, pidns, subreaper, job-object, none)
   CONTAIN_LEDGER        off (or 0, no, false): no fork ledger; escapes are
                         then not watched
   CONTAIN_CGROUP_V1     off: no cgroup v1 hierarchies (hybrid hosts) for
@@ -130,7 +130,7 @@ _RUN_OPTIONS: tuple[tuple[str, str, Any, Any, str], ...] = (
      "still contained, before the stop begins (default 0; e.g. for `git gc --auto`)"),
     ("--record", "record", "text", None, "also write the final stop record to FILE (`-`: stdout); only a "
      "regular file is ever replaced, a device or FIFO is written in place; exit 125 if it cannot be written"),
-    ("--backend", "backend", ("auto", "cgroup2", "pidns", "job-object", "none"), None,
+    ("--backend", "backend", ("auto", "cgroup2", "pidns", "subreaper", "job-object", "none"), None,
      "container kind (default auto, or CONTAIN_BACKEND)"),
     ("--seal", "seal", "flag", False,
      "make leaving the container impossible; needs a root supervisor (docs/sealing.md)"),

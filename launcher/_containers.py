@@ -70,6 +70,24 @@ def make_container(run_id: str, opts: Options, uid: str | None = None) -> Any:
         weaker = f"{weaker or 'no cgroup container'}; no PID-namespace wall either ({problem})"
     elif backend == "pidns":
         raise ContainmentUnavailable("--backend pidns with --no-pidns: nothing left to contain the run")
+    if backend in ("auto", "subreaper"):
+        # No cgroup to write, no namespace to make (a default container):
+        # the supervisor's own subtree still holds the tree while it lives.
+        from ._platform import subreaper
+
+        # Asked for by name, or allowed by subreaper=True (or PID 1): this
+        # process becomes a child subreaper now, process-wide and for good.
+        problem = (subreaper.available(opts) if backend == "auto" else None) or subreaper.become()
+        if problem is None:
+            held = subreaper.Container(run_id, uid, sole=opts.sole or opts.subreaper)
+            if weaker:
+                held.weaker = (f"{weaker}: the subreaper wall alone (the supervisor's subtree: still REAPED once no "
+                            "child of the tree's is left; no limits, no cgroup accounting, and it ends with the "
+                            "supervisor)")
+            return held
+        if backend == "subreaper":
+            raise ContainmentUnavailable(f"subreaper wall unavailable: {problem}")
+        weaker = f"{weaker or 'no cgroup container'}; no subreaper wall either ({problem})"
     if backend not in ("auto", "none"):
         raise ValueError(f"unknown backend {backend!r}")
     from ._platform import none
@@ -215,10 +233,16 @@ def attach_container(run_dir: str, run_id: str, info: dict[str, Any]) -> AttachR
         from ._platform import pidns
 
         res = AttachResult(pidns.Container.adopt(run_id, facts.get("wall")))
-    elif backend == "none":
+    elif backend in ("none", "subreaper"):
         from ._platform import none
 
+        # The subreaper wall is its supervisor's subtree: it ends with it. An
+        # adopter is no ancestor of the tree, so it has what degraded mode
+        # has: the identities the owner persisted, re-read.
         c = none.Container.adopt(run_id, facts, _may_have_spawned(run_dir), run_dir)
+        if backend == "subreaper":
+            notes.append("adopted as degraded mode: the subreaper wall (the supervisor's subtree) ended with "
+                         "its supervisor, so nothing proves the tree gone")
         if source == "tag":
             c.bind(_tags.RunTag(run_dir, facts))   # a later owner finds what this one found
         res = AttachResult(c, c.unknown)           # no member known: nothing to act on, UNCONFIRMED at once

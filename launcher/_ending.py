@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import sys
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
@@ -24,6 +25,10 @@ from ._record import StopRecord
 def settle_tree(run: Run, terminal: bool) -> None:
     """Before the record: everything that must be read while the container
     and the run's cgroups still exist, then their removal."""
+    subreaper = sys.modules.get("launcher._platform.subreaper")
+    if terminal and subreaper is not None:
+        # A tree proven gone leaves no orphan to tell from another run's.
+        subreaper.note_end(run.uid, run.snap.state == "REAPED")
     if terminal and (run.opts.workspace or run.opts.check_sockets):
         from ._postconditions import measure   # lazy: only runs that asked for it
 

@@ -180,6 +180,10 @@ class EscapeWatch:
         if container.backend == "job-object":
             w.reason = "not watched: no fork ledger on Windows; the job says whether it can be left"
             return w
+        if container.backend == "subreaper":
+            w.reason = ("not watched: the supervisor's subtree, which no process leaves while it lives (child "
+                        "subreaper), so leaving is prevented rather than detected")
+            return w
         from ._ledger import Ledger
         from ._proccn import LedgerUnavailable
 

@@ -159,7 +159,7 @@ class RunEvidence:
             # The run's own v1 cgroups: for `status` (live numbers) and for an
             # adopter, which removes them (_runcgroups.RunCgroups.attach checks them).
             info["cgroups_v1"] = usage.cgroups.describe()
-        if c.backend == "none":
+        if c.backend in ("none", "subreaper"):
             info["pgid"] = c.pgid if c.pgid > 0 else None
         if getattr(run, "record_path", None):
             info["record_file"] = run.record_path
@@ -225,9 +225,10 @@ class RunEvidence:
         else:
             ev.setdefault("container_empty", evidence(False, "QueryInformationJobObject ActiveProcesses != 0"
                                                       if container.backend == "job-object" else
+                                                      container.empty_via if container.backend == "subreaper" else
                                                       "cgroup.events populated 1", None)
                           if not snap.terminal else not_measured("not observed"))
-        if (container is not None and container.backend == "none" and snap.stopping
+        if (container is not None and container.backend in ("none", "subreaper") and snap.stopping
                 and getattr(container, "last_alive", None)):
             # Degraded mode, stop not over: who is still alive (a later owner
             # goes on from the same identities).

@@ -135,7 +135,7 @@ def _start(run: Run) -> None:
     run.watch = run.stop.watch = EscapeWatch.before_spawn(run.container, req, v1=run.usage.cgroups)
     if req.pidns:
         req.on_init = lambda init_pid, start, ns: describe_wall(run, init_pid, start, ns, req.userns)
-    if run.container.backend == "none":
+    if run.container.backend in ("none", "subreaper"):
         # Degraded mode: nothing names the worker until the tag (or run.json)
         # does, a moment after the clone. An adopter that knows no member
         # tells "never started" from "started, not described" by this line.
@@ -161,6 +161,16 @@ def _start(run: Run) -> None:
     run.facts.spawned(sp, run.container, req, t0)
     if run.facts.identity is not None and sys.platform != "win32":
         note_spawn(sp.pid, run.facts.identity.start_time)
+        init = (run.facts.pending_wall or {}).get("init") if getattr(sp, "wall", None) else None
+        if isinstance(init, dict) and isinstance(init.get("start_time"), int):
+            note_spawn(init["pid"], init["start_time"])      # a wall's init is our child, never a tree's orphan
+        elif run.opts.subreaper and not run.opts.sole:
+            # A library run without a wall whose orphans may reach this
+            # process: the subreaper wall tells another run's orphans from
+            # its own by it (`contain run` has only the one run).
+            from ._platform.subreaper import note_run
+
+            note_run(run.uid, run.facts.identity.start_time)
     fell_back = getattr(run.container, "wall_problem", None)
     if fell_back:
         run.facts.notes.append(f"backend auto: {fell_back}; the cgroup alone holds the tree")

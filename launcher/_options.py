@@ -7,7 +7,7 @@ from ._args import check_env, check_path, check_run_numbers, check_seconds
 
 DEFAULT_GRACE = 5.0
 DEFAULT_KILL_TIMEOUT = 10.0
-BACKENDS = ("auto", "cgroup2", "pidns", "job-object", "none")
+BACKENDS = ("auto", "cgroup2", "pidns", "subreaper", "job-object", "none")
 
 
 class Options:
@@ -16,7 +16,7 @@ class Options:
     __slots__ = ("grace", "timeout", "kill_timeout", "backend", "seal", "user", "workspace",
                  "record_file", "env", "cwd", "stdio", "state_dir", "subreaper", "parent_cgroup",
                  "new_pgroup", "check_sockets", "pidns", "linger", "keep_ignored", "notify", "pass_fds",
-                 "limits", "check_locks", "stats_json", "backend_chosen")
+                 "limits", "check_locks", "stats_json", "backend_chosen", "sole")
 
     def __init__(self, *, grace: float = DEFAULT_GRACE, timeout: float | None = None,
                  kill_timeout: float = DEFAULT_KILL_TIMEOUT, backend: str = "auto",
@@ -31,7 +31,7 @@ class Options:
                  pids_max: int | str | None = None, cpu_max: float | str | None = None,
                  check_locks: bool = False, stats_json: str | None = None) -> None:
         if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r} (auto, cgroup2, pidns, job-object or none)")
+            raise ValueError(f"unknown backend {backend!r} (auto, cgroup2, pidns, subreaper, job-object or none)")
         # The library's numbers are checked as the CLI checks them (_args.py):
         # finite, grace >= 0, timeout and kill_timeout > 0.
         self.grace, self.timeout, kt = check_run_numbers(grace=grace, timeout=timeout, kill_timeout=kill_timeout)
@@ -91,7 +91,14 @@ class Options:
         self.cwd = None if cwd is None else check_path(cwd, "cwd")
         self.stdio = stdio
         self.state_dir = state_dir
+        if not isinstance(subreaper, bool):
+            raise TypeError(f"subreaper must be True or False, not {subreaper!r}")
+        # The process becomes a child subreaper (process-wide, for good) when
+        # a run needs the subreaper wall (_platform/subreaper.py).
         self.subreaper = subreaper
+        # This process starts no child but its runs' (`contain run`): every
+        # orphan that reaches it is its run's, and it reaps every child.
+        self.sole = False
         self.parent_cgroup = parent_cgroup
         self.new_pgroup = new_pgroup
         self.check_sockets = check_sockets

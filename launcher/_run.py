@@ -172,7 +172,7 @@ class Run:
         t = self.stop.next_deadline()
         if self._deadline_timeout and self.snap.phase == S.Phase.RUNNING:
             t = min(t, self._deadline_timeout)
-        if self.container is not None and self.container.backend == "none" and self.snap.stopping:
+        if self.container is not None and self.container.backend in ("none", "subreaper") and self.snap.stopping:
             t = min(t, time.monotonic() + 0.02)   # degraded mode has no emptiness event
         t = min(t, self.live_due or t)
         if self.layout is not None:
@@ -194,8 +194,7 @@ class Run:
                     self._read_inbox()
             self._read_inbox()
             self._check_root()
-            if self.opts.subreaper:
-                self._root_ended(host.reap_orphans(self.root, keep=self.container.owns))
+            self._root_ended(host.reap_tree_children(self))
             if self._deadline_timeout and self.snap.phase == S.Phase.RUNNING and now >= self._deadline_timeout:
                 self.feed(S.Event.TIMEOUT)
                 self.journal("timeout", after=self.opts.timeout)

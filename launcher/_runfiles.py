@@ -56,7 +56,7 @@ STATES = frozenset(names(State).values())
 TERMINAL = TERMINAL_STATES
 OUTCOMES = frozenset(names(Outcome).values())
 EFFECTS = frozenset(names(Effect).values())
-BACKENDS = frozenset({"cgroup2", "pidns", "job-object", "none"})
+BACKENDS = frozenset({"cgroup2", "pidns", "subreaper", "job-object", "none"})
 
 
 def iso_epoch(s: Any) -> float | None:

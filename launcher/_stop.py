@@ -249,6 +249,16 @@ class StopSequence:
         facts.times["empty_at"] = now_iso(t)
         if self.usage is not None:
             self.usage.at_empty()
+        unproven = c.proof_problem() if c.backend == "subreaper" else None
+        if unproven is not None:
+            # The subtree has no member left that can be told, but it holds a
+            # child that may be the tree's, or the supervisor stopped being a
+            # subreaper: emptiness is not observed, and nothing is claimed.
+            facts.layers["container_empty"] = {"observed": None, "at": now_iso(t), "via": c.empty_via,
+                                               "detail": unproven}
+            facts.layers["descendants_exit"] = {"observed": None, "at": now_iso(t), "via": c.empty_via,
+                                                "detail": c.seen_summary()}
+            return S.Event.TREE_GONE
         if c.backend == "none":
             facts.layers["container_empty"] = not_measured("no kernel container (degraded mode)")
             # Everything the scan saw is gone, but nothing held the tree: that

@@ -24,8 +24,8 @@ _NAMES_SHOWN = 3
 
 
 def weaker_line(reason: str, backend: str = "none") -> str:
-    if backend == "pidns":
-        how = "using backend pidns"       # the reason says what the wall alone gives
+    if backend in ("pidns", "subreaper"):
+        how = f"using backend {backend}"  # the reason says what the wall alone gives
     else:
         how = f"using backend {backend} (process group and /proc scan: nothing proves the tree gone, never REAPED)"
     return f"{reason}; {how}. `contain doctor` says what this host needs for a cgroup container"

@@ -148,10 +148,12 @@ def _prepare_mounts(mask_proc: bool) -> None:
 
 
 def run(fn: Callable[[], Any], *, pid1: bool = False, mask_proc: bool = True, seccomp: bool = True,
-        caps: set[int] | None = DOCKER_CAPS, cgroupns: bool = True, timeout: float = 90.0) -> Any:
+        caps: set[int] | None = DOCKER_CAPS, cgroupns: bool = True, timeout: float = 90.0,
+        pod_pid_file: str | None = None) -> Any:
     """fn() in a default container; its return value. Call from a forked
     test (the namespaces are unshared in the calling process's children
-    only, but unshare(CLONE_NEWNS) moves the caller itself)."""
+    only). `pod_pid_file`: where the pod's PID 1 writes its pid as the
+    host sees it (for a visitor: `nsenter -t PID -p`)."""
     r, w = os.pipe()
     outer = os.fork()
     if outer == 0:
@@ -163,6 +165,10 @@ def run(fn: Callable[[], Any], *, pid1: bool = False, mask_proc: bool = True, se
             pod = os.fork()               # PID 1 of the new PID namespace
             if pod == 0:
                 _pod(fn, w, pid1=pid1, mask_proc=mask_proc, seccomp=seccomp, caps=caps)
+            if pod_pid_file is not None:
+                with open(pod_pid_file + ".tmp", "w") as f:
+                    f.write(str(pod))
+                os.rename(pod_pid_file + ".tmp", pod_pid_file)
             _, status = os.waitpid(pod, 0)
             code = os.waitstatus_to_exitcode(status)
         except BaseException:

@@ -28,6 +28,16 @@ pytestmark = pytest.mark.skipif(_container.why_not() is not None, reason=_contai
 SETSID_SLEEPER = "setsid sleep 300 & echo started; exit 0"
 
 
+@pytest.fixture
+def pod(box, monkeypatch):
+    """The test's world (state directory, token) as a default container
+    sees it: no cgroup base of the test's (its filesystem is read-only
+    there, and a base named by CONTAIN_CGROUP_BASE is a choice, not a hint)."""
+    monkeypatch.delenv("CONTAIN_CGROUP_BASE", raising=False)
+    monkeypatch.delenv("CONTAIN_CGROUP_V1_BASE", raising=False)
+    return box
+
+
 def _wait_gone(token: str, timeout: float = 10.0) -> list[int]:
     deadline = time.monotonic() + timeout
     while (alive := pids_with_token(token)) and time.monotonic() < deadline:
@@ -113,3 +123,82 @@ def test_an_eperm_of_the_kernel_is_not_taken_for_a_refused_clone3(box) -> None:
     assert rec["exit_code"] == 0 and rec["evidence"]["container_empty"]["observed"] is True, rec["evidence"]
     assert [w["kind"] for w in rec["containment"]["walls"]] == ["cgroup"], rec["containment"]
     assert rec["containment"]["spawn_via"] == "clone3(CLONE_INTO_CGROUP|CLONE_PIDFD)", rec["containment"]
+
+
+# -- the subreaper wall -----------------------------------------------------------
+
+def _contain(*args: str, timeout: float = 60) -> tuple[int, str, str]:
+    """`contain` as a CI step in the container runs it (this checkout's)."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-m", "launcher", *args], env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    return p.returncode, p.stdout, p.stderr
+
+
+def _record(out: str) -> dict:
+    return json.loads(out[out.index("{"):])
+
+
+@pytest.mark.forked
+def test_the_readme_example_is_reaped_by_the_subreaper_wall_in_a_default_container(pod) -> None:
+    """The README's first command in a default container: before, nothing
+    started (clone3 ENOSYS); then degraded mode said EXITED. contain run is a
+    child subreaper from before the spawn, so no child of its left proves
+    the tree gone: REAPED by the wall `subreaper`."""
+    rc, out, err = _container.run(lambda: _contain("run", "--record", "-", "--", "sh", "-c", SETSID_SLEEPER))
+    assert rc == 0, err
+    assert out.startswith("started"), out
+    rec = _record(out)
+    assert rec["state"] == "REAPED" and rec["containment"]["backend"] == "subreaper", rec["containment"]
+    wall = rec["containment"]["walls"][0]
+    assert wall["kind"] == "subreaper" and wall["observed_empty"] is True, wall
+    assert rec["evidence"]["descendants_exit"]["observed"] is True, rec["evidence"]["descendants_exit"]
+    assert "using backend subreaper" in err and "never REAPED" not in err, err
+    assert _wait_gone(pod.token) == []
+
+
+@pytest.mark.forked
+def test_a_double_forked_term_ignoring_daemon_is_stopped_by_the_cli(pod) -> None:
+    daemon = "(trap '' TERM; setsid sleep 300 & ); (trap '' TERM; exec sleep 301) & exit 0"
+    rc, out, err = _container.run(lambda: _contain("run", "--grace", "0.3", "--record", "-", "--", "sh", "-c",
+                                                   daemon))
+    assert rc == 0, err
+    rec = _record(out)
+    assert rec["state"] == "REAPED", rec["containment"]
+    kill = [s for s in rec["evidence"]["signal_sent"]["detail"]["steps"] if s.get("kind") == "kill"]
+    assert kill, rec["evidence"]["signal_sent"]        # TERM was ignored: it took the kill
+    assert _wait_gone(pod.token) == []
+
+
+def _library_daemon(token_file: str) -> dict:
+    import launcher
+
+    w = launcher.spawn(["sh", "-c", "(trap '' TERM; setsid sleep 300 & ); echo up > " + token_file + "; exec sleep 300"],
+                       subreaper=True, grace=0.3)
+    deadline = time.monotonic() + 10
+    while not os.path.exists(token_file) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)                       # the daemon's parent has exited: it is the supervisor's orphan
+    w.cancel()
+    return w.wait(30).to_dict()
+
+
+@pytest.mark.forked
+def test_the_library_with_subreaper_true_stops_a_double_forked_daemon(pod, tmp_path) -> None:
+    rec = _container.run(lambda: _library_daemon(str(tmp_path / "up")))
+    assert rec["state"] == "REAPED" and rec["outcome"] == "cancelled", (rec["containment"], rec["evidence"])
+    assert rec["containment"]["backend"] == "subreaper"
+    found = rec["evidence"]["descendants_exit"]
+    assert found["observed"] is True, found
+    assert _wait_gone(pod.token) == []
+
+
+@pytest.mark.forked
+def test_the_library_without_subreaper_is_degraded_mode_in_a_default_container(pod, tmp_path) -> None:
+    """subreaper=True is process-wide, so the library never turns it on by
+    itself: without it a default container gives degraded mode (EXITED)."""
+    import launcher
+
+    rec = _container.run(lambda: launcher.run(["true"]).to_dict())
+    assert rec["containment"]["backend"] == "none" and rec["state"] == "EXITED", rec["containment"]
+

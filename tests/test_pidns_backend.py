@@ -79,11 +79,15 @@ def test_worker_behind_the_wall_has_no_capabilities(user):
     assert status["NoNewPrivs"].strip() == "1"
 
 
-def test_no_cgroup_and_no_wall_is_degraded_not_reaped(user):
-    """With the wall turned off, a user without a cgroup gets the honest
-    degraded mode: never REAPED."""
+def test_no_cgroup_and_no_wall_is_the_subreaper_wall_and_none_stays_degraded(user):
+    """With the wall turned off, a user without a cgroup gets the subreaper
+    wall (contain run's own subtree: REAPED once no child of the tree's is
+    left); asked for by name, degraded mode stays the honest one: never
+    REAPED."""
     uid, token, home = user
-    rc, rec = _run(uid, token, home, "--no-pidns", "--", "sh", "-c", "exit 0")
+    rc, rec = _run(uid, token, home, "--no-pidns", "--", "sh", "-c", "setsid sleep 300 & exit 0")
+    assert rc == 0 and rec["state"] == "REAPED" and rec["containment"]["backend"] == "subreaper", rec["containment"]
+    rc, rec = _run(uid, token, home, "--backend", "none", "--", "sh", "-c", "exit 0")
     assert rc == 0 and rec["state"] == "EXITED" and rec["containment"]["backend"] == "none"
 
 

@@ -365,3 +365,9 @@ uint64_t ct_sig_ignored_mask(void) {
 int ct_set_child_subreaper(int on) {
     return prctl(PR_SET_CHILD_SUBREAPER, on ? 1 : 0, 0, 0, 0) < 0 ? -errno : 0;
 }
+
+/* 1 if this process is a child subreaper, 0 if not, or -errno. */
+int ct_get_child_subreaper(void) {
+    int on = 0;
+    return prctl(PR_GET_CHILD_SUBREAPER, &on, 0, 0, 0) < 0 ? -errno : (on != 0);
+}

@@ -33,7 +33,7 @@ KIND = "none"
 _LIST_CAP = 500   # entries kept in the record's lists; the count is always exact
 
 
-def _live_start(pid: int) -> int | None:
+def live_start(pid: int) -> int | None:
     """The start time of a live process, or None if it is gone (a zombie has
     exited; it only waits to be reaped)."""
     p = read_stat(pid)
@@ -76,7 +76,7 @@ def _carrying(run_dir: str | None) -> list[int] | None:
             env = read_environ(name)
         except OSError:
             continue          # gone, or not ours to read (then not ours to stop either)
-        if needle in env.split(b"\0") and _live_start(int(name)) is not None:
+        if needle in env.split(b"\0") and live_start(int(name)) is not None:
             found.append(int(name))
     return found
 
@@ -86,12 +86,12 @@ def _snapshot() -> dict[int, tuple[int, int, int, int]]:
     leader thread's state: read_stat tells a zombie from a process whose
     leader exited alone while another thread runs on."""
     return {p.pid: (p.ppid, p.pgid, p.sid, p.start_time)
-            for p in scan_processes(cgroups=False) if p.state not in ("Z", "X") or _live_start(p.pid) is not None}
+            for p in scan_processes(cgroups=False) if p.state not in ("Z", "X") or live_start(p.pid) is not None}
 
 
 class Container:
     backend = KIND
-    path = None
+    path: str | None = None
     dir = None
     leaf = None
     hierarchy = None
@@ -172,7 +172,7 @@ class Container:
                              + ": the tree cannot be found")
         alive = 0
         for pid, start in known if same_boot else []:
-            if pid > 1 and pid != os.getpid() and _live_start(pid) == start:
+            if pid > 1 and pid != os.getpid() and live_start(pid) == start:
                 c._remember(pid, start, how)
                 alive += 1
         pgid = tag.get("pgid")
@@ -214,7 +214,7 @@ class Container:
         self.root_pid = sp.pid
         if req.new_pgroup:
             self.pgid, self._group_ours = sp.pid, True
-        start = _live_start(sp.pid)
+        start = live_start(sp.pid)
         if start is not None:
             self.root_start = start
             self._remember(sp.pid, start, "worker")
@@ -227,7 +227,7 @@ class Container:
     def root(self, sp: posix.Spawned) -> Root:
         return Root(sp.pid, sp.pidfd)
 
-    def unleavable(self) -> None:
+    def unleavable(self) -> str | None:
         return None
 
     def walls(self) -> list[dict[str, Any]]:
@@ -322,7 +322,7 @@ class Container:
                 continue
             try:
                 # The pidfd pins the process; it must still be the one seen.
-                if _live_start(pid) != start:
+                if live_start(pid) != start:
                     continue
                 signal.pidfd_send_signal(fd, sig)
                 if sig != signal.SIGKILL:

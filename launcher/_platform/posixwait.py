@@ -130,6 +130,20 @@ class Root:
             self.pidfd = -1
 
 
+def reap_tree_children(run: Any) -> RootExit | None:
+    """The owner's reaping of the orphans that reparent to this process:
+    `contain run` (sole: every child of its process is its run's) reaps
+    every child; a library run on the subreaper wall, only the tree's (its
+    process has children of its own); anything else, nothing. Returns the
+    worker's end when the reaping took its status."""
+    if run.opts.sole:
+        return reap_orphans(run.root, keep=run.container.owns)
+    reap = getattr(run.container, "reap", None)
+    if reap is not None:
+        reap(run.pid)
+    return None
+
+
 def reap_orphans(root: Any, keep: Callable[[int], bool] = lambda pid: False) -> RootExit | None:
     """As child subreaper, reap whatever reparented to us. WNOWAIT first so
     the worker's own status is left for its pidfd (returned if it ended),

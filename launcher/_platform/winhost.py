@@ -101,6 +101,10 @@ def reap_orphans(root: Any, keep: Callable[[int], bool] = lambda pid: False) -> 
     return None
 
 
+def reap_tree_children(run: Any) -> RootExit | None:
+    return None
+
+
 class Wakeups:
     """The run's Waiter: on the container's completion port when it has one
     (then the container closes it before its handles, `Container.remove`),
