@@ -210,6 +210,9 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
     if not cmd:
         _say("run: nothing to run (usage: contain run [OPTIONS] -- CMD [ARG...])")
         return EXIT_USAGE
+    from ._pid1 import split
+
+    split()          # as PID 1 (a container's entrypoint): an init of our own above the supervisor
     backend = args.backend or policy_env("CONTAIN_BACKEND") or "auto"
     if backend not in ("auto", "cgroup2", "pidns", "subreaper", "job-object", "none"):
         _say(f"run: CONTAIN_BACKEND={backend!r} is not auto, cgroup2, pidns, subreaper, job-object or none")

@@ -202,3 +202,139 @@ def test_the_library_without_subreaper_is_degraded_mode_in_a_default_container(p
     rec = _container.run(lambda: launcher.run(["true"]).to_dict())
     assert rec["containment"]["backend"] == "none" and rec["state"] == "EXITED", rec["containment"]
 
+
+# -- PID 1 and visitors ----------------------------------------------------------
+
+VISITOR_VAR = "CONTAIN_TEST_VISITOR"
+
+
+def _wait_file(path: str, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+class Visitor:
+    """`kubectl exec` into the pod while its run is live: a shell entered
+    from outside (nsenter into the pod's PID namespace) leaves an orphan,
+    which the kernel reparents to the pod's PID 1. It carries a token of its
+    own, so the test's scan tells it from the tree."""
+
+    def __init__(self, tmp_path) -> None:
+        import secrets
+        import threading
+
+        self.dir = str(tmp_path)
+        self.token = secrets.token_hex(8)
+        self.pod_pid_file = os.path.join(self.dir, "pod.pid")
+        self.alive_after_record: list[int] | None = None
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._visit, daemon=True)
+
+    def worker(self) -> str:
+        """The worker's script: say it runs, wait for the visit, exit."""
+        return f"touch {self.dir}/ready; while [ ! -e {self.dir}/visited ]; do sleep 0.02; done; exit 0"
+
+    def _visit(self) -> None:
+        try:
+            if not (_wait_file(self.pod_pid_file) and _wait_file(f"{self.dir}/ready")):
+                self.error = "the pod or its run never started"
+                return
+            with open(self.pod_pid_file) as f:
+                pod = int(f.read())
+            env = dict(os.environ, **{VISITOR_VAR: self.token})
+            subprocess.run(["nsenter", "-t", str(pod), "-p", "--", "sh", "-c", "sleep 300 & exit 0"], env=env,
+                           timeout=20, check=True)
+            time.sleep(0.1)            # reparented to the pod's PID 1 by now
+            open(f"{self.dir}/visited", "w").close()
+            if not _wait_file(f"{self.dir}/record.json"):
+                self.error = "no record"
+                return
+            time.sleep(0.2)
+            from _proc import holders
+
+            self.alive_after_record = holders(self.token, VISITOR_VAR)
+        except Exception as e:     # reported by the test
+            self.error = repr(e)
+        finally:
+            open(f"{self.dir}/checked", "w").close()
+
+    def end(self) -> None:
+        from _proc import holders
+
+        for pid in holders(self.token, VISITOR_VAR):
+            try:
+                os.kill(pid, 9)       # the visitor's own sleep, found by its token
+            except OSError:
+                pass
+
+
+@pytest.mark.forked
+@pytest.mark.skipif(__import__("shutil").which("nsenter") is None, reason="nsenter (util-linux) is not installed")
+def test_contain_as_pid_1_keeps_the_visitors_orphans_away_from_its_run(pod, tmp_path) -> None:
+    """`contain run` as the pod's entrypoint forks its supervisor off and
+    stays an init (as tini): the visitor's orphan is reparented to PID 1,
+    the tree's to the supervisor, which proves its tree gone (REAPED) and
+    never touches the visitor."""
+    v = Visitor(tmp_path)
+    record = os.path.join(v.dir, "record.json")
+
+    def entrypoint() -> int:
+        from launcher._cli import main
+
+        rc = main(["run", "--record", record, "--", "sh", "-c", v.worker()])
+        _wait_file(os.path.join(v.dir, "checked"))     # the test looks at the visitor before the pod ends
+        return rc
+
+    v.thread.start()
+    try:
+        rc = _container.run(entrypoint, pid1=True, pod_pid_file=v.pod_pid_file)
+        v.thread.join(30)
+    finally:
+        v.end()
+    assert v.error is None, v.error
+    assert rc == 0
+    with open(record) as f:
+        rec = json.load(f)
+    assert rec["state"] == "REAPED" and rec["containment"]["backend"] == "subreaper", rec["containment"]
+    assert v.alive_after_record, "the visitor's orphan was killed by the run's stop"
+    assert _wait_gone(pod.token) == []
+
+
+@pytest.mark.forked
+@pytest.mark.skipif(__import__("shutil").which("nsenter") is None, reason="nsenter (util-linux) is not installed")
+def test_the_library_as_pid_1_never_counts_a_visitors_orphan_as_a_member(pod, tmp_path) -> None:
+    """A library process that is the pod's PID 1 gets the subreaper wall
+    without asking (every orphan of the namespace comes to it anyway), and
+    with it the visitors' orphans: one it never saw below a member is not
+    the tree's, is not signalled, and keeps the run from claiming more
+    than was observed (EXITED, naming it)."""
+    v = Visitor(tmp_path)
+    record = os.path.join(v.dir, "record.json")
+
+    def runtime() -> dict:
+        import launcher
+
+        rec = launcher.run(["sh", "-c", v.worker()], record_file=record).to_dict()
+        _wait_file(os.path.join(v.dir, "checked"))
+        return rec
+
+    v.thread.start()
+    try:
+        rec = _container.run(runtime, pid1=True, pod_pid_file=v.pod_pid_file)
+        v.thread.join(30)
+    finally:
+        v.end()
+    assert v.error is None, v.error
+    assert rec["containment"]["backend"] == "subreaper", rec["containment"]
+    assert v.alive_after_record, "the visitor's orphan was killed by the run's stop"
+    wall = rec["containment"]["walls"][0]
+    assert rec["state"] == "EXITED" and wall["observed_empty"] is None, wall
+    assert wall.get("unattributed"), wall
+    members = rec["evidence"]["descendants_exit"]["detail"]["seen"]
+    assert all(m["pid"] not in [u["pid"] for u in wall["unattributed"]] for m in members), members
+    assert _wait_gone(pod.token) == []
+
