@@ -338,3 +338,40 @@ def test_the_library_as_pid_1_never_counts_a_visitors_orphan_as_a_member(pod, tm
     assert all(m["pid"] not in [u["pid"] for u in wall["unattributed"]] for m in members), members
     assert _wait_gone(pod.token) == []
 
+
+# -- the wall without a /proc of its own ---------------------------------------------
+
+def _wall_in_a_masked_proc() -> dict:
+    """Kubernetes' default (no seccomp filter), masked /proc: a user
+    namespace and a PID namespace are allowed, a new /proc in them is not."""
+    from launcher._platform import posix
+
+    problem = posix.wall_available("self", mount_proc=True)
+    r, w = os.pipe()
+    req = posix.SpawnRequest(["sh", "-c", "echo $$; ls /proc | grep -c '^[0-9]'"], env=dict(os.environ),
+                             stdio=(-1, w, -1), pidns=True, userns="self", mount_proc=True)
+    sp = posix.spawn(req)
+    os.close(w)
+    out = b""
+    while chunk := os.read(r, 4096):
+        out += chunk
+    os.close(r)
+    os.waitid(os.P_PIDFD, sp.init_pidfd, os.WEXITED)
+    notes = [e.text for e in sp.events + posix.read_init_events(sp.report_fd) if isinstance(e, posix.InitNote)]
+    for fd in (sp.pidfd, sp.init_pidfd, sp.report_fd):
+        if fd >= 0:
+            os.close(fd)
+    return {"problem": problem, "out": out.decode().split(), "notes": notes}
+
+
+@pytest.mark.forked
+def test_a_wall_whose_proc_cannot_be_mounted_is_kept_and_says_the_worker_sees_the_outer_proc(pod) -> None:
+    """Before, a refused /proc mount made the wall "unavailable" and auto fell
+    back to degraded mode, though the namespaces themselves were allowed."""
+    got = _container.run(_wall_in_a_masked_proc, seccomp=False)
+    assert got["problem"] is None, got
+    pid_inside, procs_seen = got["out"]
+    assert pid_inside == "2", got          # behind the wall: its init is 1
+    assert int(procs_seen) > 2, got        # the outer /proc: the pod's processes, not the namespace's
+    assert any("the worker sees the outer /proc" in n for n in got["notes"]), got["notes"]
+

@@ -13,8 +13,8 @@ if TYPE_CHECKING:
 
 from .._errors import SpawnFailed
 from .._native import ffi, lib
-from .spawnreq import (DiedAtBirth, SpawnRequest, Spawned, candidates, clone_call, close_fds, raise_failure,
-                       spawn_args)
+from .spawnreq import (DiedAtBirth, SpawnRequest, Spawned, candidates, clone3_refused, clone_call, close_fds,
+                       raise_failure, spawn_args)
 
 class InitEvent:
     """One message of the wall's init, parsed from its fixed shape. The init
@@ -87,7 +87,9 @@ class InitWorkerExit(InitEvent):
 
 _NOTES = {
     lib.CT_NOTE_MOUNT_PRIVATE: "mounts could not be made private (no /proc of the namespace's own)",
-    lib.CT_NOTE_MOUNT_PROC: "a /proc of the namespace could not be mounted",
+    lib.CT_NOTE_MOUNT_PROC: ("a /proc of the namespace could not be mounted, so the worker sees the outer /proc "
+                             "(the wall holds all the same; a container's masked /proc paths make the kernel "
+                             "refuse the mount to a user namespace)"),
     lib.CT_NOTE_DEVNULL: "the init could not point its stdio at /dev/null",
     lib.CT_NOTE_SHED: ("the init could not let go of the supervisor's memory (shared copy-on-write "
                        "until the run ends)"),
@@ -412,9 +414,19 @@ def wall_available(userns: str | None = None, mount_proc: bool = True) -> str | 
         sp = spawn_wall(SpawnRequest([shell], env={"PATH": "/usr/bin:/bin"}, pidns=True, userns=userns,
                                 mount_proc=mount_proc, clear_caps=True, no_new_privs=True,
                                 keep_ignored=()))
-    except (SpawnFailed, DiedAtBirth, OSError) as e:
+    except SpawnFailed as e:
+        if getattr(e, "stage", None) == "clone":
+            flags = "|".join(["CLONE_NEWPID"] + (["CLONE_NEWUSER"] if userns else []))
+            return (f"{'clone' if clone3_refused() else 'clone3'}({flags}) refused: {os.strerror(e.errno or 0)} "
+                    f"(a seccomp filter that refuses namespaces, or "
+                    f"{'no user namespaces for this user' if userns else 'no CAP_SYS_ADMIN'})")
         return str(e)
-    notes: list[str] = [e.text for e in sp.events if isinstance(e, InitNote)]
+    except (DiedAtBirth, OSError) as e:
+        return str(e)
+    # A /proc of its own is what the wall is nicer with, not what makes it a
+    # wall: refused (masked /proc paths: the kernel's mount_too_revealing),
+    # the wall is kept and its record says the worker sees the outer /proc.
+    notes: list[str] = [e.text for e in sp.events if isinstance(e, InitNote) and e.what != lib.CT_NOTE_MOUNT_PROC]
     try:
         p = select.poll()
         p.register(sp.init_pidfd, select.POLLIN)
@@ -422,7 +434,7 @@ def wall_available(userns: str | None = None, mount_proc: bool = True) -> str | 
             return "the init of a probe did not exit within 5 s"
         info = reap_init(sp.init_pidfd)     # None: the kernel reaped it (our caller ignores SIGCHLD)
         evs = read_init_events(sp.report_fd)
-        notes += [e.text for e in evs if isinstance(e, InitNote)]
+        notes += [e.text for e in evs if isinstance(e, InitNote) and e.what != lib.CT_NOTE_MOUNT_PROC]
         if (info is not None and (info.si_code != os.CLD_EXITED or info.si_status != 0)) or \
                 not any(isinstance(e, InitEmpty) for e in sp.events + evs):
             return f"the probe's init did not report an empty namespace ({evs})"
