@@ -8,9 +8,14 @@ Location (first that applies):
 3. `$XDG_RUNTIME_DIR/contain`, when XDG_RUNTIME_DIR is a directory owned by
    this user (not one inherited through `su` from another user).
 4. `/run/user/<euid>/contain`, when logind made `/run/user/<euid>` for us.
-5. Otherwise there is none: `contain` refuses with advice (set
-   CONTAIN_STATE_DIR). There is no predictable fallback in /tmp: whoever
-   creates `/tmp/contain-<uid>` first owns the victim's runs.
+5. `$XDG_STATE_HOME/contain`, else `~/.local/state/contain`, when that
+   directory (or HOME) is owned by this user: `su -`, cron, a CI runner,
+   a container's user with a home.
+6. `/tmp/contain-<euid>` (a user with no home of its own: a container's
+   numeric uid gets HOME=/), as tmux does: made 0700 by us, and verified as
+   every state directory is, so one that another user made first is
+   refused (exit 125, naming its owner), never used: that user can deny us
+   the default, never read or forge our runs.
 
 Verification, at every open (`StateDir.open`):
 - every directory above the state directory is owned by root or by us, and
@@ -57,22 +62,20 @@ def location(env: dict[str, str] | os._Environ[str] = os.environ) -> str:
     euid = os.geteuid()
     if euid == 0:
         return "/run/contain"
-    why = []
     xdg = None if elevated() else env.get("XDG_RUNTIME_DIR")
-    if xdg:
-        own = _owned_dir(xdg, euid)
-        if own is None:
-            return os.path.join(os.path.abspath(xdg), "contain")
-        why.append(f"XDG_RUNTIME_DIR {xdg} {own}")
-    else:
-        why.append("XDG_RUNTIME_DIR is not set")
+    if xdg and _owned_dir(xdg, euid) is None:
+        return os.path.join(os.path.abspath(xdg), "contain")
     run_user = f"/run/user/{euid}"
-    own = _owned_dir(run_user, euid)
-    if own is None:
+    if _owned_dir(run_user, euid) is None:
         return os.path.join(run_user, "contain")
-    why.append(f"{run_user} {own}")
-    raise StateDirError("(none)", f"{'; '.join(why)}: set {ENV} to a directory of your own "
-                        f"(for example ~/.cache/contain)", errno.ENOENT)
+    if not elevated():
+        state = env.get("XDG_STATE_HOME")
+        if state and os.path.isabs(state) and _owned_dir(state, euid) is None:
+            return os.path.join(state, "contain")
+        home = env.get("HOME")
+        if home and os.path.isabs(home) and _owned_dir(home, euid) is None:
+            return os.path.join(home, ".local", "state", "contain")
+    return f"/tmp/contain-{euid}"
 
 
 def _owned_dir(path: str, euid: int) -> str | None:
@@ -133,7 +136,20 @@ class StateDir:
         """Open and verify. `create` makes what is missing (with the modes
         above). Raises StateDirError, or FileNotFoundError when the directory
         (or its runs/) does not exist and `create` is false."""
+        default = path is None
         path = os.path.normpath(os.path.abspath(path or location()))
+        try:
+            return cls._open(path, write=write, create=create)
+        except StateDirError as e:
+            if default and path == f"/tmp/contain-{os.geteuid()}":
+                # The last default: say what was looked for first, and the way out.
+                e.problem = (f"{e.problem} (the default where neither XDG_RUNTIME_DIR, /run/user/"
+                             f"{os.geteuid()} nor a home of this user's exists): set {ENV} to a directory of "
+                             "your own")
+            raise
+
+    @classmethod
+    def _open(cls, path: str, *, write: bool, create: bool) -> "StateDir":
         parent, name = os.path.split(path)
         if not name:
             raise StateDirError(path, "is the root directory")

@@ -375,3 +375,42 @@ def test_a_wall_whose_proc_cannot_be_mounted_is_kept_and_says_the_worker_sees_th
     assert int(procs_seen) > 2, got        # the outer /proc: the pod's processes, not the namespace's
     assert any("the worker sees the outer /proc" in n for n in got["notes"]), got["notes"]
 
+
+# -- a plain user -------------------------------------------------------------------
+
+@pytest.mark.forked
+def test_the_readme_example_works_for_a_plain_user_with_no_runtime_dir_in_a_default_container(pod) -> None:
+    """A container's numeric uid has no XDG_RUNTIME_DIR and HOME=/: before,
+    exit 125 ("set CONTAIN_STATE_DIR"). Now its state directory is
+    /tmp/contain-<uid> (made 0700 by it, refused if another user made it)."""
+    import shutil
+
+    import _users
+
+    why = _users.why_not()
+    if why:
+        pytest.skip(why)
+    uid = _users.spare_uids(1)[0]
+    state = f"/tmp/contain-{uid}"
+    if os.path.exists(state):
+        pytest.skip(f"{state} exists already (another user's, or a leftover)")
+
+    def as_plain_user() -> tuple[int, str, str]:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+        env = dict(_users.user_env(HOME="/"), **{"CONTAIN_TEST_TOKEN": pod.token})
+        p = subprocess.run([_users.SYS_PY, "-m", "launcher", "run", "--record", "-", "--", "sh", "-c",
+                            SETSID_SLEEPER], env=env, capture_output=True, text=True, timeout=60, cwd="/")
+        return p.returncode, p.stdout, p.stderr
+
+    try:
+        rc, out, err = _container.run(as_plain_user)
+        assert rc == 0, err
+        rec = _record(out)
+        assert rec["state"] == "REAPED" and rec["containment"]["backend"] == "subreaper", rec["containment"]
+        st = os.stat(state)
+        assert (st.st_uid, st.st_mode & 0o777) == (uid, 0o700)
+        assert _wait_gone(pod.token) == []
+    finally:
+        shutil.rmtree(state, ignore_errors=True)

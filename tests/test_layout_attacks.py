@@ -104,9 +104,12 @@ def test_squatted_state_dir_is_refused(box, how):
 
 
 @needs_users
-def test_no_runtime_dir_means_no_tmp_fallback():
-    """Without XDG_RUNTIME_DIR or /run/user/<uid> (cron, su, CI), there is no
-    predictable /tmp/contain-<uid> to squat: contain refuses with advice."""
+def test_a_squatted_tmp_default_is_refused_never_used():
+    """Without XDG_RUNTIME_DIR, /run/user/<uid> or a home (cron, su, a
+    container's numeric uid), the state directory is /tmp/contain-<uid>. One
+    that another user made first is refused with advice, and nothing is
+    written into it: the squatter can deny the default, never read or forge
+    the victim's runs."""
     victim, attacker = spare_uids(2)
     assert not os.path.exists(f"/run/user/{victim}")
     squat = f"/tmp/contain-{victim}"
@@ -118,23 +121,40 @@ def test_no_runtime_dir_means_no_tmp_fallback():
             p = contain_as(victim, *args, env=user_env())
             line = one_line(p.stderr)
             assert p.returncode == 125, p.stderr
-            assert "CONTAIN_STATE_DIR" in line and "XDG_RUNTIME_DIR" in line, line
+            assert "CONTAIN_STATE_DIR" in line and "XDG_RUNTIME_DIR" in line and f"uid {attacker}" in line, line
         assert snapshot(squat) == before == []
     finally:
         shutil.rmtree(squat, ignore_errors=True)
 
 
 @needs_users
+def test_no_runtime_dir_and_no_home_means_a_private_tmp_default():
+    """The same user with no squatter: its own /tmp/contain-<uid>, made 0700."""
+    victim, = spare_uids(1)
+    mine = f"/tmp/contain-{victim}"
+    assert not os.path.exists(mine)
+    try:
+        p = contain_as(victim, "run", "--backend", "none", "--", "true", env=user_env(HOME="/"))
+        assert p.returncode == 0, p.stderr
+        st = os.lstat(mine)
+        assert stat.S_ISDIR(st.st_mode) and (st.st_uid, st.st_mode & 0o777) == (victim, 0o700)
+    finally:
+        shutil.rmtree(mine, ignore_errors=True)
+
+
+@needs_users
 def test_su_inherited_runtime_dir_of_another_user_is_not_used():
     """`su` keeps the caller's XDG_RUNTIME_DIR: the other user's directory is
-    not taken as ours."""
+    not taken as ours (the next default is)."""
     victim, other = spare_uids(2)
     with Shared() as sh:
         theirs = sh.sub("run-user", uid=other, mode=0o700)
-        p = contain_as(victim, "ls", env=user_env(XDG_RUNTIME_DIR=theirs))
-        line = one_line(p.stderr)
-        assert p.returncode == 125 and f"belongs to uid {other}" in line, line
+        home = sh.sub("home", uid=victim, mode=0o700)
+        p = contain_as(victim, "run", "--backend", "none", "--", "true",
+                       env=user_env(XDG_RUNTIME_DIR=theirs, HOME=home))
+        assert p.returncode == 0, p.stderr
         assert os.listdir(theirs) == []
+        assert os.path.isdir(os.path.join(home, ".local", "state", "contain", "runs"))
 
 
 @needs_root
