@@ -81,6 +81,8 @@ class Run:
         self._cancel_grace: float | None = None
         self._deadline_timeout = 0.0
         self.wakeups: host.Wakeups | None = None
+        self.waker: Callable[[Run], None] | None = None   # a shared owner loop's wake-up (_reactor.py)
+        self.shared_wake = False      # owned by the process's reactor: no wake-up pipe of its own
         self._signals: list[int] = []
         self._lock = _thread.RLock()
         self._done = False        # set once, by the owner; nobody waits on it (Worker.wait waits on the run)
@@ -109,7 +111,8 @@ class Run:
         self.stop.check_sockets = self.opts.check_sockets
 
     def open_channels(self) -> None:
-        self.wakeups = host.Wakeups(self.layout, container=self.container, run_uid=self.uid)
+        self.wakeups = host.Wakeups(self.layout, container=self.container, run_uid=self.uid,
+                                    pipe=not self.shared_wake)
         if self.wakeups.problem is not None:
             self.facts.notes.append(f"{self.wakeups.problem}: inbox read every {_INBOX_FALLBACK_S} s")
 
@@ -117,7 +120,9 @@ class Run:
 
     def wake(self) -> None:
         """Make the owner loop look at its inputs now (thread- and signal-safe)."""
-        if self.wakeups is not None:
+        if self.waker is not None:
+            self.waker(self)
+        elif self.wakeups is not None:
             self.wakeups.wake()
 
     def deliver_signal(self, signum: int) -> None:

@@ -26,7 +26,7 @@ from ._layout import new_uid
 from ._record import StopRecord
 from ._options import DEFAULT_GRACE
 from ._run import Run
-from ._worker import Worker, abandon, start_run
+from ._worker import SHARED_OWNER, Worker, abandon, start_run
 
 
 class Supervisor:
@@ -67,7 +67,7 @@ class Supervisor:
                  "stdin": None, "stdout": None, "stderr": None, **self._defaults, **kw}
             run, st = start_run(argv, id=o.pop("id"), grace=o.pop("grace"), timeout=o.pop("timeout"),
                                 backend=o.pop("backend"), stdin=o.pop("stdin"), stdout=o.pop("stdout"),
-                                stderr=o.pop("stderr"), options=o, track=self._track)
+                                stderr=o.pop("stderr"), options=o, track=self._track, shared=SHARED_OWNER)
             w = Worker(run, st)
             with self._lock:
                 self._workers[id(run)] = w

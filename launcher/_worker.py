@@ -27,6 +27,10 @@ from ._options import DEFAULT_GRACE, Options
 from ._run import Run
 from ._stdio import StdioSpec
 
+SHARED_OWNER = sys.platform != "win32"
+if SHARED_OWNER:
+    from ._reactor import reactor
+
 
 _owned_mu = threading.Lock()
 _owned: "weakref.WeakSet[Run]" = weakref.WeakSet()
@@ -54,10 +58,12 @@ def _claim(run: Run) -> bool:
 
 def start_run(argv: Sequence[str], *, id: str | None, grace: float, timeout: float | None, backend: str,
               stdin: StdioSpec, stdout: StdioSpec, stderr: StdioSpec,
-              options: dict[str, Any], track: Callable[[Run], None] | None = None) -> tuple[Run, _stdio.Stdio]:
+              options: dict[str, Any], track: Callable[[Run], None] | None = None,
+              shared: bool = False) -> tuple[Run, _stdio.Stdio]:
     """Claim, contain and spawn. The caller's copies of the child's stdio
     ends are closed before this returns, whatever happens. `track` sees the
-    Run before it starts, so an owner interrupted mid-spawn can still stop it."""
+    Run before it starts, so an owner interrupted mid-spawn can still stop it.
+    `shared`: its owner will be the process's reactor (no wake-up pipe of its own)."""
     if "stdio" in options and (stdin, stdout, stderr) != (None, None, None):
         raise ValueError("give stdin/stdout/stderr or stdio, not both")
     st = _stdio.resolve(stdin, stdout, stderr)
@@ -66,6 +72,7 @@ def start_run(argv: Sequence[str], *, id: str | None, grace: float, timeout: flo
         if "stdio" not in options:
             options = dict(options, stdio=st.child)
         run = Run(argv, id=id, options=Options(grace=grace, timeout=timeout, backend=backend, **options))
+        run.shared_wake = shared
         run.end_hooks.append(end_hook)
         if track is not None:
             track(run)
@@ -103,14 +110,29 @@ class Worker(RunHandle):
         # thread's tstate lock and is_alive() then says False (the bpo-45274
         # handling in Thread._wait_for_tstate_lock).
         self._finished = threading.Event()
-        self._thread = threading.Thread(target=self._own, name=f"contain-{run.id}", daemon=True)
         self._error: BaseException | None = None
         self._comm: tuple[dict[int, list[bytes]], memoryview] | None = None   # a communicate() under way
         try:
-            self._thread.start()
+            if SHARED_OWNER:
+                # One owner loop for every Worker of the process (_reactor.py),
+                # started (its thread may take an interrupt) before the run is
+                # claimed: a claimed run is owned, or abandon() could not stop it.
+                loop = reactor()
+                if _claim(run):
+                    loop.own(run, self._ended)
+                else:
+                    self._ended(None)     # abandon() owns it (the constructor was interrupted)
+            else:
+                # Windows: the owner waits on the job's completion port, a thread per run.
+                threading.Thread(target=self._own, name=f"contain-{run.id}", daemon=True).start()
         except BaseException:
             self.close()
             raise
+
+    def _ended(self, error: BaseException | None) -> None:
+        self._error = error
+        self._finished.set()
+        self._changed()
 
     def _own(self) -> None:
         try:
@@ -289,7 +311,8 @@ def spawn(argv: Sequence[str], *, id: str | None = None, grace: float = DEFAULT_
     started: list[Run] = []
     try:
         run, st = start_run(argv, id=id, grace=grace, timeout=timeout, backend=backend, stdin=stdin,
-                            stdout=stdout, stderr=stderr, options=options, track=started.append)
+                            stdout=stdout, stderr=stderr, options=options, track=started.append,
+                            shared=SHARED_OWNER)
         return Worker(run, st)
     except BaseException:
         for r in started:

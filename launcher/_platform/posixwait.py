@@ -378,9 +378,10 @@ class Wakeups:
     # One wake-up and one failed open every few seconds; no spin.
     guard_s = 2.0
 
-    def __init__(self, layout: Any, *, container: Any = None, run_uid: str | None = None) -> None:
+    def __init__(self, layout: Any, *, container: Any = None, run_uid: str | None = None, pipe: bool = True) -> None:
         # (`container` and `run_uid`: what the Windows host needs, winhost.py.)
-        self.r, self.w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        # `pipe` False: the owner loop is shared (_reactor.py) and has its own.
+        self.r, self.w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK) if pipe else (-1, -1)
         self.inbox_fd = -1
         self.problem: str | None = None    # why the inbox has no wake-up (it is then read on a timer)
         if layout is not None:
@@ -406,6 +407,8 @@ class Wakeups:
                     pass
 
     def wake(self) -> None:
+        if self.w < 0:
+            return
         try:
             os.write(self.w, b"!")
         except OSError:

@@ -113,7 +113,7 @@ class Wakeups:
     taken by someone else) there is no cross-process wake-up: `problem`
     says why, and the driver reads the inbox on a timer."""
 
-    def __init__(self, layout: Any, *, container: Any = None, run_uid: str | None = None) -> None:
+    def __init__(self, layout: Any, *, container: Any = None, run_uid: str | None = None, pipe: bool = True) -> None:
         port = int(getattr(container, "port", 0) or 0)
         self.waiter = Waiter(port, job=int(getattr(container, "key", 0) or 0))
         if port:

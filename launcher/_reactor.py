@@ -1,0 +1,216 @@
+"""One owner loop for every Worker of a process (Linux).
+
+A `Worker` used to be a thread running its run's owner loop (`Run.supervise`):
+a thread and a wake-up pipe per live run, so a process with a thousand runs
+had a thousand threads. Here one daemon thread owns them all: it waits on
+one epoll set for every run's inputs (`Run.sources()`: the worker's pidfd,
+the wall's init, `cgroup.events`, the inbox's wake-up FIFO), and turns only
+the runs that have something to read, a deadline due, or a wake-up from
+another thread (a `cancel()`). The stop sequence, the state table, the
+evidence and the record are the run's own, exactly as under `supervise()`:
+only who waits, and on what, changes.
+
+Some facts about epoll that the loop follows from:
+- A descriptor is in the set by its open file description, listed by
+  number. Closing the last reference removes it from the set by itself; a
+  number closed and opened again is another file, which must be added
+  again. So after each turn of a run its sources are compared with what is
+  registered for it, and the difference applied at once, in this thread:
+  every descriptor of a run is opened and closed by its owner's turns (or
+  before the run is handed over), so no other run's registration can be
+  taken for it in between.
+- `poll()`'s POLLIN, POLLPRI and POLLERR are EPOLLIN, EPOLLPRI and EPOLLERR
+  (the same bits, include/uapi/linux/eventpoll.h), so `sources()` serve as
+  they are. `cgroup.events` signals a change with EPOLLPRI (POLLIN is
+  always ready there, KERNEL-NOTES.md).
+- Level-triggered: an input a turn did not consume wakes the loop again at
+  once. The run's `drain()` consumes the wake-ups that need it (the FIFO,
+  kernfs's POLLPRI), as under `supervise()`.
+- Wake-ups from other threads (`cancel()`, `abandon()`) go through one
+  pipe for the whole process, with the run marked pending under a lock:
+  a run needs no pipe of its own.
+
+A failure inside one run's turn is that run's (`_ending.abandon`: stopped
+as a cancel of contain's own and recorded), never the loop's. After
+`os.fork()` the child has no owner thread: the parent's runs are the
+parent's, and the child starts its own reactor when it spawns.
+"""
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+from typing import Any, Callable
+
+from . import _ending
+from . import _state as S
+
+_MAX_WAIT_S = 3600.0
+
+
+class _Entry:
+    __slots__ = ("run", "fds", "done", "due")
+
+    def __init__(self, run: Any, done: Callable[[BaseException | None], None]) -> None:
+        self.run = run
+        self.fds: dict[int, int] = {}      # fd -> epoll events registered for this run
+        self.done = done
+        self.due = 0.0
+
+
+class Reactor:
+    def __init__(self) -> None:
+        self._ep = select.epoll()
+        self._r, self._w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._ep.register(self._r, select.EPOLLIN)
+        self._mu = threading.Lock()
+        self._entries: dict[int, _Entry] = {}      # id(run) -> entry, every run this loop owns
+        self._by_fd: dict[int, _Entry] = {}
+        self._incoming: list[_Entry] = []          # handed over, not yet seen by the loop
+        self._pending: set[int] = set()            # id(run) woken by another thread
+        self._thread = threading.Thread(target=self._loop, name="contain-reactor", daemon=True)
+        self._thread.start()
+
+    # -- other threads -------------------------------------------------------
+
+    def own(self, run: Any, done: Callable[[BaseException | None], None]) -> None:
+        """Take over the owner loop of a started run. `done(error)` is called
+        from the loop's thread once the run's last record is written (or its
+        owner loop failed: then with the error)."""
+        run.waker = self.wake
+        with self._mu:
+            self._incoming.append(_Entry(run, done))
+        self._poke()
+
+    def wake(self, run: Any) -> None:
+        """Make the loop turn `run` now (thread-safe; signal-safe enough:
+        a set insert and one write)."""
+        with self._mu:
+            self._pending.add(id(run))
+        self._poke()
+
+    def _poke(self) -> None:
+        try:
+            os.write(self._w, b"!")
+        except BlockingIOError:
+            pass         # full: the loop is due to wake anyway
+
+    # -- the loop --------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._mu:
+                incoming, self._incoming = self._incoming, []
+            for e in incoming:
+                self._entries[id(e.run)] = e
+                self._turn(e, [])            # the first turn: before any wait (as supervise())
+            timeout = self._timeout()
+            try:
+                events = self._ep.poll(timeout)
+            except InterruptedError:
+                continue
+            ready: dict[int, list[int]] = {}
+            for fd, _ev in events:
+                if fd == self._r:
+                    try:
+                        while os.read(self._r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                    continue
+                owner = self._by_fd.get(fd)
+                if owner is not None:
+                    ready.setdefault(id(owner.run), []).append(fd)
+            with self._mu:
+                woken, self._pending = self._pending, set()
+            now = time.monotonic()
+            for key, e in list(self._entries.items()):
+                if key in ready or key in woken or e.due <= now:
+                    self._turn(e, ready.get(key, []))
+
+    def _timeout(self) -> float:
+        if not self._entries:
+            return -1
+        soonest = min(e.due for e in self._entries.values())
+        return min(max(0.0, soonest - time.monotonic()), _MAX_WAIT_S)
+
+    def _turn(self, e: _Entry, ready: list[int]) -> None:
+        run = e.run
+        try:
+            run.drain(ready)
+            run.turn()
+            if run.owning():
+                e.due = run.next_deadline()
+                self._sync(e)
+                return
+            if run.snap.terminal or run.snap.phase == S.Phase.UNCONFIRMED:
+                run.finish()
+            error: BaseException | None = None
+        except BaseException as err:        # that run's failure, never the loop's
+            error = err
+            try:
+                _ending.abandon(run, err)
+            except BaseException:
+                pass
+        self._drop(e)
+        try:
+            e.done(error)
+        except BaseException:
+            pass
+
+    def _sync(self, e: _Entry) -> None:
+        """Register what the run waits on now, unregister what it no longer does."""
+        want = {fd: ev for fd, ev in e.run.sources() if fd >= 0}
+        for fd in [fd for fd in e.fds if fd not in want or want[fd] != e.fds[fd]]:
+            self._unregister(e, fd)
+        for fd, ev in want.items():
+            if fd in e.fds:
+                continue
+            try:
+                self._ep.register(fd, ev)
+            except FileExistsError:
+                self._ep.modify(fd, ev)
+            except OSError:
+                continue         # closed meanwhile: its deadline still brings the run back
+            e.fds[fd] = ev
+            self._by_fd[fd] = e
+
+    def _unregister(self, e: _Entry, fd: int) -> None:
+        del e.fds[fd]
+        if self._by_fd.get(fd) is e:
+            del self._by_fd[fd]
+            try:
+                self._ep.unregister(fd)
+            except OSError:
+                pass             # closed already: the kernel dropped it from the set
+
+    def _drop(self, e: _Entry) -> None:
+        for fd in list(e.fds):
+            self._unregister(e, fd)
+        self._entries.pop(id(e.run), None)
+        with self._mu:
+            self._pending.discard(id(e.run))
+
+
+_reactor: Reactor | None = None
+_reactor_mu = threading.Lock()
+
+
+def reactor() -> Reactor:
+    """This process's owner loop, started on first use."""
+    global _reactor
+    with _reactor_mu:
+        if _reactor is None:
+            _reactor = Reactor()
+        return _reactor
+
+
+def _forget_in_child() -> None:
+    global _reactor, _reactor_mu
+    _reactor = None                  # its thread is the parent's
+    _reactor_mu = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
