@@ -324,21 +324,19 @@ class RunDir(RunDirBase):
     def journal(self, event: str, sync: bool = False, **fields: Any) -> None:
         """Append one line to the journal (diagnostic). Raises PersistError."""
         line = (dumps({"at": now_iso(), "event": event, **fields}, compact=True) + "\n").encode()
+        # Opened for each line, never held: a handful of lines a run, and a
+        # descriptor held per live run is what limits how many runs a
+        # process can hold (_reactor.py).
         with self._mu:
-            fd = self._journal_fd
-            if fd < 0:
-                d = self.dir_fd(write=True)
-                try:
-                    fd, _created = F.open_append(d, "journal.ndjson", self.file("journal.ndjson"), mode=FILE_MODE)
-                finally:
-                    os.close(d)
-                if self._lock_fd >= 0:
-                    self._journal_fd = fd       # the owner appends many times
+            d = self.dir_fd(write=True)
+            try:
+                fd, _created = F.open_append(d, "journal.ndjson", self.file("journal.ndjson"), mode=FILE_MODE)
+            finally:
+                os.close(d)
             try:
                 F.append_line(fd, line, self.file("journal.ndjson"), durable=sync)
             finally:
-                if fd != self._journal_fd:
-                    os.close(fd)
+                os.close(fd)
 
     def read_journal(self) -> list[dict[str, Any]]:
         try:

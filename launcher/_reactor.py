@@ -29,6 +29,16 @@ Some facts about epoll that the loop follows from:
 - Wake-ups from other threads (`cancel()`, `abandon()`) go through one
   pipe for the whole process, with the run marked pending under a lock:
   a run needs no pipe of its own.
+- A cancel from another process (`contain cancel`) is a line appended to
+  the run's `cancellations/requests.ndjson`: one inotify instance watches
+  every run's `cancellations/` (IN_MODIFY and friends), by the directory's
+  inode (the watch is added through /proc/self/fd of the verified
+  directory, so it is the directory the owner holds, not whatever the path
+  names later). A watch is not a descriptor, and removing it before the
+  instance is closed never waits for an SRCU grace period (cgroup.c). A
+  worker that can write its run directory may replace `cancellations/`:
+  the run's guard deadline (Wakeups.guard_s) reads the inbox anyway, as it
+  did for the FIFO this replaces.
 
 A failure inside one run's turn is that run's (`_ending.abandon`: stopped
 as a cancel of contain's own and recorded), never the loop's. After
@@ -39,6 +49,7 @@ from __future__ import annotations
 
 import os
 import select
+import struct
 import threading
 import time
 from typing import Any, Callable
@@ -49,21 +60,32 @@ from . import _state as S
 _MAX_WAIT_S = 3600.0
 
 
+_IN_WATCH = 0x2 | 0x8 | 0x80 | 0x100     # IN_MODIFY | IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE
+
+
 class _Entry:
-    __slots__ = ("run", "fds", "done", "due")
+    __slots__ = ("run", "fds", "done", "due", "wd")
 
     def __init__(self, run: Any, done: Callable[[BaseException | None], None]) -> None:
         self.run = run
         self.fds: dict[int, int] = {}      # fd -> epoll events registered for this run
         self.done = done
         self.due = 0.0
+        self.wd = -1                       # the inotify watch on its cancellations/
 
 
 class Reactor:
     def __init__(self) -> None:
+        from ._native import lib
+
+        self._lib = lib
         self._ep = select.epoll()
         self._r, self._w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._ep.register(self._r, select.EPOLLIN)
+        self._in = lib.ct_inotify_open()           # -errno: every inbox is then read on its guard deadline
+        if self._in >= 0:
+            self._ep.register(self._in, select.EPOLLIN)
+        self._by_wd: dict[int, _Entry] = {}
         self._mu = threading.Lock()
         self._entries: dict[int, _Entry] = {}      # id(run) -> entry, every run this loop owns
         self._by_fd: dict[int, _Entry] = {}
@@ -104,6 +126,7 @@ class Reactor:
                 incoming, self._incoming = self._incoming, []
             for e in incoming:
                 self._entries[id(e.run)] = e
+                self._watch_inbox(e)
                 self._turn(e, [])            # the first turn: before any wait (as supervise())
             timeout = self._timeout()
             try:
@@ -118,6 +141,12 @@ class Reactor:
                             pass
                     except BlockingIOError:
                         pass
+                    continue
+                if fd == self._in:
+                    for wd in self._inbox_events():
+                        owner = self._by_wd.get(wd)
+                        if owner is not None:
+                            ready.setdefault(id(owner.run), [])
                     continue
                 owner = self._by_fd.get(fd)
                 if owner is not None:
@@ -185,7 +214,46 @@ class Reactor:
             except OSError:
                 pass             # closed already: the kernel dropped it from the set
 
+    def _watch_inbox(self, e: _Entry) -> None:
+        wakeups = e.run.wakeups
+        if self._in < 0 or e.run.layout is None or wakeups is None or wakeups.inbox_fd >= 0:
+            return
+        try:
+            cfd = e.run.layout.cancellations_fd(write=True, create=True)
+        except OSError:
+            return                     # read on the guard deadline instead
+        try:
+            wd = self._lib.ct_inotify_watch(self._in, f"/proc/self/fd/{cfd}".encode(), _IN_WATCH)
+        finally:
+            os.close(cfd)
+        if wd >= 0:
+            e.wd = wd
+            self._by_wd[wd] = e
+            wakeups.watched = True
+
+    def _inbox_events(self) -> list[int]:
+        """The watch descriptors named by what the inotify instance has queued
+        (struct inotify_event: wd, mask, cookie, len, then len bytes of name)."""
+        wds = []
+        try:
+            while True:
+                buf = os.read(self._in, 65536)
+                i = 0
+                while i + 16 <= len(buf):
+                    wd, _mask, _cookie, n = struct.unpack_from("iIII", buf, i)
+                    wds.append(wd)
+                    i += 16 + n
+        except BlockingIOError:
+            pass
+        return wds
+
     def _drop(self, e: _Entry) -> None:
+        if e.wd >= 0:
+            self._by_wd.pop(e.wd, None)
+            self._lib.ct_inotify_unwatch(self._in, e.wd)     # EINVAL once the directory is gone: fine
+            e.wd = -1
+            if e.run.wakeups is not None:
+                e.run.wakeups.watched = False
         for fd in list(e.fds):
             self._unregister(e, fd)
         self._entries.pop(id(e.run), None)

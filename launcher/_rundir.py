@@ -88,8 +88,6 @@ class RunDirBase:
         self._mu = _thread.RLock()
         self._lock_fd = -1
         self._fd = -1           # held while owning
-        self._cfd = -1
-        self._journal_fd = -1
 
     def __repr__(self) -> str:
         return f"RunDir({self.path!r})"
@@ -171,18 +169,18 @@ class RunDirBase:
 
     def cancellations_fd(self, write: bool = False, create: bool = False) -> int:
         """An fd of cancellations/ that the caller closes (made, 0700, with
-        `create`). Raises like dir_fd."""
+        `create`). Raises like dir_fd.
+
+        The owner opens it anew from the run directory it holds each time,
+        rather than holding it for the run's life (a descriptor per live run
+        is what limits how many runs a process can hold, _reactor.py): so
+        it also follows the path when a worker that can write the run
+        directory removed or replaced cancellations/ (requesters write to
+        the path), made anew if missing."""
         with self._mu:
-            if self._cfd >= 0:
-                if os.fstat(self._cfd).st_nlink == 0 and self._fd >= 0:
-                    # Removed under its owner (by a worker that can write the
-                    # run directory): requesters write to the path, so the
-                    # owner follows the path again, made anew if missing.
-                    cfd = F.open_private_dir(self._fd, "cancellations", self.cancellations,
-                                             owners=(os.geteuid(),), create_mode=RUN_DIR_MODE)
-                    os.close(self._cfd)
-                    self._cfd = cfd
-                return os.dup(self._cfd)
+            if self._fd >= 0 and self._lock_fd >= 0:
+                return F.open_private_dir(self._fd, "cancellations", self.cancellations,
+                                          owners=(os.geteuid(),), create_mode=RUN_DIR_MODE)
         fd = self.dir_fd(write)
         try:
             return F.open_private_dir(fd, "cancellations", self.cancellations, owners=(os.geteuid(), 0)
@@ -192,14 +190,13 @@ class RunDirBase:
             os.close(fd)
 
     def _hold(self, fd: int) -> None:
-        """Keep `fd` (the run directory) and its cancellations/ for the
-        owner's lifetime."""
+        """Keep `fd` (the run directory) for the owner's lifetime, its
+        cancellations/ made (opened again when used: cancellations_fd)."""
         with self._mu:
             if self._fd < 0:
                 self._fd = os.dup(fd)
-            if self._cfd < 0:
-                self._cfd = F.open_private_dir(self._fd, "cancellations", self.cancellations,
-                                               owners=(os.geteuid(),), create_mode=RUN_DIR_MODE)
+            os.close(F.open_private_dir(self._fd, "cancellations", self.cancellations,
+                                        owners=(os.geteuid(),), create_mode=RUN_DIR_MODE))
 
     def opened(self) -> "_Opened":
         """`with d.opened():` opens the directory once (verified) for a batch
@@ -222,10 +219,7 @@ class RunDirBase:
         with self._mu:
             if self._fd == fd and self._lock_fd < 0:
                 self._fd = -1
-                cfd, self._cfd = self._cfd, -1
-                for x in (fd, cfd):
-                    if x >= 0:
-                        os.close(x)
+                os.close(fd)
 
     def take_ownership(self) -> bool:
         """Hold the owner lock. False if a live owner holds it."""
@@ -259,7 +253,7 @@ class RunDirBase:
         """Give up ownership: the lock, the journal, the held directories."""
         with self._mu:
             _OWNED.pop(id(self), None)
-            for name in ("_lock_fd", "_journal_fd", "_cfd", "_fd"):
+            for name in ("_lock_fd", "_fd"):
                 fd = getattr(self, name)
                 if fd >= 0:
                     if name == "_lock_fd":

@@ -380,11 +380,14 @@ class Wakeups:
 
     def __init__(self, layout: Any, *, container: Any = None, run_uid: str | None = None, pipe: bool = True) -> None:
         # (`container` and `run_uid`: what the Windows host needs, winhost.py.)
-        # `pipe` False: the owner loop is shared (_reactor.py) and has its own.
+        # `pipe` False: the owner loop is shared (_reactor.py), which has one
+        # pipe for every run and watches every inbox through one inotify
+        # instance (`watched`): no pipe and no FIFO of the run's own.
         self.r, self.w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK) if pipe else (-1, -1)
         self.inbox_fd = -1
+        self.watched = False
         self.problem: str | None = None    # why the inbox has no wake-up (it is then read on a timer)
-        if layout is not None:
+        if layout is not None and pipe:
             try:
                 self.inbox_fd = layout.open_wake()
             except OSError as e:
@@ -392,7 +395,7 @@ class Wakeups:
 
     @property
     def inbox_woken(self) -> bool:
-        return self.inbox_fd >= 0
+        return self.inbox_fd >= 0 or self.watched
 
     def sources(self) -> list[tuple[int, int]]:
         return [(fd, POLLIN) for fd in (self.inbox_fd, self.r) if fd >= 0]

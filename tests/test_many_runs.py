@@ -1,0 +1,103 @@
+"""Many runs in one process: one owner loop for every Worker, a few
+descriptors per live run, and all of them stopped together.
+
+Real runs against the real kernel; what survived is decided by the test's
+own /proc scan (the token in every worker's environment), and the counts
+from /proc/self/fd and /proc/self/task.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+import launcher
+from conftest import pids_with_token
+
+N = 500
+# A walled run holds: its run directory and owner lock, cgroup.events, the
+# wall's init pidfd, the worker's pidfd and the init's report socket.
+FDS_PER_WALLED_RUN = 6
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _gone(token: str, timeout: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (alive := pids_with_token(token)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_500_workers_through_a_supervisor_share_one_owner_thread_and_are_stopped_together(
+        cgroup_base, state_dir, env, token) -> None:
+    """Before, each live Worker was a thread with 11 descriptors."""
+    with launcher.Supervisor(grace=0.5, env=env) as warm:
+        warm.spawn(["sleep", "60"])          # the process's owner loop exists, and every lazy import is done
+    fds, threads = _fds(), _threads()
+    with launcher.Supervisor(grace=0.5, env=env) as sup:
+        for _ in range(N):
+            sup.spawn(["sleep", "300"])
+        live = [w for w in sup.workers if not w.done()]
+        assert len(live) == N
+        per_run = (_fds() - fds) / N
+        assert _threads() - threads == 0, f"{_threads() - threads} threads for {N} live workers"
+        assert per_run <= FDS_PER_WALLED_RUN, f"{per_run} descriptors per live worker"
+        workers = sup.workers
+    states = [w.record().state for w in workers]
+    assert states.count("REAPED") == N, {s: states.count(s) for s in set(states)}
+    assert _gone(token) == []
+    assert _fds() <= fds
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_500_async_workers_on_one_event_loop_start_no_thread_and_are_stopped_together(
+        cgroup_base, state_dir, env, token, backend) -> None:
+    import anyio
+
+    threads = _threads()
+
+    async def main() -> list[str]:
+        async with launcher.AsyncSupervisor(grace=0.5, env=env) as sup:
+            for _ in range(N):
+                await sup.spawn(["sleep", "300"])
+            assert _threads() - threads <= 1, f"{_threads() - threads} threads for {N} live async workers"
+            workers = list(sup.workers)
+        return [w.record().state for w in workers]
+
+    states = anyio.run(main, backend=backend)
+    assert states.count("REAPED") == N, {s: states.count(s) for s in set(states)}
+    assert _gone(token) == []
+
+
+def test_a_cancel_from_another_process_reaches_a_worker_owned_by_the_shared_loop(
+        cgroup_base, state_dir, env, token) -> None:
+    """The shared owner loop has no FIFO per run: `contain cancel` appends to
+    the run's inbox, and the loop's inotify watch on cancellations/ wakes it."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    w = launcher.spawn(["sh", "-c", "trap '' TERM; sleep 300"], env=env, grace=0.3)
+    try:
+        assert not os.path.exists(os.path.join(state_dir, "runs", w.id, "cancellations", "wake"))
+        p = subprocess.run([sys.executable, "-m", "launcher", "cancel", w.id, "--wait", "--json"],
+                           env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        rec = w.wait(30)
+        assert rec.state == "REAPED" and rec.outcome == "cancelled", rec.to_dict()
+    finally:
+        w.stop(grace=0)
+    assert _gone(token) == []
