@@ -125,9 +125,45 @@ def _host_tasks() -> int:
         return int(f.read().split()[3].split("/")[1])
 
 
-def _snapshot() -> dict[str, int]:
-    return {"fds": _count_dir("/proc/self/fd"), "threads": _count_dir("/proc/self/task"),
-            "rss_kib": _vmrss_kib(), "host_tasks": _host_tasks()}
+def _snapshot() -> dict[str, int | None]:
+    """This process's descriptors, threads and VmRSS, and the host's tasks.
+    At the descriptor limit (a refused spawn leaves the process there) no
+    file can be opened: descriptors are then counted with fstat, and what
+    needs a file reads None."""
+    out: dict[str, int | None] = {}
+    for key, read in (("fds", lambda: _count_dir("/proc/self/fd")), ("threads", lambda: _count_dir("/proc/self/task")),
+                      ("rss_kib", _vmrss_kib), ("host_tasks", _host_tasks)):
+        try:
+            out[key] = read()
+        except OSError:
+            out[key] = None
+    if out["fds"] is None:
+        out["fds"] = _fds_without_opening(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    return out
+
+
+def _loadavg() -> float | None:
+    try:
+        return C.loadavg()
+    except OSError:
+        return None
+
+
+def _per_worker(before: dict[str, int | None], live: dict[str, int | None], k: int) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for key, b in before.items():
+        v = live.get(key)
+        out[key] = None if b is None or v is None else round((v - b) / k, 3)
+    return out
+
+
+def _survivors(token: str) -> int | None:
+    """Our own scan; None when this process cannot open /proc files (the
+    library still holds every descriptor): the parent scans again."""
+    try:
+        return len(C.settle_survivors(token, 5.0))
+    except OSError:
+        return None
 
 
 def _fds_without_opening(limit: int) -> int:
@@ -485,7 +521,7 @@ async def _measure(m: _Mode, spec: dict[str, Any], rep: Report) -> None:
     await m.setup()
     await m.settle(SETTLE)
     before = _snapshot()
-    rep.put("spawning", before=before, load_start=C.loadavg())
+    rep.put("spawning", before=before, load_start=_loadavg())
     ws: list[Any] = []
     t0 = time.perf_counter()
     try:
@@ -493,6 +529,9 @@ async def _measure(m: _Mode, spec: dict[str, Any], rep: Report) -> None:
             if i % 64 == 0 and _host_tasks() > spec["max_host_tasks"]:
                 rep.d["notes"].append(f"spawning stopped at {i}: {_host_tasks()} tasks on the host, over "
                                       f"{spec['max_host_tasks']} ({PID_SHARE:.0%} of pid_max)")
+                break
+            if i % 64 == 0 and time.perf_counter() - t0 > spec["budget"]:
+                rep.d["notes"].append(f"spawning stopped at {i}: over the budget of {spec['budget']:g} s")
                 break
             ws.append(await m.spawn())
     except Exception as e:
@@ -502,7 +541,7 @@ async def _measure(m: _Mode, spec: dict[str, Any], rep: Report) -> None:
     live = _snapshot()
     k = max(1, len(ws))
     rep.put("cancelling", started=len(ws), spawn_s=spawn_s, live=live,
-            per_worker={key: round((live[key] - before[key]) / k, 3) for key in before})
+            per_worker=_per_worker(before, live, k))
     t1 = time.perf_counter()
     via, cancel_errors = await m.cancel_all(ws)
     timeouts, wait_errors = await m.wait_all(ws, spec["wait_timeout"])
@@ -512,10 +551,9 @@ async def _measure(m: _Mode, spec: dict[str, Any], rep: Report) -> None:
     rep.put("checking", cancel_s=cancel_s, cancel_via=via, cancel_errors=cancel_errors.d,
             wait_timeouts=timeouts, wait_errors=wait_errors.d, states=dict(states),
             record_errors=rec_errors, all_final=all_final, after=_snapshot())
-    survivors = C.settle_survivors(token, 5.0)
     left = [d for d in dirs if os.path.isdir(d)]
-    rep.put("closing", survivors_after_cancel=len(survivors), cgroups_left_after_cancel=len(left),
-            cgroups_left_sample=left[:3], load_end=C.loadavg())
+    rep.put("closing", survivors_after_cancel=_survivors(token), cgroups_left_after_cancel=len(left),
+            cgroups_left_sample=left[:3], load_end=_loadavg())
     if not all_final:
         # Not every run ended: the library's own exit would wait for them
         # without bound. Leave now; the parent kills what is left, by token
@@ -556,9 +594,8 @@ async def _at_limit(m: _Mode, spec: dict[str, Any], rep: Report) -> None:
     rep.put("checking", cancel_s=cancel_s, cancel_via=via, cancel_errors=cancel_errors.d,
             wait_timeouts=timeouts, wait_errors=wait_errors.d, states=dict(states),
             record_errors=rec_errors, all_final=all_final, fds_after_all_waited=fds_after)
-    survivors = C.settle_survivors(token, 5.0)
     left = [d for d in dirs if os.path.isdir(d)]
-    rep.put("closing", survivors_after_cancel=len(survivors), cgroups_left_after_cancel=len(left),
+    rep.put("closing", survivors_after_cancel=_survivors(token), cgroups_left_after_cancel=len(left),
             cgroups_left_sample=left[:3])
     if not all_final:
         rep.put("abandoned")
@@ -567,21 +604,21 @@ async def _at_limit(m: _Mode, spec: dict[str, Any], rep: Report) -> None:
     rep.put("done")
 
 
-def _raise_nofile(n: int) -> dict[str, Any]:
-    """Soft limit to the hard one; as root the hard one too when N needs more
-    (today's engine holds 11-12 descriptors a worker: 16 a worker is asked)."""
+def _raise_nofile(need: int = 0) -> dict[str, Any]:
+    """RLIMIT_NOFILE: the soft limit to the hard one, and the hard one to
+    `need` where it is lower and we may (root with CAP_SYS_RESOURCE: a
+    container's root may lack it). The parent asks for what its largest N
+    needs, so its children inherit it."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = 16 * n + 1024
     out: dict[str, Any] = {"before": [soft, hard]}
-    if hard < need and os.geteuid() == 0:
+    if hard < need:
         with open("/proc/sys/fs/nr_open") as f:
-            nr_open = int(f.read())
-        new = min(need, nr_open)
+            new = min(need, int(f.read()))
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (new, new))
-            out["raised_hard_as_root"] = new
+            out["hard_raised_to"] = new
         except (OSError, ValueError) as e:
-            out["hard_not_raised"] = str(e)
+            out["hard_not_raised"] = f"{e} ({'no CAP_SYS_RESOURCE' if os.geteuid() == 0 else 'not root'})"
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -600,7 +637,7 @@ def child_main(spec: dict[str, Any]) -> int:
 
             if not launcher.__file__.startswith(C.ROOT + os.sep):
                 raise RuntimeError(f"launcher imported from {launcher.__file__}, not {C.ROOT}")
-        rep.put(nofile=_raise_nofile(spec.get("n", 0)))
+        rep.put(nofile=_raise_nofile())
         env = dict(os.environ, **{C.TOKEN_VAR: spec["token"]})
         m = _make_mode(mode, env)
         driver = _at_limit if spec["scenario"] == "rlimit" else _measure
@@ -804,10 +841,10 @@ def _aggregate(trials: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "started": [t.get("started") for t in ts],
             "spawn_s": _median([t["spawn_s"] for t in ok]),
             "cancel_s": _median([t["cancel_s"] for t in ts if "cancel_s" in t]),
-            "fds_per_worker": _median([p["fds"] for p in per]),
-            "threads_per_worker": _median([p["threads"] for p in per]),
-            "rss_kib_per_worker": _median([p["rss_kib"] for p in per]),
-            "host_tasks_per_worker": _median([p["host_tasks"] for p in per]),
+            "fds_per_worker": _median([p["fds"] for p in per if p.get("fds") is not None]),
+            "threads_per_worker": _median([p["threads"] for p in per if p.get("threads") is not None]),
+            "rss_kib_per_worker": _median([p["rss_kib"] for p in per if p.get("rss_kib") is not None]),
+            "host_tasks_per_worker": _median([p["host_tasks"] for p in per if p.get("host_tasks") is not None]),
             "states": dict(states),
             "all_final": all(t.get("all_final") for t in ts),
             "survivors_after_cancel": max((t.get("survivors_after_cancel", 0) for t in ts), default=0),
@@ -825,7 +862,7 @@ def _aggregate(trials: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         pop = out.get(f"popen@{a['n']}")
         aio = out.get(f"asyncio-subprocess@{a['n']}")
         for name, base in (("vs_popen", pop), ("vs_asyncio_subprocess", aio)):
-            if base is None or a["mode"] in BASELINES:
+            if base is None or a["mode"] in BASELINES or (base is aio and a["mode"] == "sync"):
                 continue
             a[f"spawn_{name}"] = _ratio(a["spawn_s"], base["spawn_s"])
             a[f"cancel_{name}"] = _ratio(a["cancel_s"], base["cancel_s"])
@@ -939,6 +976,10 @@ def table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+MARKERS = {"sync": "o", "asyncio": "^", "trio": "v", "asyncio-open_worker": "<", "trio-open_worker": ">",
+           "popen": "s", "asyncio-subprocess": "D"}      # apart where lines overlap (12 descriptors: both async)
+
+
 def plot(res: dict[str, Any], path: str) -> str:
     import matplotlib
 
@@ -956,8 +997,8 @@ def plot(res: dict[str, Any], path: str) -> str:
             if not pts:
                 continue
             base = m in BASELINES
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if not base else "s",
-                    linestyle="--" if base else "-", color=f"C{i}", label=m)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=MARKERS.get(m, "o"), markersize=7,
+                    markerfacecolor="none", linestyle="--" if base else "-", alpha=0.85, color=f"C{i}", label=m)
         if key == "fds_per_worker":
             ax.axhline(TARGET_FDS, color="0.5", linewidth=0.8, linestyle=":", label="target: 2")
         ax.set_xscale("log")
@@ -979,8 +1020,9 @@ def plot(res: dict[str, Any], path: str) -> str:
 
 
 def _plan(mode: str, n: int, measured: dict[str, dict[str, Any]], machine: dict[str, Any],
-          budget: float) -> str | None:
-    """Why N of this mode is not run here, or None."""
+          budget: float, nofile: dict[str, Any]) -> str | None:
+    """Why N of this mode is not run here, or None. Projections are from the
+    largest smaller N of this mode measured in this run."""
     pid_max = machine["pid_max"]
     with open("/proc/sys/kernel/threads-max") as f:
         cap = min(pid_max, int(f.read()))
@@ -993,6 +1035,11 @@ def _plan(mode: str, n: int, measured: dict[str, dict[str, Any]], machine: dict[
                and a["host_tasks_per_worker"] is not None and a["spawn_s"] is not None]
     if smaller:
         a = max(smaller, key=lambda a: a["n"])
+        hard = nofile["after"][1]
+        if a["fds_per_worker"] and 64 + a["fds_per_worker"] * n > hard:
+            why = f", raising it: {nofile['hard_not_raised']}" if "hard_not_raised" in nofile else ""
+            return (f"{a['fds_per_worker']:g} descriptors a worker (measured at N={a['n']}) x {n} > "
+                    f"RLIMIT_NOFILE hard limit {hard}{why}")
         need = now + a["host_tasks_per_worker"] * n
         if need > PID_SHARE * cap:
             return (f"{a['host_tasks_per_worker']:.2f} host tasks a worker (measured at N={a['n']}) x {n} + "
@@ -1030,9 +1077,8 @@ def run(ns: tuple[int, ...] = (100, 1000), modes: tuple[str, ...] = DEFAULT_MODE
     if os.geteuid() != 0:
         res["notes"].append("not root: no private cgroup base, and the hard RLIMIT_NOFILE cannot be raised; "
                             "runs go where the library puts them")
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    # Today's engine holds 11-12 descriptors a worker: 16 a worker is asked for.
+    res["nofile"] = nofile = _raise_nofile(16 * max(ns) + 1024)
     C.set_subreaper()       # orphans of a killed child come here and are reaped (World.clean)
     world = World()
     res["state_dir_fs"] = world.state_fs
@@ -1043,7 +1089,7 @@ def run(ns: tuple[int, ...] = (100, 1000), modes: tuple[str, ...] = DEFAULT_MODE
     try:
         for n in ns:
             agg = _aggregate(res["trials"])
-            skipped = {m: why for m in modes if (why := _plan(m, n, agg, machine, budget))}
+            skipped = {m: why for m in modes if (why := _plan(m, n, agg, machine, budget, nofile))}
             if skipped:
                 res["skipped"][str(n)] = skipped
                 for m, why in skipped.items():
@@ -1052,10 +1098,11 @@ def run(ns: tuple[int, ...] = (100, 1000), modes: tuple[str, ...] = DEFAULT_MODE
             reps = repeats if n <= 1000 else 1
             for r in range(reps if todo else 0):
                 for m in todo[r % len(todo):] + todo[:r % len(todo)]:     # each repeat in another order
-                    spec = {"scenario": "measure", "mode": m, "n": n, "wait_timeout": 120 + 0.25 * n,
+                    spec = {"scenario": "measure", "mode": m, "n": n, "budget": budget,
+                            "wait_timeout": min(120 + 0.25 * n, budget),
                             "max_host_tasks": int(PID_SHARE * machine["pid_max"])}
                     t = time.monotonic()
-                    out = world.run(spec, timeout=300 + 0.5 * n)
+                    out = world.run(spec, timeout=2 * budget + 120)
                     out.update(mode=m, n=n, repeat=r)
                     res["trials"].append(out)
                     progress(f"N={n} {m} #{r + 1}: spawn {_fmt(out.get('spawn_s'), 3)} s, cancel "
@@ -1092,7 +1139,8 @@ def main() -> int:
     ap.add_argument("--rlimit", type=int, metavar="L", help="also the RLIMIT_NOFILE=L scenario (issue 27: 256)")
     ap.add_argument("--rlimit-cap", type=int, default=1024, help="spawns at most, waiting for the refusal")
     ap.add_argument("--budget", type=float, default=600.0,
-                    help="skip an N whose projected spawn+cancel time passes this many seconds")
+                    help="seconds: skip an N whose projected spawn+cancel time (from a smaller N of this run) "
+                         "passes it, stop spawning and stop waiting after it, kill a child after twice it")
     ap.add_argument("--json", metavar="OUT", help="default benchmarks/results/scale.json")
     ap.add_argument("--plot", metavar="PNG", help="e.g. docs/scale.png (matplotlib, the `bench` extra)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
