@@ -1009,8 +1009,9 @@ def plot(res: dict[str, Any], path: str) -> str:
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7.5)
     mach = res["machine"]
+    loads = [x for a in agg.values() for x in a["load"] if x is not None] or [res["load_start"]]
     fig.text(0.99, 0.01, f"{mach['nproc']} CPUs, Linux {mach['kernel']}, Python {mach['python']}, "
-             f"commit {res['commit'][:9]}, {res['date']}, load {res['load_start']:.2f}-{res['load_end']:.2f}",
+             f"commit {res['commit'][:9]}, {res['date']}, 1-min load {min(loads):.2f}-{max(loads):.2f}",
              ha="right", fontsize=7, color="0.4")
     fig.suptitle("One process, N sleep workers: the launcher against Popen and asyncio subprocesses", fontsize=11)
     fig.tight_layout(rect=(0, 0.03, 1, 0.95))
