@@ -889,7 +889,8 @@ def _targets(agg: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
              a.get("cancel_vs_popen") is not None and a["cancel_vs_popen"] <= TARGET_CANCEL and a["all_final"]),
         ]
         for what, value, met in checks:
-            out.append({"mode": a["mode"], "target": what, "value": value, "met": bool(met)})
+            # No baseline in this run (--modes without popen): not measured, not "NOT met".
+            out.append({"mode": a["mode"], "target": what, "value": value, "met": None if value is None else bool(met)})
     return out
 
 
@@ -948,7 +949,7 @@ def table(res: dict[str, Any]) -> str:
         lines.append(f"\n## issue 27 targets at N = {TARGET_N}")
         for t in res["targets"]:
             lines.append(f"  {t['mode']:<20} {t['target']:<50} {_fmt(t['value']):>7}  "
-                         f"{'met' if t['met'] else 'NOT met'}")
+                         f"{'not measured' if t['met'] is None else 'met' if t['met'] else 'NOT met'}")
     for r in res.get("rlimit", []):
         lines.append(f"\n## RLIMIT_NOFILE {r['limit']}, {r['mode']} (load {_fmt(r.get('load'))})")
         ref = r.get("refusal")
@@ -1111,8 +1112,8 @@ def run(ns: tuple[int, ...] = (100, 1000), modes: tuple[str, ...] = DEFAULT_MODE
                              f"{out.get('phase')} ({time.monotonic() - t:.0f} s, load {C.loadavg():.2f})")
         if rlimit:
             for m in [m for m in modes if m in LAUNCHER_MODES]:
-                spec = {"scenario": "rlimit", "mode": m, "limit": rlimit, "cap": rlimit_cap, "wait_timeout": RLIMIT_WAIT,
-                        "n": 0, "max_host_tasks": int(PID_SHARE * machine["pid_max"])}
+                spec = {"scenario": "rlimit", "mode": m, "limit": rlimit, "cap": rlimit_cap,
+                        "wait_timeout": RLIMIT_WAIT, "n": 0, "max_host_tasks": int(PID_SHARE * machine["pid_max"])}
                 out = world.run(spec, timeout=600)
                 out.update(mode=m, limit=rlimit, cap=rlimit_cap, load=C.loadavg())
                 res["rlimit"].append(out)
