@@ -1,6 +1,6 @@
 """Every benchmark, one command:
 
-    python benchmarks/run_all.py [--quick] [--only cli,spawn,stop,scan] [--no-plot]
+    python benchmarks/run_all.py [--quick] [--only cli,spawn,stop,scan,scale] [--no-plot]
 
 Prints a table of medians and ratios against each target, writes
 benchmarks/results/all.json (and one JSON per benchmark), and draws
@@ -8,6 +8,8 @@ docs/performance.png (stop latency against tree size; needs matplotlib,
 the `bench` extra). Runs from a checkout: the cffi extension is built in
 place if missing and every process imports this checkout's `launcher`.
 The stop benchmark needs root (scratch cgroups); the others do not.
+`scale` is bench_scale.py in its short form (100 workers in one process per
+mode; run it alone for 1,000, 10,000 and the RLIMIT_NOFILE scenario).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import _common as C  # noqa: E402
 QUICK = {"cli": 15, "spawn": 60, "stop": {10: 3, 100: 3, 1000: 3, 5000: 1}}
 FULL = {"cli": 40, "spawn": 200, "stop": {10: 7, 100: 7, 1000: 7, 5000: 3}}
 SCAN = {"quick": (3000, 5), "full": (3000, 15)}
+SCALE = {"quick": 1, "full": 3}      # repeats of N = 100 only
 
 
 def _say(msg: str) -> None:
@@ -99,6 +102,12 @@ def table(res: dict[str, Any]) -> str:
                 met = (sc.get("target_met") or {}).get(k)
                 out.append(f"  {k}: {v}x faster than psutil  (target >= {sc.get('target_ratio')}: "
                            f"{'met' if met else 'NOT met'})")
+    sl = res.get("scale")
+    if sl is not None:
+        import bench_scale
+
+        out.append("\n## scale: N sleep workers in one process (bench_scale.py, N = 100 only)")
+        out.append(bench_scale.table(sl).strip("\n"))
     return "\n".join(out)
 
 
@@ -150,7 +159,7 @@ def plot(st: dict[str, Any], machine: dict[str, Any], path: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repeats (about a minute)")
-    ap.add_argument("--only", default="cli,spawn,stop,scan", help="comma-separated subset")
+    ap.add_argument("--only", default="cli,spawn,stop,scan,scale", help="comma-separated subset")
     ap.add_argument("--no-plot", action="store_true")
     a = ap.parse_args()
     only = set(a.only.split(","))
@@ -198,13 +207,19 @@ def main() -> int:
                 res["scan"] = bench_scan.run(n_procs=n, repeats=r)
             else:
                 res["scan"] = {"not available": "benchmarks/bench_scan.py is not in this checkout"}
+        if "scale" in only:
+            import bench_scale
+
+            _say("scale ...")
+            # Its own state directory and cgroup bases per configuration, not ours.
+            res["scale"] = bench_scale.run(ns=(100,), repeats=SCALE["quick" if a.quick else "full"], progress=_say)
     finally:
         if scratch:
             for p in scratch.close():
                 _say(f"cleanup: {p}")
             os.environ.pop("CONTAIN_CGROUP_BASE", None)
     res["seconds"] = round(time.monotonic() - t_start, 1)
-    for k in ("cli", "spawn", "stop"):
+    for k in ("cli", "spawn", "stop", "scale"):
         if k in res:
             with open(os.path.join(C.RESULTS, f"{k}.json"), "w") as f:
                 json.dump(res[k], f, indent=2)
