@@ -35,6 +35,7 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from ._errors import RunConflict
+from ._fdbudget import reserve
 from ._handle import RunHandle
 from ._layout import op_id_or_new
 from ._record import CancelRecord, StopRecord
@@ -185,7 +186,8 @@ class AsyncWorker(RunHandle):
         if not run.owning() or run.finished():
             return self._answer_as_ended(op)
         self._request(op, grace, {"task": "anyio"})
-        run.turn()                     # we are the owner's thread: acknowledge and act now
+        with reserve.released():
+            run.turn()                 # we are the owner's thread: acknowledge and act now
         run.wake()                     # the owner task re-reads its deadlines
         ack = run.inbox.ops.get(op)
         if ack is None:
@@ -199,15 +201,19 @@ class AsyncWorker(RunHandle):
         with anyio.CancelScope(shield=True):
             try:
                 while run.owning():
-                    ready = await _wait_ready(run.sources(), run.next_deadline())
-                    run.drain(ready)
-                    run.turn()
+                    # Near the descriptor limit, the wait's epoll and the
+                    # turn's files come from the reserve (_fdbudget.py).
+                    with reserve.released():
+                        ready = await _wait_ready(run.sources(), run.next_deadline())
+                        run.drain(ready)
+                        run.turn()
             except Exception as e:           # surfaced by wait(), never lost
                 self._error = e
             finally:
                 try:
                     if run.snap.terminal or run.snap.phase == Phase.UNCONFIRMED:
-                        run.finish()         # as Run.supervise() does
+                        with reserve.released():
+                            run.finish()     # as Run.supervise() does
                 finally:
                     self._ended.set()
 

@@ -10,6 +10,7 @@ from ._errors import RunNotFound
 from ._record import CancelRecord, StopRecord, now_iso
 from ._run import Run
 from ._state import TERMINAL_STATES
+from ._fdbudget import reserve
 
 
 class RunHandle:
@@ -75,7 +76,8 @@ class RunHandle:
                                "by": {"pid": os.getpid(), **by}}
         if grace is not None:
             req["grace"] = grace
-        self._run.layout.append_request(req)
+        with reserve.released():       # a cancel must be writable at the descriptor limit (_fdbudget.py)
+            self._run.layout.append_request(req)
 
     def _answer_as_ended(self, op: str) -> CancelRecord:
         """A cancel for a run whose owner loop has finished: answered from the

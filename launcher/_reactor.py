@@ -56,6 +56,7 @@ from typing import Any, Callable
 
 from . import _ending
 from . import _state as S
+from ._fdbudget import reserve
 
 _MAX_WAIT_S = 3600.0
 
@@ -165,6 +166,10 @@ class Reactor:
         return min(max(0.0, soonest - time.monotonic()), _MAX_WAIT_S)
 
     def _turn(self, e: _Entry, ready: list[int]) -> None:
+        with reserve.released():         # near the descriptor limit: the stop's room (_fdbudget.py)
+            self._turn_now(e, ready)
+
+    def _turn_now(self, e: _Entry, ready: list[int]) -> None:
         run = e.run
         try:
             run.drain(ready)

@@ -19,6 +19,7 @@ from typing import IO, Any, Callable, Sequence
 from . import _stdio
 from ._args import check_optional_seconds, wait_event
 from ._errors import LauncherError
+from ._fdbudget import check_spawn
 from ._layout import op_id_or_new
 from ._record import CancelRecord, StopRecord, now_iso
 from ._leadend import end_hook
@@ -66,6 +67,7 @@ def start_run(argv: Sequence[str], *, id: str | None, grace: float, timeout: flo
     `shared`: its owner will be the process's reactor (no wake-up pipe of its own)."""
     if "stdio" in options and (stdin, stdout, stderr) != (None, None, None):
         raise ValueError("give stdin/stdout/stderr or stdio, not both")
+    check_spawn()        # before anything starts: ResourceExhausted (EMFILE) at the descriptor limit
     st = _stdio.resolve(stdin, stdout, stderr)
     run: Run | None = None
     try:

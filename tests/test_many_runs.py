@@ -7,6 +7,7 @@ from /proc/self/fd and /proc/self/task.
 """
 from __future__ import annotations
 
+import errno
 import os
 import time
 
@@ -101,3 +102,54 @@ def test_a_cancel_from_another_process_reaches_a_worker_owned_by_the_shared_loop
     finally:
         w.stop(grace=0)
     assert _gone(token) == []
+
+
+def _cgroups_left(base: str) -> list[str]:
+    return sorted(d for d in os.listdir(base) if os.path.isdir(os.path.join(base, d)))
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("api", ["sync", "asyncio", "trio"])
+def test_at_rlimit_nofile_256_a_spawn_is_refused_before_anything_starts_and_every_run_still_ends_reaped(
+        cgroup_base, state_dir, env, token, api) -> None:
+    """Before: asyncio refused with a bare OSError (EMFILE on owner.lock),
+    every cancel() raised EMFILE and 22 records stayed RUNNING with their
+    workers alive in their cgroups; trio the same after a SpawnFailed."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    refusals: list[BaseException] = []
+    records: list[str] = []
+    if api == "sync":
+        with launcher.Supervisor(grace=0.3, env=env) as sup:
+            for _ in range(200):
+                try:
+                    sup.spawn(["sleep", "300"])
+                except Exception as e:
+                    refusals.append(e)
+                    break
+            workers = sup.workers
+        records = [w.record().state for w in workers]
+    else:
+        import anyio
+
+        async def main() -> list[str]:
+            async with launcher.AsyncSupervisor(grace=0.3, env=env) as sup:
+                for _ in range(200):
+                    try:
+                        await sup.spawn(["sleep", "300"])
+                    except Exception as e:
+                        refusals.append(e)
+                        break
+                workers = list(sup.workers)
+            return [w.record().state for w in workers]
+
+        records = anyio.run(main, backend=api)
+    assert refusals, "200 runs fit in 256 descriptors: the test is void"
+    err = refusals[0]
+    assert isinstance(err, launcher.LauncherError) and getattr(err, "errno", None) == errno.EMFILE, repr(err)
+    assert len(records) > 10, records
+    assert records.count("REAPED") == len(records), {s: records.count(s) for s in set(records)}
+    assert _gone(token) == []
+    assert _cgroups_left(cgroup_base) == []
