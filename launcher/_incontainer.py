@@ -63,12 +63,8 @@ CAPS = {
 SECCOMP_MODES = {0: "disabled", 1: "strict", 2: "filter"}
 
 # What each call answers when no filter stands in front of the kernel
-# (refusals.c: the arguments are chosen so), and how the report names it.
-CALLS = {
-    "clone_namespaces": (errno.EINVAL, "clone with namespace flags"),
-    "unshare": (errno.EINVAL, "unshare"),
-    "mount": (errno.EFAULT, "mount"),
-}
+# (refusals.c: the arguments are chosen so).
+CALLS = {"clone_namespaces": errno.EINVAL, "unshare": errno.EINVAL, "mount": errno.EFAULT}
 
 HINTS = ("/.dockerenv", "/run/.containerenv")
 
@@ -119,7 +115,7 @@ def seccomp(status: dict[str, str], asked: dict[str, Any]) -> dict[str, Any]:
         out["refuses"]["clone3"] = _errname(c3)
     elif c3 == 0:
         out["allows"].append("clone3")
-    for call, (kernel, _name) in CALLS.items():
+    for call, kernel in CALLS.items():
         e = asked["answers"].get(call)
         if e is None:
             out["unanswered"].append(call)
