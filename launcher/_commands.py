@@ -440,11 +440,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from ._doctor import capabilities, render
+    from . import _doctor, _doctorreport
 
-    caps = capabilities()
+    caps = _doctor.capabilities()
     if args.json:
         _print_json(caps)
     else:
-        sys.stdout.write(render(caps))
+        sys.stdout.write(_doctorreport.render(caps))
     return EXIT_OK if caps.get("containment_possible") else EXIT_DID_NOT_HOLD

@@ -281,4 +281,18 @@ def host_report(v2_base: str | None, env: Mapping[str, str] | None = None) -> di
             parent, why, _is_base = v1_base_for(r.hierarchy, env, own)
             if parent is None:
                 routes[c] = Route(c, None, reason=f"{r.note}; {why}" if r.note else why)
+            elif _read_only(r.hierarchy.mount):
+                # A default container's cgroup mounts are read-only binds:
+                # no run can make its cgroup there, whoever it is.
+                why = f"cgroup v1 {r.hierarchy.name} is mounted read-only at {r.hierarchy.mount}"
+                routes[c] = Route(c, None, reason=f"{r.note}; {why}" if r.note else why)
     return {c: r.to_dict() for c, r in sorted(routes.items())}
+
+
+def _read_only(mount: str) -> bool:
+    """The mount's own read-only flag (statvfs's ST_RDONLY carries the
+    mount's flags as well as the superblock's: statfs(2))."""
+    try:
+        return bool(os.statvfs(mount).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False

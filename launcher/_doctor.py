@@ -1,10 +1,14 @@
 """`contain doctor`: what this host gives, measured, and what that buys.
 
-Every answer comes from trying the thing, never from a version string: the
-clone3 and cgroup.kill probes spawn /bin/true into scratch leaves created
-under the base for the purpose and removed afterwards (also on failure); the
-namespace probes fork a throwaway child that tries them; the process
-connector is subscribed to and closed.
+Every answer comes from trying the thing, never from a version string: a
+plain spawn of /bin/true (no cgroup) says whether anything can start at all
+and through which clone; the clone3 and cgroup.kill probes spawn /bin/true
+into scratch leaves created under the base for the purpose and removed
+afterwards (also on failure); the namespace probes spawn /bin/true behind
+the wall; a throwaway child asks what a seccomp filter refuses and whether
+it may become a child subreaper (_incontainer.py, which also reads what the
+kernel shows of a surrounding container); the process connector is
+subscribed to and closed.
 """
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ import sys
 import time
 from typing import Any, Callable
 
-from ._advice import modes, next_steps
+from . import _incontainer
+from ._advice import modes, next_steps, withheld
 from ._policy import policy_env
 from ._procfs import mounts
 
@@ -64,12 +69,13 @@ class _Scratch:
                 raise
 
 
-def _spawn_true(leaf: str, **req_kw: Any) -> dict[str, Any]:
-    """clone3 /bin/true into `leaf`; reap it. {"ok": True} or why not."""
+def _spawn_true(leaf: str | None, **req_kw: Any) -> dict[str, Any]:
+    """clone3 /bin/true into `leaf` (None: no cgroup, the caller's); reap
+    it. {"ok": True} or why not."""
     from ._platform import posix
 
     req = posix.SpawnRequest([_TRUE], env={"PATH": "/usr/bin:/bin"}, stdio=(-1, -1, -1), **req_kw)
-    fd = os.open(leaf, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = -1 if leaf is None else os.open(leaf, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         sp = posix.spawn(req, cgroup_fd=fd)
     except posix.CloneUnsupported as e:
@@ -77,7 +83,8 @@ def _spawn_true(leaf: str, **req_kw: Any) -> dict[str, Any]:
     except posix.DiedAtBirth:
         return {"ok": False, "died_at_birth": True, "error": "child SIGKILLed before it ran"}
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
     if sp.wall:
         # Behind the wall: the init is our child; it exits 0 once the worker did.
         try:
@@ -95,6 +102,41 @@ def _spawn_true(leaf: str, **req_kw: Any) -> dict[str, Any]:
     return {"ok": code == 0, "exit_status": code}
 
 
+def _plain_spawn() -> dict[str, Any]:
+    """What every mode needs first: /bin/true spawned as a run's worker is,
+    with no cgroup, and through which clone (where clone3 is refused, e.g.
+    by Docker's default seccomp profile, the legacy clone: clone.c)."""
+    from ._platform import posix
+
+    r = _spawn_true(None)
+    refused = posix.clone3_refused()
+    r["via"] = "clone" if refused else "clone3"
+    r["clone3_refused"] = refused
+    return r
+
+
+def _subreaper(asked: dict[str, Any]) -> dict[str, Any]:
+    """Whether a child of ours may become a child subreaper, as a run's
+    supervisor does for the subreaper backend (the throwaway child of
+    _incontainer.ask_kernel tried PR_SET_CHILD_SUBREAPER and read it back)."""
+    e = asked.get("subreaper")
+    if e == 0:
+        return {"ok": True}
+    if e is None:
+        why = asked.get("error") or (f"the child asking was killed by signal {asked['killed_by']}"
+                                     if asked.get("killed_by") else "no answer")
+        return {"ok": None, "error": f"prctl(PR_SET_CHILD_SUBREAPER) not asked: {why}"}
+    return {"ok": False, "error": f"prctl(PR_SET_CHILD_SUBREAPER) answered {errno.errorcode.get(e, str(e))}"}
+
+
+def _ask_kernel() -> dict[str, Any]:
+    try:
+        return _incontainer.ask_kernel()
+    except Exception as e:   # a probe failing is a finding, not a crash
+        return {"answers": {}, "subreaper": None, "clone3": None, "killed_by": None,
+                "error": f"{type(e).__name__}: {e}"}
+
+
 def _cgroup2() -> dict[str, Any]:
     from ._platform import cgroups
 
@@ -104,9 +146,17 @@ def _cgroup2() -> dict[str, Any]:
     except OSError as e:
         out["error"] = f"/proc/self/mountinfo: {e}"
         return out
-    opts = {m.point: ",".join(m.super_options) for m in mounts() if m.fstype == "cgroup2"}
-    out["mounts"] = [{"mount": h.mount, "root": h.root, "nsdelegate": h.nsdelegate,
-                      "super_options": opts.get(h.mount)} for h in hs]
+    # The mount's own options (mountinfo field 6) say whether it is
+    # read-only; the superblock's (after " - ") are every mount's of the
+    # filesystem, and say "rw" for a read-only bind (a default container's).
+    by_point = {m.point: m for m in mounts() if m.fstype == "cgroup2"}    # the later of two at a point wins
+    out["mounts"] = []
+    for h in hs:
+        m = by_point.get(h.mount)
+        out["mounts"].append({"mount": h.mount, "root": h.root, "nsdelegate": h.nsdelegate,
+                              "super_options": ",".join(m.super_options) if m else None,
+                              "options": ",".join(m.options) if m else None,
+                              "read_only": "ro" in m.options if m else None})
     out["nsdelegate"] = any(h.nsdelegate for h in hs) if hs else None
     v1 = cgroups.cgroup_mounts()[1]
     out["cgroup1_mounts"] = v1
@@ -120,6 +170,8 @@ def _cgroup2() -> dict[str, Any]:
         return out
     out["base"] = base
     out["base_cgroup"] = h.cg_path(base)
+    out["base_mount"] = h.mount
+    out["base_mount_read_only"] = next((m["read_only"] for m in out["mounts"] if m["mount"] == h.mount), None)
     out["writable"] = os.access(base, os.W_OK | os.X_OK) and os.access(os.path.join(base, "cgroup.procs"), os.W_OK)
     try:
         st = os.stat(os.path.join(base, "cgroup.procs"))
@@ -161,7 +213,7 @@ def _kill_bug(base: str) -> dict[str, Any]:
                           "contain uses one fresh leaf per launch and retries a child killed at birth"}
     if r.get("ok"):
         return {"ok": True, "present": False, "detail": "a child of a once-killed leaf ran"}
-    return {"ok": False, "present": None, "detail": r.get("error")}
+    return {"ok": False, "present": None, "detail": r.get("error"), "error": r.get("error")}
 
 
 def _sealed_spawn(base: str) -> dict[str, Any]:
@@ -219,6 +271,16 @@ def capabilities() -> dict[str, Any]:
         return windoctor.capabilities()
     caps: dict[str, Any] = {"schema": "contain.capabilities/1", "kernel": os.uname().release,
                             "euid": os.geteuid()}
+    # First what every mode needs: a spawn at all. It also finds a refused
+    # clone3, so every later probe's message says which clone it used.
+    caps["spawn"] = _probe(_plain_spawn)
+    asked = _ask_kernel()
+    caps["container"] = _incontainer.facts(asked)
+    c3 = asked.get("clone3")
+    caps["clone3"] = {"usable": c3 == 0 if c3 is not None else None, "errno": c3 or None,
+                      "refused_with": errno.errorcode.get(c3, str(c3)) if c3 else None,
+                      "how": "clone3(NULL, 0): the kernel answers EINVAL, a filter its own errno first"}
+    caps["subreaper"] = _subreaper(asked)
     cg = _cgroup2()
     caps["cgroup2"] = cg
     base = cg.get("base") if cg.get("usable") else None
@@ -235,103 +297,13 @@ def capabilities() -> dict[str, Any]:
     caps["pidns_wall"] = _probe(_wall)
     caps["controllers"] = _probe(lambda: _controllers(base))
     caps["modes"] = modes(caps)
+    caps["withheld"] = withheld(caps)
     # What a plain `contain run` gets: an explicit CONTAIN_CGROUP_BASE that
-    # cannot be used fails every run (125) rather than falling back.
+    # cannot be used fails every run (125) rather than falling back. Else
+    # possible means: something can start, and some mode proves REAPED.
     broken_base = bool(policy_env("CONTAIN_CGROUP_BASE")) and not (cg.get("usable") and base)
-    caps["containment_possible"] = not broken_base and any(
-        m["available"] and m["backend"] in ("cgroup2", "pidns") for m in caps["modes"])
+    strongest = next((m for m in caps["modes"] if m["available"] and m["strongest_state"] == "REAPED"), None)
+    caps["strongest_mode"] = strongest["mode"] if strongest else None
+    caps["containment_possible"] = not broken_base and bool(caps["spawn"].get("ok")) and strongest is not None
     caps["next_steps"] = next_steps(caps)
     return caps
-
-
-def render(caps: dict[str, Any]) -> str:
-    """The human-readable report."""
-    if caps.get("platform") == "win32":
-        from ._platform import windoctor
-
-        return windoctor.render(caps)
-    cg = caps["cgroup2"]
-    lines = [f"contain doctor (kernel {caps['kernel']}, euid {caps['euid']})", ""]
-
-    def yes(x: Any) -> str:
-        return "yes" if x is True else "no" if x is False else "unknown"
-
-    def row(name: str, val: str) -> None:
-        lines.append(f"  {name:<26} {val}")
-
-    lines.append("cgroup v2")
-    if not cg.get("mounts"):
-        row("mount", "none")
-    for m in cg.get("mounts", []):
-        row("mount", f"{m['mount']} (root {m['root']}, {m['super_options']})")
-    row("nsdelegate", yes(cg.get("nsdelegate")) + ("" if cg.get("nsdelegate") else
-        ": a cgroup namespace does not stop a root worker from leaving"))
-    row("base", f"{cg.get('base')} ({cg.get('base_cgroup')})" if cg.get("base") else f"none: {cg.get('error')}")
-    if cg.get("base"):
-        row("writable", yes(cg.get("writable")) + f" (cgroup.procs owned by uid {cg.get('delegated_to_uid')})")
-        row("controllers", " ".join(cg.get("controllers") or []) or "(none)")
-        row("subtree_control", " ".join(cg.get("subtree_control") or []) or "(none)")
-        row("nobody sealed by its uid", yes(cg.get("nobody_sealed_by_uid")))
-    if cg.get("cgroup1_mounts"):
-        row("cgroup v1 mounts", str(len(cg["cgroup1_mounts"])) + " (hybrid host)")
-    lines.append("")
-    lines.append("probes")
-
-    def probe(name: str, p: dict[str, Any], good: str = "works") -> None:
-        if p.get("ok"):
-            row(name, good)
-        elif p.get("ok") is None:
-            row(name, f"not probed: {p.get('error')}")
-        else:
-            row(name, f"NO: {p.get('error')}")
-
-    probe("clone3 into a cgroup", caps["clone3_into_cgroup"])
-    kb = caps["cgroup_kill_bug"]
-    if kb.get("ok"):
-        row("cgroup.kill fork bug", "PRESENT: " + kb["detail"] if kb.get("present") else "absent")
-    else:
-        probe("cgroup.kill fork bug", kb)
-    probe("pidfd", caps["pidfd"])
-    pc = caps["process_connector"]
-    probe("process connector", pc, f"works (subscribed in {pc.get('subscribe_ms')} ms)")
-    probe("PID-namespace wall", caps["pidns_wall"], "works (/bin/true ran behind one; its init said empty)")
-    probe("namespace seal", caps["seal"], "works (/bin/true ran sealed in a scratch leaf)")
-    lines.append("")
-    lines.append("limits and accounting (--memory-max, --pids-max, --cpu-max; the record's accounting)")
-    ctl = caps.get("controllers") or {}
-    if not ctl.get("ok"):
-        row("controllers", f"unknown: {ctl.get('error')}")
-    for name, r in sorted((ctl.get("routes") or {}).items()):
-        row(name, f"{r['via']} ({r['mount']})" if r.get("via") and r.get("mount") else
-            (r.get("via") or f"none: {r.get('reason')}"))
-    lines.append("")
-    lines.append("modes (strongest state each can prove)")
-    for m in caps["modes"]:
-        state = m["strongest_state"] if m["available"] else "unavailable"
-        lines.append(f"  {m['mode']:<26} {state}")
-        if m["available"]:
-            lines.append(f"  {'':<26} escapes: {m['escapes']}")
-        else:
-            lines.append(f"  {'':<26} why: {m['why_not']}")
-    lines.append("")
-    if caps["containment_possible"]:
-        lines.append("containment: possible")
-    else:
-        lines.append("containment: IMPOSSIBLE here (only degraded mode, which never proves REAPED)")
-    steps = caps.get("next_steps") or next_steps(caps)   # (a caps dict made by hand)
-    lines.append("")
-    lines.append("next steps")
-    for step in steps:
-        lines.extend(_wrap(step, "  - ", "    "))
-    return "\n".join(lines) + "\n"
-
-
-def _wrap(text: str, first: str, rest: str, width: int = 100) -> list[str]:
-    """Wrapped, but never inside a `command` (it must stay copyable)."""
-    import re
-    import textwrap
-
-    glued = re.sub(r"`[^`]*`", lambda m: m.group(0).replace(" ", "\u00a0"), text)
-    return [line.replace("\u00a0", " ") for line in
-            textwrap.wrap(glued, width=width, initial_indent=first, subsequent_indent=rest,
-                          break_on_hyphens=False, break_long_words=False)]

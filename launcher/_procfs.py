@@ -2,7 +2,7 @@
 
     /proc/<pid>/stat        stat_fields, read_stat, start_time
     /proc/<pid>/comm        read_comm
-    /proc/<pid>/status      read_nspid (the NSpid line)
+    /proc/<pid>/status      read_nspid (the NSpid line), parse_status, read_status
     /proc/<pid>/cgroup      parse_cgroups, cgroups_of (every hierarchy), parse_cgroup, cgroup_of (v2)
     /proc/self/mountinfo    mounts; below, mount_path, hierarchy_path (a path
                             through a mount, and back)
@@ -197,6 +197,22 @@ def read_nspid(pid: int | str) -> list[int] | None:
                 return None
             return out if out and all(x > 0 for x in out) else None
     return None
+
+
+def parse_status(data: bytes) -> dict[str, str]:
+    """/proc/<pid>/status as {field: value} (proc(5): one "Name:\tvalue"
+    per line; the value stripped). A line without a colon is skipped."""
+    out: dict[str, str] = {}
+    for line in data.decode(errors="surrogateescape").splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            out[key] = value.strip()
+    return out
+
+
+def read_status(pid: int | str) -> dict[str, str]:
+    """parse_status of a live process. Raises OSError."""
+    return parse_status(_read(f"{pid}/status", 16384))
 
 
 # -- /proc/<pid>/comm ---------------------------------------------------------

@@ -23,7 +23,7 @@ import cffi
 HERE = pathlib.Path(__file__).resolve().parent
 
 MODULES = {
-    "linux": ("cgroup", "child", "clone", "fds", "init", "procscan", "shed", "spawn", "wall"),
+    "linux": ("cgroup", "child", "clone", "fds", "init", "procscan", "refusals", "shed", "spawn", "wall"),
     "win32": ("jobobject", "winproc", "winsync"),
 }
 
