@@ -1,15 +1,16 @@
 """Playing another local user: a spare uid nobody uses, commands run as it
 with `setpriv`, and directories both users can reach.
 
-Test-side only; nothing here uses the code under test. Another uid can
-reach neither a clone that sits in a private directory (root's home,
-`mktemp -d`) nor an interpreter installed in one (pyenv under /root, a venv
-in the clone), and a test must not fail for where those live. So what
-another uid runs is staged once per session, the first time a test asks
-for it: a copy of this tree's launcher/ (the extension built in place
-included) in a directory under /tmp that every uid can read, and an
-interpreter that a spare uid was seen to run it with (`stage`). The stage
-is removed when the session's process exits, whatever the tests did.
+Test-side only: the code under test is imported here only to see that
+another uid can import it. Another uid can reach neither a clone that sits
+in a private directory (root's home, `mktemp -d`) nor an interpreter
+installed in one (pyenv under /root, a venv in the clone), and a test must
+not fail for where those live. So what another uid runs is staged once per
+session, the first time a test asks for it: a copy of this tree's
+launcher/ (the extension built in place included) in a directory under
+/tmp that every uid can read, and an interpreter that a spare uid was seen
+to run it with (`stage`). The stage is removed when the session's process
+exits, whatever the tests did.
 """
 from __future__ import annotations
 
