@@ -1,21 +1,32 @@
 """Playing another local user: a spare uid nobody uses, commands run as it
 with `setpriv`, and directories both users can reach.
 
-Test-side only; nothing here uses the code under test. The interpreter of
-the test venv lives under /root (0700), so commands of another uid use the
-system python with this checkout on PYTHONPATH.
+Test-side only: the code under test is imported here only to see that
+another uid can import it. Another uid can reach neither a clone that sits
+in a private directory (root's home, `mktemp -d`) nor an interpreter
+installed in one (pyenv under /root, a venv in the clone), and a test must
+not fail for where those live. So what another uid runs is staged once per
+session, the first time a test asks for it: a copy of this tree's
+launcher/ (the extension built in place included) in a directory under
+/tmp that every uid can read, and an interpreter that a spare uid was seen
+to run it with (`stage`). The stage is removed when the session's process
+exits, whatever the tests did.
 """
 from __future__ import annotations
 
+import atexit
+import importlib.util
 import os
 import pwd
 import secrets
 import shutil
+import stat
 import subprocess
+import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SYS_PY = "/usr/bin/python3"
+SAFE_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def _uids_in_use() -> set[int]:
@@ -45,26 +56,187 @@ def spare_uids(n: int) -> list[int]:
     return out
 
 
+# -- what another uid runs ----------------------------------------------------------
+
+class Stage:
+    """A directory under /tmp (root's, 0755) with a copy of launcher/ in
+    `lib`, and `python`, an interpreter a spare uid ran `import launcher`
+    with from there (PYTHONPATH=`pythonpath`); or `why` not."""
+
+    def __init__(self) -> None:
+        self.owner = os.getpid()
+        self.path = tempfile.mkdtemp(prefix="contain-users-", dir="/tmp")
+        os.chmod(self.path, 0o755)
+        self.lib = os.path.join(self.path, "lib")
+        self.deps = os.path.join(self.path, "deps")
+        self.python: str | None = None
+        self.pythonpath = self.lib
+        self.why: str | None = None
+        self._shared: dict[str, str] = {}
+
+    def share(self, path: str) -> str:
+        """A copy of the test-side file `path` that every uid can read."""
+        if path not in self._shared:
+            d = os.path.join(self.path, "files")
+            os.makedirs(d, mode=0o755, exist_ok=True)
+            dst = os.path.join(d, os.path.basename(path))
+            shutil.copyfile(path, dst)
+            os.chmod(dst, 0o644)
+            self._shared[path] = dst
+        return self._shared[path]
+
+    def close(self) -> None:
+        # A forked child (pytest-forked, a test's own fork) exits without
+        # taking the session's stage with it.
+        if os.getpid() == self.owner:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _readable_copy(src: str, dst: str) -> None:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.part-*"))
+    for d, dirs, files in os.walk(dst):
+        os.chmod(d, 0o755)
+        for n in files:
+            p = os.path.join(d, n)
+            os.chmod(p, stat.S_IMODE(os.stat(p).st_mode) | 0o444)
+
+
+def _stage_cffi_backend(dest: str) -> bool:
+    """The one module the extension imports at run time, copied from this
+    interpreter, for an interpreter that lacks it (a system python without
+    python3-cffi-backend). Its file name carries its ABI, so an interpreter
+    of another version does not see it."""
+    spec = importlib.util.find_spec("_cffi_backend")
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+        return False
+    os.makedirs(dest, mode=0o755, exist_ok=True)
+    shutil.copyfile(spec.origin, os.path.join(dest, os.path.basename(spec.origin)))
+    os.chmod(os.path.join(dest, os.path.basename(spec.origin)), 0o755)
+    libs = os.path.join(os.path.dirname(spec.origin), "cffi.libs")     # a wheel's bundled libffi
+    if os.path.isdir(libs):
+        _readable_copy(libs, os.path.join(dest, "cffi.libs"))
+    return True
+
+
+def _candidates() -> list[str]:
+    """The running interpreter first (what the tests run as root), then its
+    base (a venv's), then a system one of the same version, then any."""
+    v = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    found = [sys.executable, getattr(sys, "_base_executable", "")]
+    found += [shutil.which(n, path="/usr/local/bin:/usr/bin:/bin") or "" for n in (v, "python3")]
+    out: list[str] = []
+    for p in found:
+        if p and p not in out:
+            out.append(p)
+    return out
+
+
+_IDENT = "import sys; print(sys.version.split()[0], sys.base_prefix)"
+_TRIAL = _IDENT + "; import launcher, launcher._native, launcher._cli; print(launcher.__file__)"
+
+
+def _last_line(p: subprocess.CompletedProcess[str]) -> str:
+    return ([ln for ln in p.stderr.splitlines() if ln.strip()][-1:] or [f"exit {p.returncode}"])[0].strip()
+
+
+def _trial(python: str, pythonpath: str, lib: str) -> str | None:
+    """Why a spare uid cannot import the staged launcher with `python`, or
+    None: decided by trying, as what it may read is the kernel's to say.
+    The interpreter must be the one root runs by that name: one that
+    cannot read its own installation may start anyway and find another's
+    (a shared libpython under /root: the loader falls back to the
+    system's, which then takes its prefix and library from /usr)."""
+    try:
+        mine = subprocess.run([python, "-c", _IDENT], env=user_env(PYTHONPATH=""), capture_output=True,
+                              text=True, timeout=60)
+        uid, = spare_uids(1)
+        p = as_uid(uid, [python, "-c", _TRIAL], env=user_env(PYTHONPATH=pythonpath), timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    if mine.returncode != 0:
+        return f"does not run as root ({_last_line(mine)})"
+    ident, _, where = p.stdout.strip().partition("\n")
+    if ident and ident != mine.stdout.strip():
+        return f"that uid gets another Python from it ({ident}, not {mine.stdout.strip()})"
+    if p.returncode != 0:
+        return _last_line(p)
+    if not where.startswith(lib + os.sep):
+        return f"imports launcher from {where}, not the stage"
+    return None
+
+
+def _make_stage() -> Stage:
+    s = Stage()
+    atexit.register(s.close)
+    if os.geteuid() != 0:
+        s.why = "needs root to switch to a spare uid"
+        return s
+    if shutil.which("setpriv") is None:
+        s.why = "setpriv not installed"
+        return s
+    _readable_copy(os.path.join(ROOT, "launcher"), os.path.join(s.lib, "launcher"))
+    tried: list[str] = []
+    with_deps: bool | None = None
+    for py in _candidates():
+        why = _trial(py, s.lib, s.lib)
+        if why is not None and "_cffi_backend" in why:
+            if with_deps is None:
+                with_deps = _stage_cffi_backend(s.deps)
+            if with_deps:
+                path = s.lib + os.pathsep + s.deps
+                why = _trial(py, path, s.lib)
+                if why is None:
+                    s.pythonpath = path
+        if why is None:
+            s.python = py
+            return s
+        tried.append(f"{py}: {why[:120]}")
+    s.why = "no interpreter a spare uid can run this tree's launcher with (" + "; ".join(tried) + ")"
+    return s
+
+
+_stage: Stage | None = None
+
+
+def stage() -> Stage:
+    global _stage
+    if _stage is None:
+        _stage = _make_stage()
+    return _stage
+
+
 def why_not() -> str | None:
     """Why commands cannot be run as another uid here, or None."""
-    if os.geteuid() != 0:
-        return "needs root to switch to a spare uid"
-    if shutil.which("setpriv") is None:
-        return "setpriv not installed"
-    if not os.path.exists(SYS_PY):
-        return f"no {SYS_PY} for the spare uid"
-    uid = spare_uids(1)[0]
-    p = as_uid(uid, [SYS_PY, "-c", "import launcher._native, launcher._layout"])
-    if p.returncode != 0:
-        return f"a spare uid cannot import launcher with {SYS_PY}: {p.stderr.strip()[-200:]}"
-    return None
+    return stage().why
+
+
+def python() -> str:
+    """The interpreter for another uid's commands (the test skips, saying
+    why, where there is none)."""
+    s = stage()
+    if s.python is None:
+        import pytest
+
+        pytest.skip(s.why or "no interpreter for another uid")
+    return s.python
+
+
+def pythonpath() -> str:
+    """PYTHONPATH for another uid's `python -m launcher`: the staged copy."""
+    return stage().pythonpath
+
+
+def share(path: str) -> str:
+    """A copy of the test-side file `path` that another uid can read."""
+    return stage().share(path)
 
 
 def user_env(**extra: str) -> dict[str, str]:
     """A clean environment for another user's commands."""
-    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "PYTHONPATH": ROOT, "LANG": "C.UTF-8",
-           "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {"PATH": SAFE_PATH, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
     env.update(extra)
+    if "PYTHONPATH" not in env:
+        env["PYTHONPATH"] = pythonpath()
     return env
 
 
@@ -78,7 +250,7 @@ def as_uid(uid: int, argv: list[str], *, env: dict[str, str] | None = None, time
 
 def contain_as(uid: int, *args: str, env: dict[str, str] | None = None,
                timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return as_uid(uid, [SYS_PY, "-m", "launcher", *args], env=env, timeout=timeout)
+    return as_uid(uid, [python(), "-m", "launcher", *args], env=env, timeout=timeout)
 
 
 class Shared:

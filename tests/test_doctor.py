@@ -15,6 +15,7 @@ import pytest
 
 from _proc import cgroup2_mount, remove_cgroup_tree
 from _survivors import IS_ROOT, ROOT, cgroup2_nsdelegate, contain_base
+from _users import python, pythonpath
 
 HELPER = os.path.join(ROOT, "tests", "_clone3_into.py")
 
@@ -107,14 +108,7 @@ def test_doctor_without_a_cgroup_base_offers_the_wall_alone():
     wall is what is left (inside a user namespace of its own): containment
     is still possible (REAPED through the pidns backend), the cgroup modes
     say why not, exit 0."""
-    py = "/usr/bin/python3"
-    if not IS_ROOT or shutil.which("su") is None or not os.path.exists(py):
-        pytest.skip("needs root to switch to nobody, and a system python for nobody")
-    chk = subprocess.run(["su", "nobody", "-s", "/bin/sh", "-c", f"cd {ROOT} && {py} -c 'import launcher._native'"],
-                         capture_output=True, text=True)
-    if chk.returncode != 0:
-        pytest.skip(f"nobody cannot import launcher with {py}: {chk.stderr.strip()[-200:]}")
-    r = subprocess.run(["su", "nobody", "-s", "/bin/sh", "-c", f"cd {ROOT} && {py} -m launcher doctor --json"],
+    r = subprocess.run(["su", "nobody", "-s", "/bin/sh", "-c", _launcher_for_nobody("doctor --json")],
                        capture_output=True, text=True, timeout=60)
     assert "Traceback" not in r.stderr
     caps = json.loads(r.stdout)
@@ -139,18 +133,26 @@ def _next_steps(report: str) -> str:
     return steps
 
 
-def _as_nobody(args: str, *, cgroup: str | None = None, env: str = "") -> subprocess.CompletedProcess:
-    """`python3 -m launcher ARGS` as nobody with the system python, from
-    this tree; inside `cgroup` (one this test made) when given: the shell
-    moves its own pid there before it becomes nobody."""
-    py = "/usr/bin/python3"
-    if not IS_ROOT or shutil.which("su") is None or not os.path.exists(py):
-        pytest.skip("needs root to switch to nobody, and a system python for nobody")
-    chk = subprocess.run(["su", "nobody", "-s", "/bin/sh", "-c", f"cd {ROOT} && {py} -c 'import launcher._native'"],
+def _launcher_for_nobody(args: str, env: str = "") -> str:
+    """A shell command for nobody that runs `python -m launcher ARGS` with
+    what another uid can read (tests/_users.py stages it), not this tree,
+    which may sit where nobody cannot reach it (a clone in root's home)."""
+    if not IS_ROOT or shutil.which("su") is None:
+        pytest.skip("needs root and su to switch to nobody")
+    py, path = shlex.quote(python()), shlex.quote(pythonpath())
+    chk = subprocess.run(["su", "nobody", "-s", "/bin/sh", "-c",
+                          f"cd / && PYTHONPATH={path} {py} -c 'import launcher._native'"],
                          capture_output=True, text=True, timeout=60)
     if chk.returncode != 0:
         pytest.skip(f"nobody cannot import launcher with {py}: {chk.stderr.strip()[-200:]}")
-    inner = f"cd {ROOT} && {env} {py} -m launcher {args}"
+    return f"cd / && {env} PYTHONPATH={path} {py} -m launcher {args}"
+
+
+def _as_nobody(args: str, *, cgroup: str | None = None, env: str = "") -> subprocess.CompletedProcess:
+    """`python -m launcher ARGS` as nobody; inside `cgroup` (one this test
+    made) when given: the shell moves its own pid there before it becomes
+    nobody."""
+    inner = _launcher_for_nobody(args, env)
     move = f"echo $$ > {cgroup}/cgroup.procs && " if cgroup else ""
     return subprocess.run(["sh", "-c", f"{move}exec su nobody -s /bin/sh -c {shlex.quote(inner)}"],
                           capture_output=True, text=True, timeout=120)

@@ -23,7 +23,7 @@ import pytest
 import launcher
 
 from _proc import contain_cmd, holders, run_contain, wait_holders
-from _users import ROOT, Shared, as_uid, contain_as, spare_uids, user_env, why_not
+from _users import ROOT, Shared, as_uid, contain_as, python, spare_uids, user_env, why_not
 from conftest import needs_cgroup
 
 USERS_SKIP = why_not()
@@ -221,7 +221,7 @@ def test_other_users_cannot_poke_the_owner(box):
                     "    except OSError as e:\n"
                     "        print('refused', e.errno)\n")
             inbox = os.path.join(sd, "runs", "r", "cancellations", "requests.ndjson")
-            p = as_uid(attacker, ["/usr/bin/python3", "-c", code, wake, inbox])
+            p = as_uid(attacker, [python(), "-c", code, wake, inbox])
             assert p.stdout.split() == ["refused", str(errno.EACCES)] * 2, p.stdout + p.stderr
             assert proc.poll() is None, "the run is untouched"
         finally:

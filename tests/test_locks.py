@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import shutil
 import struct
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import textwrap
 import pytest
 
 from _cgworld import World, wait_line
+from _users import as_uid, python, spare_uids, why_not
 from conftest import CGROUP_SKIP, pids_with_token
 
 from launcher import _locks as L
@@ -160,15 +160,14 @@ def test_every_kind_of_lock_is_released_when_the_tree_is_killed(world, tmp_path)
 def test_locks_not_inspectable_make_the_layer_null(world, tmp_path):
     """A supervisor that cannot read a member's fdinfo (here: the check runs
     as a spare uid against a root member) does not call the locks released."""
-    if shutil.which("setpriv") is None:
-        pytest.skip("needs setpriv")
+    if (why := why_not()) is not None:
+        pytest.skip(why)
     c, _rc = world.run()
     w = world.python(c, None, "import fcntl, time\nf = open('/dev/null')\nprint('ok', flush=True)\ntime.sleep(300)\n",
                      stdout=subprocess.PIPE)
     assert wait_line(w) == b"ok"
     probe = textwrap.dedent(f"""
-        import json, sys
-        sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(L.__file__)))!r})
+        import json
         from launcher import _locks as L
         held = L.held_by([{w.pid}])
         print(json.dumps(L.locks_released(held)))
@@ -180,8 +179,7 @@ def test_locks_not_inspectable_make_the_layer_null(world, tmp_path):
     held_here = open(tmp_path / "a-lock", "w")
     _fcntl.flock(held_here, _fcntl.LOCK_EX)
     try:
-        out = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable,
-                              "-c", probe], capture_output=True, timeout=30, cwd="/")
+        out = as_uid(spare_uids(1)[0], [python(), "-c", probe], timeout=30)
     finally:
         held_here.close()
     assert out.returncode == 0, out.stderr

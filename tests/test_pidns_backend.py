@@ -13,7 +13,7 @@ import os
 import pytest
 
 from _proc import holders, kill_holders, new_token
-from _users import SYS_PY, Shared, as_uid, spare_uids, user_env, why_not
+from _users import Shared, as_uid, python, spare_uids, user_env, why_not
 
 WHY_NOT = why_not()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
@@ -35,7 +35,7 @@ def user():
 def _run(uid: int, token: str, home: str, *args: str) -> tuple[int, dict]:
     rec_path = os.path.join(home, "record.json")
     env = user_env(CONTAIN_STATE_DIR=os.path.join(home, "state"), **{TOKEN_VAR: token})
-    p = as_uid(uid, [SYS_PY, "-m", "launcher", "run", "--record", rec_path, *args], env=env)
+    p = as_uid(uid, [python(), "-m", "launcher", "run", "--record", rec_path, *args], env=env)
     assert "Traceback" not in p.stderr, p.stderr
     with open(rec_path) as f:
         return p.returncode, json.load(f)
@@ -59,7 +59,7 @@ def test_tree_cpu_is_counted_without_a_cgroup(user):
     a setsid grandchild's burn included."""
     uid, token, home = user
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
-    script = f"setsid {SYS_PY} -c '{burn}' & wait; sleep 0.5"
+    script = f"setsid {python()} -c '{burn}' & wait; sleep 0.5"
     rc, rec = _run(uid, token, home, "--", "sh", "-c", script)
     assert rc == 0 and rec["state"] == "REAPED"
     assert rec["cpu"]["usage_usec"] >= 250_000, rec["cpu"]
@@ -94,7 +94,7 @@ def test_no_cgroup_and_no_wall_is_the_subreaper_wall_and_none_stays_degraded(use
 def test_explicit_pidns_backend_refuses_a_seal(user):
     uid, token, home = user
     env = user_env(CONTAIN_STATE_DIR=os.path.join(home, "state"), **{TOKEN_VAR: token})
-    p = as_uid(uid, [SYS_PY, "-m", "launcher", "run", "--backend", "pidns", "--seal", "--", "true"], env=env)
+    p = as_uid(uid, [python(), "-m", "launcher", "run", "--backend", "pidns", "--seal", "--", "true"], env=env)
     assert p.returncode == 125 and "Traceback" not in p.stderr and "--seal" in p.stderr, p.stderr
 
 
@@ -132,7 +132,7 @@ def test_orphaned_run_is_stopped_by_cancel_not_left_running(user):
     env = user_env(CONTAIN_STATE_DIR=os.path.join(home, "state"), **{TOKEN_VAR: token})
     rec_path = os.path.join(home, "state", "runs", "o", "record.json")
     sup = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",
-                            SYS_PY, "-m", "launcher", "run", "-q", "--id", "o", "--grace", "0.3", "--",
+                            python(), "-m", "launcher", "run", "-q", "--id", "o", "--grace", "0.3", "--",
                             "sh", "-c", "setsid sleep 300 & sleep 300 & wait"],
                            env=env, stderr=subprocess.DEVNULL, cwd="/")
     try:
@@ -151,7 +151,7 @@ def test_orphaned_run_is_stopped_by_cancel_not_left_running(user):
         sup.send_signal(signal.SIGKILL)
         sup.wait(10)
     assert len(holders(token)) >= 3, "the tree outlives its supervisor"
-    p = as_uid(uid, [SYS_PY, "-m", "launcher", "cancel", "o", "--wait", "--timeout", "20", "--json"], env=env)
+    p = as_uid(uid, [python(), "-m", "launcher", "cancel", "o", "--wait", "--timeout", "20", "--json"], env=env)
     assert "Traceback" not in p.stderr, p.stderr
     ack = json.loads(p.stdout)
     assert holders(token) == [], "cancel left the orphaned tree running"
@@ -216,16 +216,16 @@ def test_worker_forging_its_wall_init_cannot_make_cancel_kill_a_process_outside(
         env = user_env(CONTAIN_STATE_DIR=os.path.join(home, "state"), FORGED=forged,
                        VICTIM=json.dumps({"pid": victim.pid, "start_time": start}), **{TOKEN_VAR: token})
         sup = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",
-                                SYS_PY, "-m", "launcher", "run", "-q", "--id", "f", "--grace", "0.3", "--",
+                                python(), "-m", "launcher", "run", "-q", "--id", "f", "--grace", "0.3", "--",
                                 "sleep", "300"], env=env, stderr=subprocess.DEVNULL, cwd="/")
         try:
-            forger = as_uid(uid, [SYS_PY, "-c", TAG_FORGER],
+            forger = as_uid(uid, [python(), "-c", TAG_FORGER],
                             env=dict(env, CONTAIN_RUN_DIR=os.path.join(home, "state", "runs", "f")))
             assert forger.returncode == 0 and os.path.exists(forged), forger.stderr
         finally:
             sup.send_signal(signal.SIGKILL)
             sup.wait(10)
-        p = as_uid(uid, [SYS_PY, "-m", "launcher", "cancel", "f", "--wait", "--timeout", "10", "--json"],
+        p = as_uid(uid, [python(), "-m", "launcher", "cancel", "f", "--wait", "--timeout", "10", "--json"],
                    env=env)
         assert "Traceback" not in p.stderr, p.stderr
         assert victim.poll() is None, "cancel killed a process outside the run, named by a forged tag"

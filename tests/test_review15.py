@@ -15,7 +15,7 @@ import time
 import pytest
 
 from _proc import holders, kill_holders, run_contain
-from _users import SYS_PY, Shared, spare_uids, why_not
+from _users import Shared, python, spare_uids, why_not
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a cgroup base of the test's own)")
 
@@ -140,7 +140,7 @@ def test_another_users_symlink_raced_into_a_missing_level_of_the_state_dir_is_no
         target = sh.sub("target")             # root's, 0755: where the link points
         link = os.path.join(sh.path, "x")
         toggler = subprocess.Popen(
-            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", SYS_PY, "-c",
+            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", python(), "-c",
              "import os, sys\nt, l = sys.argv[1:]\nwhile True:\n"
              "    try: os.symlink(t, l)\n    except OSError: pass\n"
              "    try: os.unlink(l)\n    except OSError: pass\n", target, link],
@@ -408,7 +408,7 @@ def test_sealed_worker_stopping_the_terminals_output_cannot_wedge_contain(contai
     try:
         try:
             p = subprocess.run([*_contain(), "run", "-q", "--seal", "--record", record, "--",
-                                "/usr/bin/python3", "-c", _STOP_TERMINAL],
+                                python(), "-c", _STOP_TERMINAL],
                                env=contained["env"], stdin=slave, stdout=slave, stderr=slave,
                                start_new_session=True, timeout=30)
         except subprocess.TimeoutExpired:
@@ -455,7 +455,7 @@ def test_sealed_worker_leaving_sysv_shared_memory_leaves_nothing_behind_its_run(
 
     key = 0x5e000000 + secrets.randbelow(1 << 24)
     try:
-        p = run_contain(contained["env"], "run", "-q", "--seal", "--", "/usr/bin/python3", "-c", _SHM, str(key))
+        p = run_contain(contained["env"], "run", "-q", "--seal", "--", python(), "-c", _SHM, str(key))
         assert p.returncode == 0, p.stderr
         assert "shmid -1" not in p.stdout, p.stdout      # the worker did make it
         assert _shm_with_key(key) == [], "the sealed run's shared memory outlived it"

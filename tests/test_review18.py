@@ -56,7 +56,7 @@ def test_doctor_as_a_user_names_no_v1_controller_that_user_cannot_get(tmp_path):
     host offers it)"; doctor must then not list `cgroup1 memory` for that
     user, or the user is sent in a circle. Every v1 route doctor reports for
     a spare uid must be one its runs really get: a limit on it is applied."""
-    from _users import as_uid, spare_uids, user_env, why_not, SYS_PY
+    from _users import as_uid, python, spare_uids, user_env, why_not
 
     reason = why_not()
     if reason:
@@ -69,7 +69,7 @@ def test_doctor_as_a_user_names_no_v1_controller_that_user_cannot_get(tmp_path):
     os.chown(home, uid, uid)
     os.chmod(home, 0o700)
     env = user_env(XDG_RUNTIME_DIR=str(home))
-    p = as_uid(uid, [SYS_PY, "-m", "launcher", "doctor", "--json"], env=env)
+    p = as_uid(uid, [python(), "-m", "launcher", "doctor", "--json"], env=env)
     assert p.returncode == 0, p.stderr
     routes = json.loads(p.stdout)["controllers"]["routes"]
     flag = {"memory": ("--memory-max", "64M"), "pids": ("--pids-max", "50"), "cpu": ("--cpu-max", "1")}
@@ -77,7 +77,7 @@ def test_doctor_as_a_user_names_no_v1_controller_that_user_cannot_get(tmp_path):
         via = (routes.get(c) or {}).get("via")
         if via is None:
             continue
-        r = as_uid(uid, [SYS_PY, "-m", "launcher", "run", "-q", opt, value, "--", "true"], env=env)
+        r = as_uid(uid, [python(), "-m", "launcher", "run", "-q", opt, value, "--", "true"], env=env)
         assert r.returncode == 0, (f"doctor says {c} comes by {via!r} for uid {uid}, but {opt} fails: "
                                    f"{r.stderr.strip()}")
 

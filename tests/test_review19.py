@@ -308,7 +308,7 @@ def test_another_users_file_at_the_record_path_in_a_sticky_directory_is_refused_
     user's file: the run ran, then exited 125 "Operation not permitted
     (rename)". It is refused before the run now; the other user's file is
     never written through, and a path of the user's own still works."""
-    from _users import SYS_PY, Shared, as_uid, spare_uids, user_env, why_not
+    from _users import Shared, as_uid, python, spare_uids, user_env, why_not
 
     reason = why_not()
     if reason:
@@ -321,7 +321,7 @@ def test_another_users_file_at_the_record_path_in_a_sticky_directory_is_refused_
         p = as_uid(other, ["sh", "-c", f"echo planted > {planted}; chmod 666 {planted}"])
         assert p.returncode == 0, p.stderr
         marker = os.path.join(xdg, "ran")
-        run = as_uid(victim, [SYS_PY, "-m", "launcher", "run", "-q", "--record", planted, "--", "touch", marker],
+        run = as_uid(victim, [python(), "-m", "launcher", "run", "-q", "--record", planted, "--", "touch", marker],
                      env=user_env(XDG_RUNTIME_DIR=xdg))
         assert run.returncode == 125, (run.returncode, run.stderr)
         assert "sticky" in run.stderr and "Traceback" not in run.stderr, run.stderr
@@ -329,7 +329,7 @@ def test_another_users_file_at_the_record_path_in_a_sticky_directory_is_refused_
         with open(planted) as f:
             assert f.read() == "planted\n"
         own = os.path.join(shared, "own.json")
-        run = as_uid(victim, [SYS_PY, "-m", "launcher", "run", "-q", "--record", own, "--", "true"],
+        run = as_uid(victim, [python(), "-m", "launcher", "run", "-q", "--record", own, "--", "true"],
                      env=user_env(XDG_RUNTIME_DIR=xdg))
         assert run.returncode == 0, run.stderr
         with open(own) as f:

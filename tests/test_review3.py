@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from _proc import contain_cmd, holders, readline_within
-from _users import SYS_PY, Shared, as_uid, spare_uids, user_env, why_not
+from _users import Shared, as_uid, python, spare_uids, user_env, why_not
 from conftest import needs_cgroup
 from test_review2 import _remove_v1_of
 
@@ -52,7 +52,7 @@ def test_fifo_held_full_by_another_user_at_the_record_path_does_not_hang_contain
     with Shared(mode=0o1777) as sh:
         fifo = os.path.join(sh.path, "rec.json")
         hold = subprocess.Popen(["setpriv", f"--reuid={attacker}", f"--regid={attacker}", "--clear-groups",
-                                 "--", SYS_PY, "-c", _FILL_FIFO, fifo],
+                                 "--", python(), "-c", _FILL_FIFO, fifo],
                                 env=user_env(), stdout=subprocess.PIPE, cwd="/")
         try:
             assert readline_within(hold.stdout, 30).strip() == b"full"
@@ -364,7 +364,7 @@ def test_sealed_worker_cannot_type_into_the_callers_terminal(box, mode):
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
     try:
-        p = subprocess.run(contain_cmd("run", "-q", "--id", "tty", *mode, "--", "/usr/bin/python3", "-c", _TIOCSTI),
+        p = subprocess.run(contain_cmd("run", "-q", "--id", "tty", *mode, "--", python(), "-c", _TIOCSTI),
                            env=box.env, stdin=slave, stdout=slave, stderr=slave, preexec_fn=own_terminal,
                            timeout=30)
         out = b""

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from _proc import TOKEN_VAR, contain_cmd, end_started, holders, kill_holders, new_token, readline_within
-from _users import SYS_PY, Shared, spare_uids, user_env, why_not
+from _users import Shared, python, spare_uids, user_env, why_not
 from conftest import needs_cgroup
 from test_review2 import _remove_v1_of
 
@@ -41,11 +41,11 @@ class Victim:
                             **{TOKEN_VAR: self.token})
 
     def contain(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(_as(self.uid, SYS_PY, "-m", "launcher", *args), env=self.env, capture_output=True,
+        return subprocess.run(_as(self.uid, python(), "-m", "launcher", *args), env=self.env, capture_output=True,
                               text=True, timeout=timeout, cwd="/")
 
     def start(self, *args: str) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(_as(self.uid, SYS_PY, "-m", "launcher", *args), env=self.env,
+        return subprocess.Popen(_as(self.uid, python(), "-m", "launcher", *args), env=self.env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/")
 
     def run_dir(self, run_id: str) -> str:
@@ -55,7 +55,7 @@ class Victim:
         """Run `script` as this user, outside the run (the run's own worker
         cannot reach its run directory: the init hides the state directory
         from it), with CONTAIN_RUN_DIR naming the run's directory."""
-        p = subprocess.run(_as(self.uid, SYS_PY, "-c", script, *args), capture_output=True, text=True,
+        p = subprocess.run(_as(self.uid, python(), "-c", script, *args), capture_output=True, text=True,
                            env=dict(self.env, CONTAIN_RUN_DIR=self.run_dir(run_id)), cwd="/", timeout=30)
         assert p.returncode == 0, p.stderr
         return p.stdout.strip()
@@ -315,7 +315,7 @@ def test_own_worker_naming_another_runs_init_in_its_tag_cannot_make_cancel_kill_
         v = Victim(sh, victim)
         b_token = new_token()
         env_b = dict(v.env, **{TOKEN_VAR: b_token})
-        b = subprocess.Popen(_as(victim, SYS_PY, "-m", "launcher", "run", "-q", "--backend", "pidns", "--id", "b",
+        b = subprocess.Popen(_as(victim, python(), "-m", "launcher", "run", "-q", "--backend", "pidns", "--id", "b",
                                  "--", "sleep", "300"), env=env_b, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              cwd="/")
         a = None
@@ -326,7 +326,7 @@ def test_own_worker_naming_another_runs_init_in_its_tag_cannot_make_cancel_kill_
             if not holders(b_token):
                 b.kill()
                 raise AssertionError(f"run b did not start: exit {b.wait(10)}, {b.communicate(timeout=10)[1]!r}")
-            a = v.start("run", "-q", "--backend", "pidns", "--id", "a", "--", SYS_PY, "-c",
+            a = v.start("run", "-q", "--backend", "pidns", "--id", "a", "--", python(), "-c",
                         _NAME_ANOTHER_RUNS_INIT, "b")
             line = readline_within(a.stdout, 30)
             assert line.startswith(b"blocked"), (line, a.poll())
@@ -441,7 +441,7 @@ def test_own_worker_cannot_reach_the_state_directory():
     victim, = spare_uids(1)
     with Shared() as sh:
         v = Victim(sh, victim)
-        p = v.start("run", "-q", "--backend", "pidns", "--id", "sd", "--", SYS_PY, "-c", _REACH_FOR_THE_STATE_DIR)
+        p = v.start("run", "-q", "--backend", "pidns", "--id", "sd", "--", python(), "-c", _REACH_FOR_THE_STATE_DIR)
         try:
             out, err = p.communicate(timeout=60)
         finally:
@@ -457,7 +457,7 @@ def test_own_worker_cannot_reach_the_state_directory():
             os.path.dirname(v.run_dir("sd"))), wall
         # Started from inside the state directory: its working directory
         # would still name the directory under the tmpfs.
-        inside = subprocess.run(_as(victim, SYS_PY, "-m", "launcher", "run", "-q", "--backend", "pidns", "--id",
+        inside = subprocess.run(_as(victim, python(), "-m", "launcher", "run", "-q", "--backend", "pidns", "--id",
                                     "cw", "--", "ls", "-A", "."), env=v.env, capture_output=True, text=True,
                                 timeout=60, cwd=os.path.dirname(v.run_dir("sd")))
         assert inside.returncode == 0 and inside.stdout.split() == [], (inside.stdout, inside.stderr)

@@ -17,6 +17,7 @@ import pytest
 
 from _survivors import (IS_ROOT, ROOT, Contain, cgroup2_mount, cgroup_of, contain_base, kill_survivors,
                         new_token, survivors, wait_for)
+from _users import python, share
 
 pytestmark = pytest.mark.skipif(not IS_ROOT, reason="the seal is built by a root supervisor; "
                                 "the escapes tried need a root worker")
@@ -29,11 +30,14 @@ PROCS = os.path.join(BASE, "cgroup.procs")
 
 # Each attempt moves the shell itself ($$) or makes a process that execs
 # `sleep 300`; the worker then execs `sleep 300` too. stderr of the attempt
-# is kept in the run's output for diagnosis.
+# is kept in the run's output for diagnosis. {py} {helper} runs HELPER: for
+# a worker that is not root on the host (--seal, --user), with an
+# interpreter and a copy of it that its uid can read (tests/_users.py), as
+# this tree may be where that uid cannot reach.
 ATTEMPTS = {
     "write_parent_procs": f"echo $$ > {PROCS}",
     "nested_sh_write_parent_procs": f"sh -c 'echo $$ > {PROCS} && exec sleep 300' &",
-    "clone3_into_parent": f"{sys.executable} {HELPER} {BASE} sleep 300",
+    "clone3_into_parent": "{py} {helper} " + f"{BASE} sleep 300",
     "proc1_root_walk": f"echo $$ > /proc/1/root{PROCS}",
     "remount_rw": f"mount -o remount,rw {MOUNT} && echo $$ > {PROCS}",
     "fresh_cgroup2_mount": "mkdir -p {tmp}/cg && mount -t cgroup2 none {tmp}/cg && echo $$ > {tmp}/cg/contain/cgroup.procs",
@@ -68,7 +72,10 @@ def _attempt(c: Contain, opts: list[str], attempt: str, tmp: str, extra_env: dic
              expect_sleepers: int = 1) -> dict[str, str | None]:
     """Start the workload, wait until it settled, and return where each of
     its processes is (pid -> v2 cgroup), read from outside."""
-    script = attempt.format(tmp=tmp) + "\nsleep 0.3\nexec sleep 300"
+    fill = {"tmp": tmp, "py": sys.executable, "helper": HELPER}
+    if "{py}" in attempt and ("--seal" in opts or "--user" in opts):
+        fill.update(py=python(), helper=share(HELPER))
+    script = attempt.format(**fill) + "\nsleep 0.3\nexec sleep 300"
     c.start(["--grace", "0.5", *opts], ["sh", "-c", script], extra_env)
     assert wait_for(lambda: len(_sleepers(c.token)) >= expect_sleepers, 15), \
         f"workload never settled: {survivors(c.token)}"
@@ -79,6 +86,13 @@ def _attempt(c: Contain, opts: list[str], attempt: str, tmp: str, extra_env: dic
     return {str(p): cgroup_of(p) for p in survivors(c.token) if p != sup}
 
 
+
+
+def _helper_reported(c: Contain) -> bool:
+    """HELPER said what its open or clone3 did: the way out was tried, not
+    refused at exec (an interpreter the worker's uid cannot run makes every
+    clone3 attempt pass without trying)."""
+    return any(ln.startswith(("clone3 ", "open failed ")) for ln in c.stdout.splitlines())
 
 
 def _finish(c: Contain) -> dict:
@@ -104,6 +118,8 @@ def test_sealed_root_worker_cannot_leave(contain_runs, tmp_path, name):
     outside = {p: w for p, w in where.items() if not _inside(c, w)}
     assert not outside, f"{name}: left the run under --seal: {outside}"
     rec = _finish(c)
+    if "{py}" in ATTEMPTS[name]:
+        assert _helper_reported(c), c.stdout + c.stderr
     assert rec["containment"]["sealed"] is True, rec["containment"]
     seal = rec["containment"]["seal"]
     assert seal["method"] == SEAL_METHOD and seal["host_uid"] != 0 and seal["no_new_privs"]
@@ -128,11 +144,12 @@ def test_sealed_root_worker_cannot_leave_through_capless_root_process(contain_ru
         assert wait_for(lambda: survivors(helper_token), 5)
         c = contain_runs()
         attempt = (f"echo $$ > /proc/{helper.pid}/root{PROCS}; "
-                   f"{sys.executable} {HELPER} /proc/{helper.pid}/root{BASE} sleep 300")
+                   "{py} {helper} " + f"/proc/{helper.pid}/root{BASE} sleep 300")
         where = _attempt(c, ["--seal"], attempt, str(tmp_path))
         outside = {p: w for p, w in where.items() if not _inside(c, w)}
         assert not outside, f"left through /proc/{helper.pid}/root: {outside}"
         rec = _finish(c)
+        assert _helper_reported(c), c.stdout + c.stderr
         assert rec["containment"]["sealed"] is True and rec["state"] == "REAPED"
     finally:
         helper.kill()
@@ -157,6 +174,7 @@ def test_unprivileged_worker_cannot_move_by_clone3(contain_runs, tmp_path):
     where = _attempt(c, ["--user", "nobody"], ATTEMPTS["clone3_into_parent"], str(tmp_path))
     assert all(_inside(c, w) for w in where.values()), where
     rec = _finish(c)
+    assert _helper_reported(c), c.stdout + c.stderr
     assert rec["containment"]["sealed"] is True and rec["state"] == "REAPED" and rec["_left"] == []
 
 

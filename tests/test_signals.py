@@ -25,12 +25,12 @@ import pytest
 
 from _proc import (cgroup2_mount, contain_cmd, holders, remove_cgroup_tree, run_contain, wait_comm, wait_holders,
                    waiting_for_claim)
+from _users import as_uid, python, pythonpath, spare_uids, why_not
 from conftest import needs_cgroup
 
 pytestmark = needs_cgroup
 
 PY = sys.executable
-SPARE_UID = 64571          # no passwd entry needed: setpriv takes numbers
 
 
 def start(box, run_id: str, *args: str, want: int = 2, **kw) -> subprocess.Popen:
@@ -568,46 +568,47 @@ def test_verbose_names_what_was_stopped_and_where_the_record_is(box):
     assert q.returncode == 0 and q.stderr == ""
 
 
-def _as_spare_uid(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    if shutil.which("setpriv") is None:
-        pytest.skip("needs setpriv")
-    return subprocess.run(["setpriv", "--reuid", str(SPARE_UID), "--regid", str(SPARE_UID), "--clear-groups",
-                           *contain_cmd(*args)], env=env, capture_output=True, text=True, timeout=60)
+def _as_spare_uid(spare: tuple[int, dict[str, str]], *args: str, **extra: str) -> subprocess.CompletedProcess:
+    uid, env = spare
+    return as_uid(uid, [python(), "-m", "launcher", *args], env=dict(env, **extra))
 
 
 @pytest.fixture
-def spare_env(box):
-    """An environment for a spare uid: its own state directory, no cgroup
-    base, nothing of root's."""
-    d = tempfile.mkdtemp(prefix="contain-spare-")
+def spare(box):
+    """A spare uid and an environment for it: its own state directory, no
+    cgroup base, nothing of root's, the launcher it can read."""
+    if (why := why_not()) is not None:
+        pytest.skip(why)
+    uid, = spare_uids(1)
+    d = tempfile.mkdtemp(prefix="contain-spare-", dir="/tmp")      # not $TMPDIR: the uid must reach it
     os.chmod(d, 0o755)
     state = os.path.join(d, "state")
     os.mkdir(state, 0o700)
-    os.chown(state, SPARE_UID, SPARE_UID)
+    os.chown(state, uid, uid)
     env = {k: v for k, v in box.env.items() if not k.startswith("CONTAIN_") and k != "XDG_RUNTIME_DIR"}
-    env.update(CONTAIN_STATE_DIR=state, HOME=d, CONTAIN_TEST_TOKEN=box.token)
+    env.update(CONTAIN_STATE_DIR=state, HOME=d, CONTAIN_TEST_TOKEN=box.token, PYTHONPATH=pythonpath())
     try:
-        yield env
+        yield uid, env
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def test_a_weaker_container_is_said_on_stderr_and_quiet_silences_it(spare_env):
-    p = _as_spare_uid(spare_env, "run", "--backend", "auto", "--", "true")
+def test_a_weaker_container_is_said_on_stderr_and_quiet_silences_it(spare):
+    p = _as_spare_uid(spare, "run", "--backend", "auto", "--", "true")
     assert p.returncode == 0, p.stderr
     # What auto fell back to, by name (pidns where the wall works, else none).
     assert ("backend pidns" in p.stderr or "backend none" in p.stderr) and "contain doctor" in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
-    q = _as_spare_uid(spare_env, "run", "--backend", "auto", "--quiet", "--", "true")
+    q = _as_spare_uid(spare, "run", "--backend", "auto", "--quiet", "--", "true")
     assert q.returncode == 0 and q.stderr == "", q.stderr
 
 
-def test_an_explicit_cgroup_base_the_user_cannot_use_is_125_not_a_fallback(spare_env, box):
+def test_an_explicit_cgroup_base_the_user_cannot_use_is_125_not_a_fallback(spare, box):
     mnt = cgroup2_mount()
     base = os.path.join(mnt, f"contain-test-root-only-{box.token}")
     os.mkdir(base)                          # root's, not delegated
     try:
-        p = _as_spare_uid(dict(spare_env, CONTAIN_CGROUP_BASE=base), "run", "--backend", "auto", "--", "true")
+        p = _as_spare_uid(spare, "run", "--backend", "auto", "--", "true", CONTAIN_CGROUP_BASE=base)
         assert p.returncode == 125, p.stderr
         assert "CONTAIN_CGROUP_BASE" in p.stderr and "Traceback" not in p.stderr
         assert os.listdir(base) == [] or all(not os.path.isdir(os.path.join(base, e)) for e in os.listdir(base))

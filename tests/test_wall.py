@@ -26,12 +26,11 @@ from typing import Callable, Iterator
 import pytest
 
 from _proc import TOKEN_VAR, comm_of, holders, new_token
+from _users import python, pythonpath, why_not
 from launcher._errors import SpawnFailed
 from launcher._platform import posix
 
 ROOT = os.geteuid() == 0
-HERE = os.path.dirname(os.path.abspath(__file__))
-CHECKOUT = os.path.dirname(HERE)
 needs_root = pytest.mark.skipif(not ROOT, reason="needs root (a PID namespace without a user namespace, "
                                 "cgroups, other uids)")
 
@@ -546,18 +545,16 @@ def test_unprivileged_user_gets_a_wall_nothing_leaves(scratch: str) -> None:
     """The README's example as a user without root or a delegated cgroup:
     the setsid daemon outlives the worker inside the wall, runs without
     capabilities or a way to gain them, and is gone once the init is."""
-    import shutil
-
-    if shutil.which("setpriv") is None:
-        pytest.skip("setpriv not installed")
+    if (why := why_not()) is not None:
+        pytest.skip(why)
     uid = spare_uid()
     token = new_token()
     script = os.path.join(scratch, "unpriv.py")
     with open(script, "w") as f:
         f.write(UNPRIV)
-    env = dict(os.environ, PYTHONPATH=CHECKOUT, HOME=scratch)
+    env = dict(os.environ, PYTHONPATH=pythonpath(), HOME=scratch)
     helper = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-                               "--inh-caps=-all", sys.executable, script, token],
+                               "--inh-caps=-all", python(), script, token],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=scratch)
     try:
         assert helper.stdout is not None and helper.stdin is not None
@@ -609,6 +606,7 @@ def test_mapped_root_worker_cannot_act_on_the_host(scratch: str) -> None:
     """userns "map": uid 0 inside, an unprivileged uid outside, no
     capabilities left at exec, no_new_privs. Each of the seal escapes that
     worked with the identity map must fail."""
+    py = python()
     h = spare_uid()
     victim = os.path.join(scratch, "root-file")
     with open(victim, "w") as f:
@@ -623,8 +621,7 @@ def test_mapped_root_worker_cannot_act_on_the_host(scratch: str) -> None:
     pfd = os.pidfd_open(outside.pid)
     r, w = os.pipe()
     try:
-        # the system's python: the venv's lives under /root (0700)
-        with walled(["/usr/bin/python3", script, victim, rootdir, str(pfd)], userns="map",
+        with walled([py, script, victim, rootdir, str(pfd)], userns="map",
                     uid_map=f"0 {h} 1", gid_map=f"0 {h} 1", mount_proc=True, clear_caps=True,
                     no_new_privs=True, pass_fds=[pfd], stdio=(-1, w, -1), cwd=scratch) as sp:
             os.close(w)
