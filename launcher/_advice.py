@@ -97,12 +97,20 @@ def _wall_withheld(caps: dict[str, Any]) -> tuple[list[str], list[str]]:
         by.append("no CAP_SYS_ADMIN, which a root supervisor's wall needs (a PID namespace made without a user "
                   "namespace)")
         fix.append(CAP_FIX)
-    masked = ct.get("masked_proc") or []
-    if masked and (not root or (ct.get("user_namespace") or {}).get("own")):
-        by.append(f"a masked /proc ({len(masked)} mounts below it): the kernel refuses the wall's new /proc mount "
-                  "in a user namespace (mount_too_revealing, fs/namespace.c)")
-        fix.append(PROC_FIX)
     return by, fix
+
+
+def _wall_proc_note(caps: dict[str, Any]) -> str | None:
+    """A masked /proc withholds not the wall but its own /proc: the kernel
+    refuses a new /proc mount in a user namespace while mounts cover part of
+    /proc (mount_too_revealing, fs/namespace.c), and the wall is kept
+    without one (its worker sees the outer /proc)."""
+    ct = caps.get("container") or {}
+    masked = ct.get("masked_proc") or []
+    if masked and (caps["euid"] != 0 or (ct.get("user_namespace") or {}).get("own")):
+        return (f"a masked /proc ({len(masked)} mounts below it) keeps the wall from mounting a /proc of its own: "
+                f"the worker sees the outer /proc (the wall holds all the same); for its own, {PROC_FIX}")
+    return None
 
 
 def modes(caps: dict[str, Any]) -> list[dict[str, Any]]:
@@ -196,7 +204,7 @@ def withheld(caps: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
     wall = caps.get("pidns_wall") or {"ok": False, "error": "not probed"}
     by, fix = _wall_withheld(caps)
-    entry("pidns_wall", bool(wall.get("ok")), by, fix, wall.get("error"), bool(by))
+    entry("pidns_wall", bool(wall.get("ok")), by, fix, wall.get("error"), bool(by), _wall_proc_note(caps))
     out["pidns_wall"]["probe"] = wall.get("error")
 
     # The seal is the cgroup and the wall together (and a user namespace,

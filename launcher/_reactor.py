@@ -101,7 +101,8 @@ class Reactor:
         """Take over the owner loop of a started run. `done(error)` is called
         from the loop's thread once the run's last record is written (or its
         owner loop failed: then with the error)."""
-        run.waker = self.wake
+        if run.wakeups is not None:
+            run.wakeups.waker = lambda: self.wake(run)
         with self._mu:
             self._incoming.append(_Entry(run, done))
         self._poke()

@@ -81,8 +81,7 @@ class Run:
         self._cancel_grace: float | None = None
         self._deadline_timeout = 0.0
         self.wakeups: host.Wakeups | None = None
-        self.waker: Callable[[Run], None] | None = None   # a shared owner loop's wake-up (_reactor.py)
-        self.shared_wake = False      # owned by the process's reactor: no wake-up pipe of its own
+        self.shared_wake = False      # owned by the process's reactor (_reactor.py): no wake-up pipe of its own
         self._signals: list[int] = []
         self._lock = _thread.RLock()
         self._done = False        # set once, by the owner; nobody waits on it (Worker.wait waits on the run)
@@ -120,9 +119,7 @@ class Run:
 
     def wake(self) -> None:
         """Make the owner loop look at its inputs now (thread- and signal-safe)."""
-        if self.waker is not None:
-            self.waker(self)
-        elif self.wakeups is not None:
+        if self.wakeups is not None:
             self.wakeups.wake()
 
     def deliver_signal(self, signum: int) -> None:

@@ -391,6 +391,8 @@ def test_the_readme_example_works_for_a_plain_user_with_no_runtime_dir_in_a_defa
     if why:
         pytest.skip(why)
     uid = _users.spare_uids(1)[0]
+    python = _users.python()                  # staged before the container: what a spare uid can run
+    env = dict(_users.user_env(HOME="/"), **{"CONTAIN_TEST_TOKEN": pod.token})
     state = f"/tmp/contain-{uid}"
     if os.path.exists(state):
         pytest.skip(f"{state} exists already (another user's, or a leftover)")
@@ -399,8 +401,7 @@ def test_the_readme_example_works_for_a_plain_user_with_no_runtime_dir_in_a_defa
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
-        env = dict(_users.user_env(HOME="/"), **{"CONTAIN_TEST_TOKEN": pod.token})
-        p = subprocess.run([_users.SYS_PY, "-m", "launcher", "run", "--record", "-", "--", "sh", "-c",
+        p = subprocess.run([python, "-m", "launcher", "run", "--record", "-", "--", "sh", "-c",
                             SETSID_SLEEPER], env=env, capture_output=True, text=True, timeout=60, cwd="/")
         return p.returncode, p.stdout, p.stderr
 

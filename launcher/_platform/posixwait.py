@@ -386,6 +386,7 @@ class Wakeups:
         self.r, self.w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK) if pipe else (-1, -1)
         self.inbox_fd = -1
         self.watched = False
+        self.waker: Callable[[], None] | None = None    # the shared loop's wake-up for this run
         self.problem: str | None = None    # why the inbox has no wake-up (it is then read on a timer)
         if layout is not None and pipe:
             try:
@@ -410,6 +411,9 @@ class Wakeups:
                     pass
 
     def wake(self) -> None:
+        if self.waker is not None:
+            self.waker()
+            return
         if self.w < 0:
             return
         try:
