@@ -390,6 +390,19 @@ class AsyncSupervisor:
         """Until every worker spawned so far has ended; their records."""
         return [await w.wait() for w in list(self._workers)]
 
+    async def cancel_all(self, *, grace: float | None = None) -> list[StopRecord]:
+        """Cancel every worker still going in one pass (every stop asked for
+        before any is waited for: their graces run together), then wait for
+        all. The scope stays open. Every worker's final record."""
+        await anyio.lowlevel.checkpoint()
+        grace = self.grace if grace is None else grace
+        op = f"cancel-all-{id(self)}-{time.monotonic_ns()}"
+        workers = list(self._workers)
+        for w in workers:
+            if not w.done() and w._run.owning():
+                w._cancel_now(op, grace)
+        return [await w.wait() for w in workers]
+
     async def __aenter__(self) -> "AsyncSupervisor":
         tg = anyio.create_task_group()
         await tg.__aenter__()

@@ -90,6 +90,20 @@ class Supervisor:
         """Until every worker spawned so far has ended; their records."""
         return [w.wait(timeout) for w in self.workers]
 
+    def cancel_all(self, *, grace: float | None = None) -> list[StopRecord]:
+        """Cancel every worker still going in one pass: every stop's intent
+        is written first (their graces run together, the one owner loop
+        sends every kill), then all are waited for together. The supervisor
+        stays open. Returns every worker's final record."""
+        grace = check_optional_seconds(grace, "grace")
+        if grace is None:
+            grace = self.grace
+        op = f"cancel-all-{new_uid()}"
+        workers = self.workers
+        for w in workers:
+            w._request_stop(op, grace)
+        return [w.wait() for w in workers]
+
     def close(self) -> list[StopRecord]:
         """Cancel every run still going, wait until all are reaped, close
         their pipes. Idempotent. Returns every run's final record."""

@@ -187,6 +187,14 @@ class Worker(RunHandle):
         # the inbox of an ended run, answered as any late cancel.
         return self._answer_as_ended(op)
 
+    def _request_stop(self, op: str, grace: float | None) -> None:
+        """A cancel's intent, written, and the owner woken; no wait for its
+        acknowledgement (cancel_all asks every run before it waits)."""
+        if self.done() or self._known_ack(op) is not None:
+            return
+        self._request(op, grace, {"thread": threading.get_ident()})
+        self._run.wake()
+
     def communicate(self, input: bytes | None = None, timeout: float | None = None) -> tuple[bytes | None, bytes | None]:
         """As `Popen.communicate`: send `input` to stdin (then close it), read
         stdout and stderr to their ends, wait for the run. Returns the bytes

@@ -153,3 +153,33 @@ def test_at_rlimit_nofile_256_a_spawn_is_refused_before_anything_starts_and_ever
     assert records.count("REAPED") == len(records), {s: records.count(s) for s in set(records)}
     assert _gone(token) == []
     assert _cgroups_left(cgroup_base) == []
+
+
+@pytest.mark.parametrize("api", ["sync", "asyncio"])
+def test_cancel_all_stops_every_worker_in_one_pass(cgroup_base, state_dir, env, token, api) -> None:
+    n = 40
+    if api == "sync":
+        with launcher.Supervisor(env=env) as sup:
+            for _ in range(n):
+                sup.spawn(["sh", "-c", "trap '' TERM; sleep 300"])
+            recs = sup.cancel_all(grace=0.5)
+            assert sup.spawn(["true"]).wait().state == "REAPED"     # the supervisor stays open
+    else:
+        import anyio
+
+        async def main() -> list:
+            async with launcher.AsyncSupervisor(env=env) as sup:
+                for _ in range(n):
+                    await sup.spawn(["sh", "-c", "trap '' TERM; sleep 300"])
+                return await sup.cancel_all(grace=0.5)
+
+        recs = anyio.run(main)
+    assert [r.state for r in recs] == ["REAPED"] * n, [r.state for r in recs]
+    assert all(r.outcome == "cancelled" for r in recs)
+    # One pass: every polite signal was sent before any kill (the graces
+    # ran together), by the records' own step times.
+    steps = [s for r in recs for s in r.to_dict()["evidence"]["signal_sent"]["detail"]["steps"]]
+    terms = [s["at"] for s in steps if s.get("kind") == "term"]
+    kills = [s["at"] for s in steps if s.get("kind") == "kill"]
+    assert len(terms) == n and len(kills) == n and max(terms) < min(kills), (max(terms), min(kills))
+    assert _gone(token) == []
