@@ -186,7 +186,8 @@ def _library_daemon(token_file: str) -> dict:
 @pytest.mark.forked
 def test_the_library_with_subreaper_true_stops_a_double_forked_daemon(pod, tmp_path) -> None:
     rec = _container.run(lambda: _library_daemon(str(tmp_path / "up")))
-    assert rec["state"] == "REAPED" and rec["outcome"] == "cancelled", (rec["containment"], rec["evidence"])
+    assert rec["state"] == "REAPED" and rec["outcome"] == "cancelled", json.dumps(
+        {k: rec[k] for k in ("state", "outcome", "containment", "evidence", "notes")}, indent=1)
     assert rec["containment"]["backend"] == "subreaper"
     found = rec["evidence"]["descendants_exit"]
     assert found["observed"] is True, found

@@ -119,9 +119,15 @@ def _children_of_every_thread() -> set[int]:
     """Every child of this process: the union of its threads' lists. A
     thread that exits hands its children to another thread of the process
     (find_alive_thread), possibly one already read: so the pass is repeated
-    until the threads are the same before and after it."""
-    for _ in range(100):
-        tids = os.listdir("/proc/self/task")
+    until the threads are the same before and after it. Threads come and go
+    here (the /proc scan's own helpers end as it returns, and a loaded host
+    can take a while to remove them from /proc/self/task), so the passes go
+    on for up to 5 s, yielding between them, before the observation fails."""
+    import time
+
+    deadline = time.monotonic() + 5.0
+    while True:
+        tids = sorted(os.listdir("/proc/self/task"))
         pids: set[int] = set()
         gone = False
         for tid in tids:
@@ -130,9 +136,11 @@ def _children_of_every_thread() -> set[int]:
                     pids.update(int(x) for x in f.read().split())
             except FileNotFoundError:
                 gone = True
-        if not gone and os.listdir("/proc/self/task") == tids:
+        if not gone and sorted(os.listdir("/proc/self/task")) == tids:
             return pids
-    raise OSError("the supervisor's threads kept changing: its children could not be listed")
+        if time.monotonic() > deadline:
+            raise OSError("the supervisor's threads kept changing for 5 s: its children could not be listed")
+        time.sleep(0.001)
 
 
 class Container(none.Container):
