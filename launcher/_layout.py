@@ -26,19 +26,15 @@ read-only descriptor: they take no lock, so they can neither block the owner
 nor make a live run look orphaned (with flock, a reader's LOCK_SH made a
 concurrent adopter fail and a claim lose its lock).
 
-What is fsynced, and why only that: every write here is visible to every
+Nothing is fsynced: crash-consistent, not power-loss durable
+(_safefs.POWER_LOSS_DURABLE says why). Every write here is visible to every
 other process as soon as it is made (the page cache is shared), whatever
-happens to the writer, so fsync only matters for an OS crash. An OS crash
-also ends every process of a run, so a live run's files (run.json, a
-RUNNING record, pending acknowledgements, the journal) describe nothing that
-could outlive it; they are written atomically but not fsynced. What does
-outlive the processes is made durable: the terminal stop record and the
-settled acknowledgements (`durable=True`), and the cancel intent, which is
-fsynced before the owner may act on it (append_request). On a file system
-that lives in memory (tmpfs, ramfs: the default /run and $XDG_RUNTIME_DIR)
-nothing survives the crash fsync protects against, so it is skipped there
-(_safefs.in_memory); on a disk each fsync cost 0.3 to 2.5 ms here
-(benchmarks/bench_cli.py, docs/performance.md).
+happens to the writer, and an OS crash ends every process of a run, which
+the boot id proves afterwards. Files are still replaced atomically (a
+temporary file renamed over), and the cancel intent is written before the
+owner may act on it (append_request). `durable=True` still marks what
+outlives the processes (the terminal record, settled acknowledgements) for
+the order of renames it needs (_safefs.replace_file, keep_old).
 """
 from __future__ import annotations
 

@@ -75,11 +75,11 @@ class InboxRead:
 # -- the inbox ---------------------------------------------------------------------
 
 def append_request(d: RunDir, req: dict[str, Any]) -> None:
-    """Durably record a cancel intent: one O_APPEND write (atomic for a line
-    under PIPE_BUF), fsynced (file, and the directory when the inbox is new)
-    before anyone may act on it, then the owner is poked. Raises ValueError
-    (too large), PersistError (not durable: nothing may be signalled on its
-    behalf)."""
+    """Record a cancel intent: one O_APPEND write (atomic for a line under
+    PIPE_BUF), written before anyone may act on it (crash-consistent, not
+    fsynced: _safefs.POWER_LOSS_DURABLE), then the owner is poked. Raises
+    ValueError (too large), PersistError (not written: nothing may be
+    signalled on its behalf)."""
     data = (dumps(req, compact=True) + "\n").encode()
     if len(data) > MAX_LINE - 1:
         raise ValueError("cancel request too large")
