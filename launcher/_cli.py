@@ -235,6 +235,7 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
                        linger=getattr(args, "linger", 0.0), keep_ignored=ignored, pass_fds=passed,
                        memory_max=args.memory_max, pids_max=args.pids_max, cpu_max=args.cpu_max,
                        check_locks=args.check_locks, stats_json=args.stats_json,
+                       accounting=bool(getattr(args, "accounting", False)),
                        notify=None if quiet else _say_weaker)
         opts.backend_chosen = True          # --backend, else CONTAIN_BACKEND, resolved above
         opts.sole = True                    # this process starts no child but the worker

@@ -243,14 +243,28 @@ def routes_for(want: Iterable[str], *, v2_base: str | None, env: Mapping[str, st
 
 
 def plan(limits: Limits, *, v2_base: str | None, env: Mapping[str, str] | None = None,
-         hierarchies: list[V1Hierarchy] | None = None, enable: bool = True) -> dict[str, Route]:
+         hierarchies: list[V1Hierarchy] | None = None, enable: bool = True,
+         accounting: bool = True) -> dict[str, Route]:
     """Routes for what the run wants: the limits' controllers, memory, pids
     and io for the accounting, and cpuacct when there is no v2 directory for
     CPU time. Raises ContainmentUnavailable naming every asked-for limit that
     has no route (never a silent no-op); a controller wanted only for the
-    accounting comes back with its reason instead."""
+    accounting comes back with its reason instead.
+
+    `accounting` False: a controller wanted only for the accounting that
+    would need a v1 cgroup of the run's own (a hybrid host) is not routed:
+    making, joining, reading and removing those cgroups cost about 0.85 ms
+    of a run (docs/performance.md), so they are made only for a run that
+    asks (a limit, --stats-json, --accounting; the owner's decision on
+    issue 27). The v2 directory's own files cost nothing extra."""
     want = limits.controllers() + list(ACCOUNTING_CONTROLLERS) + ([] if v2_base else ["cpuacct"])
     routes = routes_for(want, v2_base=v2_base, env=env, hierarchies=hierarchies, enable=enable)
+    if not accounting:
+        asked = set(limits.controllers())
+        for c, r in list(routes.items()):
+            if r.kind == "v1" and c not in asked:
+                routes[c] = Route(c, None, reason=f"cgroup v1 {c} is made only for a run that asks for its "
+                                                  "numbers (--accounting, --stats-json, or a limit)")
     missing = [(k, routes[LIMIT_CONTROLLER[k]]) for k in ("memory_max", "pids_max", "cpu_max")
                if getattr(limits, k) is not None and routes[LIMIT_CONTROLLER[k]].kind is None]
     if missing:

@@ -16,7 +16,7 @@ class Options:
     __slots__ = ("grace", "timeout", "kill_timeout", "backend", "seal", "user", "workspace",
                  "record_file", "env", "cwd", "stdio", "state_dir", "subreaper", "parent_cgroup",
                  "new_pgroup", "check_sockets", "pidns", "linger", "keep_ignored", "notify", "pass_fds",
-                 "limits", "check_locks", "stats_json", "backend_chosen", "sole")
+                 "limits", "check_locks", "stats_json", "backend_chosen", "sole", "accounting")
 
     def __init__(self, *, grace: float = DEFAULT_GRACE, timeout: float | None = None,
                  kill_timeout: float = DEFAULT_KILL_TIMEOUT, backend: str = "auto",
@@ -29,7 +29,7 @@ class Options:
                  keep_ignored: frozenset[int] | None = None, notify: object = None,
                  pass_fds: tuple[int, ...] | list[int] = (), memory_max: int | str | None = None,
                  pids_max: int | str | None = None, cpu_max: float | str | None = None,
-                 check_locks: bool = False, stats_json: str | None = None) -> None:
+                 check_locks: bool = False, stats_json: str | None = None, accounting: bool = False) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r} (auto, cgroup2, pidns, subreaper, job-object or none)")
         # The library's numbers are checked as the CLI checks them (_args.py):
@@ -75,6 +75,12 @@ class Options:
                 raise ValueError(f"{flag} is an empty path")
         self.check_locks = check_locks
         self.stats_json = stats_json
+        # Peak memory and tasks where they need cgroups of the run's own
+        # besides its v2 directory (v1, on hybrid hosts): made only when
+        # asked, here or by stats_json or a limit (_controllers.plan).
+        if not isinstance(accounting, bool):
+            raise TypeError(f"accounting must be True or False, not {accounting!r}")
+        self.accounting = accounting
         self.backend = backend
         # `contain run --backend auto` chose auto: CONTAIN_BACKEND, only a
         # default, does not override it (the library's "auto" is its default).

@@ -72,7 +72,8 @@ class RunCgroups:
 
     @classmethod
     def create(cls, name: str, limits: Limits | None = None, *, v2_dir: str | None,
-               env: Mapping[str, str] | None = None, hierarchies: list[V1Hierarchy] | None = None) -> "RunCgroups":
+               env: Mapping[str, str] | None = None, hierarchies: list[V1Hierarchy] | None = None,
+               accounting: bool = True) -> "RunCgroups":
         """Plan, make the v1 cgroups and apply the limits, all before the
         spawn. On any failure nothing made here is left behind and
         ContainmentUnavailable says why (the CLI's 125)."""
@@ -81,7 +82,7 @@ class RunCgroups:
         if not run_name(name):
             raise ValueError(f"not a run cgroup name: {name!r}")
         v2_base = os.path.dirname(v2_dir) if v2_dir else None
-        routes = plan(limits, v2_base=v2_base, env=env, hierarchies=hierarchies)
+        routes = plan(limits, v2_base=v2_base, env=env, hierarchies=hierarchies, accounting=accounting)
         rc = cls(name, v2_dir, routes, limits)
         try:
             rc._make_v1(env)

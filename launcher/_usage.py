@@ -27,9 +27,10 @@ if TYPE_CHECKING:
 
 
 class RunUsage:
-    def __init__(self, limits: Limits | None, *, check_locks: bool = False) -> None:
+    def __init__(self, limits: Limits | None, *, check_locks: bool = False, accounting: bool = True) -> None:
         self.limits = limits
         self.check_locks = check_locks
+        self.accounting = accounting               # v1 cgroups for the numbers alone (hybrid hosts)
         self.cgroups: RunCgroups | None = None
         self.problem: str | None = None          # why the run has no cgroups of its own
         self.spawned_mono: float | None = None
@@ -57,7 +58,8 @@ class RunUsage:
         v2_dir = getattr(container, "dir", None) if container.backend == "cgroup2" else None
         name = os.path.basename(v2_dir) if v2_dir else run_cgroup_name(run_id, uid)
         try:
-            self.cgroups = RunCgroups.create(name, self.limits, v2_dir=v2_dir, env=os.environ)
+            self.cgroups = RunCgroups.create(name, self.limits, v2_dir=v2_dir, env=os.environ,
+                                             accounting=self.accounting)
         except ContainmentUnavailable:
             raise
         except (OSError, ValueError) as e:
