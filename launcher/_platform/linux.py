@@ -237,7 +237,9 @@ class Container:
         refused = posix.clone3_refused()
         who = "the init joined the leaf before forking the worker" if sp.wall else \
             f"{'clone' if refused else 'clone3'}(CLONE_VM|CLONE_VFORK|CLONE_PIDFD), joined its leaf before exec"
-        sp.via = f"{who} (wrote 0 to cgroup.procs, verified /proc/self/cgroup)"
+        sp.via = (f"{who} (wrote 0 to cgroup.procs, verified /proc/self/cgroup: placed before exec, not at clone "
+                  "time; contain's own set-up ran outside the leaf for a few system calls, no instruction of the "
+                  "worker's did)")
         if sp.wall:
             sp.via = f"{sp.via}; {posix.wall_via(req)}"     # names the clone, and why not clone3
         if not (sp.wall and refused):
