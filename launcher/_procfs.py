@@ -24,6 +24,7 @@ import posixpath
 # -- where /proc is read ------------------------------------------------------
 
 _view_at: tuple[int, int, int] | None = None     # (fd, st_dev, st_ino) of the clone
+_view_pid = -1                                   # the process that took it
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)           # none on Windows, where /proc is not there (OSError)
 
 
@@ -35,8 +36,17 @@ def _view(check: bool = False) -> tuple[int, int, int]:
     nothing we run can mount in our namespace either) and /proc is read by
     its path. A library caller may close descriptors it did not open: after
     a failed read (`check`) the clone is checked to be still ours (fstat),
-    and taken again if not."""
-    global _view_at
+    and taken again if not.
+
+    A view is the taking process's own: a child of a fork may live in
+    another PID namespace (unshare(CLONE_NEWPID) before the fork: a
+    container's first process) and mount namespace, where the parent's
+    /proc names other processes by the same numbers (its pid 3 was a host
+    kernel thread, and a run in the child recorded that as its worker). So
+    a process whose pid is not the taker's takes its own."""
+    global _view_at, _view_pid
+    if _view_at is not None and _view_pid != os.getpid():
+        _view_at = None             # inherited across fork (its descriptor is the parent's clone: left as is)
     if _view_at is not None:
         fd, dev, ino = _view_at
         if fd < 0 or not check:
@@ -58,7 +68,7 @@ def _view(check: bool = False) -> tuple[int, int, int]:
             dev, ino = st.st_dev, st.st_ino
     except (ImportError, AttributeError, OSError):
         pass
-    _view_at = (fd, dev, ino)
+    _view_at, _view_pid = (fd, dev, ino), os.getpid()
     return _view_at
 
 
