@@ -188,7 +188,10 @@ def _await(layout: RunDir, op: str, info: dict[str, Any], wait: bool, timeout: f
 
                 adopted = take_over(layout, op)
                 if adopted is not None:
-                    return adopted
+                    # Also when the owner this process resumed settled and let
+                    # go between the two looks (then this is its answer): what
+                    # this process did on the way is said all the same.
+                    return _said(adopted.to_dict(), resumed)
             woke = watch.resume_owner()
             if woke is not None and not resumed:
                 resumed.append(f"the owner (pid {woke}) was stopped: contain cancel resumed it with SIGCONT")

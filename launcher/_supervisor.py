@@ -101,7 +101,7 @@ class Supervisor:
         op = f"cancel-all-{new_uid()}"
         workers = self.workers
         for w in workers:
-            w._request_stop(op, grace)
+            w.request_stop(op, grace)
         return [w.wait() for w in workers]
 
     def close(self) -> list[StopRecord]:

@@ -187,7 +187,7 @@ class Worker(RunHandle):
         # the inbox of an ended run, answered as any late cancel.
         return self._answer_as_ended(op)
 
-    def _request_stop(self, op: str, grace: float | None) -> None:
+    def request_stop(self, op: str, grace: float | None) -> None:
         """A cancel's intent, written, and the owner woken; no wait for its
         acknowledgement (cancel_all asks every run before it waits)."""
         if self.done() or self._known_ack(op) is not None:
