@@ -20,15 +20,17 @@ if TYPE_CHECKING:
 
 from . import _state as S
 from ._record import StopRecord
+from ._identity import forget_orphan_source
 
 
 def settle_tree(run: Run, terminal: bool) -> None:
     """Before the record: everything that must be read while the container
     and the run's cgroups still exist, then their removal."""
-    subreaper = sys.modules.get("launcher._platform.subreaper")
-    if terminal and subreaper is not None:
-        # A tree proven gone leaves no orphan to tell from another run's.
-        subreaper.note_end(run.uid, run.snap.state == "REAPED")
+    if terminal and run.snap.state == "REAPED":
+        forget_orphan_source(run.uid)      # a tree proven gone leaves no orphan to tell from another run's
+        subreaper = sys.modules.get("launcher._platform.subreaper")
+        if subreaper is not None:
+            subreaper.forget(run.uid)
     if terminal and (run.opts.workspace or run.opts.check_sockets):
         from ._postconditions import measure   # lazy: only runs that asked for it
 

@@ -105,9 +105,37 @@ def in_use() -> int:
         return -1
 
 
-def check_spawn() -> None:
+_inflight = 0                   # spawns under way in other threads: each may still open SPAWN_PEAK
+_inflight_mu = threading.Lock()
+
+
+@contextmanager
+def spawning() -> Iterator[None]:
+    """Around one spawn (claim, container, clone, first records): refused
+    before anything starts when this process cannot afford it, counting the
+    spawns under way in other threads (each may still open its peak), and
+    any descriptor exhaustion inside it said as ResourceExhausted, never a
+    bare OSError."""
+    global _inflight
+    preload()
+    with _inflight_mu:
+        check_spawn(_inflight)
+        _inflight += 1
+    try:
+        yield
+    except OSError as e:
+        if e.errno in (errno.EMFILE, errno.ENFILE) and not isinstance(e, LauncherError):
+            raise ResourceExhausted(f"descriptors ran out during the spawn: {e}", e.errno) from e
+        raise
+    finally:
+        with _inflight_mu:
+            _inflight -= 1
+
+
+def check_spawn(others: int = 0) -> None:
     """Refuse a spawn that would leave this process's runs without what
-    their stops need. Raises ResourceExhausted."""
+    their stops need (`others`: spawns under way besides this one). Raises
+    ResourceExhausted."""
     if sys.platform == "win32":
         return
     import resource
@@ -119,10 +147,26 @@ def check_spawn() -> None:
     used = in_use()
     if used < 0:
         return                       # no /proc to count with: the spawn finds out for itself
-    free = soft - used - reserve.missing()
+    free = soft - used - reserve.missing() - others * SPAWN_PEAK
     if free < 4 * SPAWN_PEAK:
         reserve.near = True
     if free < SPAWN_PEAK:
-        raise ResourceExhausted(f"this process has {used} of its {soft} descriptors open (RLIMIT_NOFILE): a "
-                                f"spawn needs {SPAWN_PEAK} more for a moment, and {RESERVE} stay reserved so "
-                                "that every run it started can still be stopped and recorded")
+        raise ResourceExhausted(f"this process has {used} of its {soft} descriptors open (RLIMIT_NOFILE) and "
+                                f"{others} other spawn(s) under way: a spawn needs {SPAWN_PEAK} more for a moment, "
+                                f"and {RESERVE} stay reserved so that every run it started can still be stopped "
+                                "and recorded")
+
+
+_preloaded = False
+
+
+def preload() -> None:
+    """Import now what a stop and a final record import on first use: at
+    the descriptor limit, an import opens files too (its .py and .pyc), and
+    a caller's thread may have taken the room the reserve gave back."""
+    global _preloaded
+    if _preloaded or sys.platform == "win32":
+        return
+    from . import _accounting, _locks, _stats, _summary  # noqa: F401
+    from ._platform import none, subreaper  # noqa: F401
+    _preloaded = True

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from ._procfs import start_time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 _boot_id: str | None = None
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 # Every worker this process spawned, as (pid, start time): a fork the fork
 # ledger sees reported as a child of this process is one of these, or it is
@@ -34,6 +36,31 @@ def note_spawn(pid: int, start_time: int) -> None:
 
 def spawned_here(pid: int, start_time: int) -> bool:
     return (pid, start_time) in _our_spawns
+
+
+# The runs of this process whose trees may hold processes that could be
+# orphaned to it, once it is a child subreaper or PID 1: run uid -> a tick
+# (clock ticks since boot, as /proc/<pid>/stat's start times) no later than
+# its worker's start. Noted before every spawn, whatever the run's options
+# (a run of another backend leaves its orphans to a subreaper process too),
+# forgotten once the spawn made a PID-namespace wall (its orphans stay in
+# it) or the tree was proven gone (REAPED). The subreaper wall tells which
+# run an orphan may belong to by it (_platform/subreaper.py).
+_orphan_sources: dict[str, int] = {}
+
+
+def note_orphan_source(uid: str) -> None:
+    """Before the spawn of run `uid` (its worker starts after this tick)."""
+    if sys.platform != "win32":
+        _orphan_sources.setdefault(uid, max(0, int(time.clock_gettime(time.CLOCK_BOOTTIME) * _CLK_TCK) - 1))
+
+
+def forget_orphan_source(uid: str) -> None:
+    _orphan_sources.pop(uid, None)
+
+
+def orphan_sources() -> dict[str, int]:
+    return _orphan_sources
 
 
 def boot_id() -> str:

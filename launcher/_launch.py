@@ -32,7 +32,7 @@ from ._containers import make_container, spawn_request
 from ._errors import ContainmentUnavailable, LauncherError, SpawnFailed
 from ._layout import RunDir
 from ._escapes import EscapeWatch
-from ._identity import note_spawn
+from ._identity import forget_orphan_source, note_orphan_source, note_spawn
 from ._options import user_account
 from ._record import not_measured
 
@@ -141,6 +141,7 @@ def _start(run: Run) -> None:
         # tells "never started" from "started, not described" by this line.
         run.journal("spawning")
     t0 = time.time()
+    note_orphan_source(run.uid)
     try:
         run.usage.join(req)
         sp = run.container.spawn(req)
@@ -164,13 +165,8 @@ def _start(run: Run) -> None:
         init = (run.facts.pending_wall or {}).get("init") if getattr(sp, "wall", None) else None
         if isinstance(init, dict) and isinstance(init.get("start_time"), int):
             note_spawn(init["pid"], init["start_time"])      # a wall's init is our child, never a tree's orphan
-        elif run.opts.subreaper and not run.opts.sole:
-            # A library run without a wall whose orphans may reach this
-            # process: the subreaper wall tells another run's orphans from
-            # its own by it (`contain run` has only the one run).
-            from ._platform.subreaper import note_run
-
-            note_run(run.uid, run.facts.identity.start_time)
+    if getattr(sp, "wall", None):
+        forget_orphan_source(run.uid)          # its orphans stay in its PID namespace
     fell_back = getattr(run.container, "wall_problem", None)
     if fell_back:
         run.facts.notes.append(f"backend auto: {fell_back}; the cgroup alone holds the tree")

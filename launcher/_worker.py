@@ -19,7 +19,7 @@ from typing import IO, Any, Callable, Sequence
 from . import _stdio
 from ._args import check_optional_seconds, wait_event
 from ._errors import LauncherError
-from ._fdbudget import check_spawn
+from ._fdbudget import spawning
 from ._layout import op_id_or_new
 from ._record import CancelRecord, StopRecord, now_iso
 from ._leadend import end_hook
@@ -67,7 +67,14 @@ def start_run(argv: Sequence[str], *, id: str | None, grace: float, timeout: flo
     `shared`: its owner will be the process's reactor (no wake-up pipe of its own)."""
     if "stdio" in options and (stdin, stdout, stderr) != (None, None, None):
         raise ValueError("give stdin/stdout/stderr or stdio, not both")
-    check_spawn()        # before anything starts: ResourceExhausted (EMFILE) at the descriptor limit
+    with spawning():     # before anything starts: ResourceExhausted (EMFILE) at the descriptor limit
+        return _start_run(argv, id=id, grace=grace, timeout=timeout, backend=backend, stdin=stdin, stdout=stdout,
+                          stderr=stderr, options=options, track=track, shared=shared)
+
+
+def _start_run(argv: Sequence[str], *, id: str | None, grace: float, timeout: float | None, backend: str,
+               stdin: StdioSpec, stdout: StdioSpec, stderr: StdioSpec, options: dict[str, Any],
+               track: Callable[[Run], None] | None, shared: bool) -> tuple[Run, _stdio.Stdio]:
     st = _stdio.resolve(stdin, stdout, stderr)
     run: Run | None = None
     try:

@@ -183,3 +183,91 @@ def test_cancel_all_stops_every_worker_in_one_pass(cgroup_base, state_dir, env, 
     kills = [s["at"] for s in steps if s.get("kind") == "kill"]
     assert len(terms) == n and len(kills) == n and max(terms) < min(kills), (max(terms), min(kills))
     assert _gone(token) == []
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("limit", [160, 256])
+def test_threads_spawning_together_at_a_low_limit_are_refused_as_launcher_errors_and_every_run_is_reaped(cgroup_base, state_dir, env, token, limit) -> None:
+    """Each of 8 threads saw room for one spawn's peak, then all spawned at
+    once: a spawn hung for ever (the wall's report cut short: EMFILE on the
+    pidfd it passed), runs were left without a record, and bare OSErrors
+    came out. Spawns under way are counted now."""
+    import resource
+    import threading
+
+    import launcher
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    errors: list[BaseException] = []
+    with launcher.Supervisor(grace=0.3, env=env) as sup:
+        go = threading.Barrier(8)
+
+        def spawner() -> None:
+            go.wait()
+            for _ in range(60):
+                try:
+                    sup.spawn(["sleep", "300"])
+                except BaseException as e:   # noqa: BLE001
+                    errors.append(e)
+                    if not isinstance(e, launcher.LauncherError):
+                        return
+        ts = [threading.Thread(target=spawner) for _ in range(8)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        workers = list(sup.workers)
+    states = [w.record().state for w in workers]
+    bad = [repr(e) for e in errors if not isinstance(e, launcher.LauncherError)]
+    assert bad == [], bad[:5]
+    assert states.count("REAPED") == len(states), {s: states.count(s) for s in set(states)}
+    assert pids_with_token(token) == []
+    assert _cgroups_left(cgroup_base) == []
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(240)
+def test_a_thread_that_takes_every_free_descriptor_cannot_keep_runs_from_their_final_record(cgroup_base, state_dir, env, token) -> None:
+    """The caller's own thread keeps opening descriptors at the limit (an
+    accept loop): every run must still reach a final record."""
+    import resource
+    import threading
+
+    import launcher
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    sup = launcher.Supervisor(grace=0.3, env=env)
+    ws = [sup.spawn(["sleep", "1"]) for _ in range(15)]
+    held: list[int] = []
+    stop = threading.Event()
+
+    def hog() -> None:
+        while not stop.is_set():
+            try:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+            except OSError:
+                time.sleep(0)
+    t = threading.Thread(target=hog)
+    t.start()
+    time.sleep(4)                        # every worker exited meanwhile
+    stop.set()
+    t.join()
+    states = [w.record().state for w in ws]
+    for fd in held:
+        os.close(fd)
+    final, raised = [], []
+    for w in ws:
+        try:
+            final.append(w.wait(30).state)
+        except BaseException as e:   # noqa: BLE001
+            raised.append(repr(e)[:120])
+            final.append(w.record().state)
+    try:
+        sup.close()
+    except BaseException as e:   # noqa: BLE001
+        raised.append("close: " + repr(e)[:120])
+    got = {"states_at_limit": {s: states.count(s) for s in set(states)},
+           "final": {s: final.count(s) for s in set(final)}, "wait_raised": raised[:3], "n_raised": len(raised),
+           "live": len(pids_with_token(token)), "cgroups_left": len(_cgroups_left(cgroup_base))}
+    assert got["final"] == {"REAPED": len(ws)} and not raised and not got["live"] and not got["cgroups_left"], got

@@ -366,6 +366,14 @@ int ct_set_child_subreaper(int on) {
     return prctl(PR_SET_CHILD_SUBREAPER, on ? 1 : 0, 0, 0, 0) < 0 ? -errno : 0;
 }
 
+/* PR_SET_DUMPABLE: 0 makes this process's memory and registers out of
+ * reach of ptrace, process_vm_writev and /proc/<pid>/mem for any process
+ * without CAP_SYS_PTRACE over it, same uid included (ptrace(2), "Ptrace
+ * access mode checking"). 0 or -errno. */
+int ct_set_dumpable(int on) {
+    return prctl(PR_SET_DUMPABLE, on ? 1 : 0, 0, 0, 0) < 0 ? -errno : 0;
+}
+
 /* 1 if this process is a child subreaper, 0 if not, or -errno. */
 int ct_get_child_subreaper(void) {
     int on = 0;

@@ -78,6 +78,7 @@ struct ct_spawn_result {
 int ct_spawn(const struct ct_spawn_args *a, struct ct_spawn_result *r);
 int ct_set_child_subreaper(int on);
 int ct_get_child_subreaper(void);
+int ct_set_dumpable(int on);
 uint64_t ct_sig_ignored_mask(void);
 
 /* Shared with init.c and wall.c (not exported to Python): the parent's

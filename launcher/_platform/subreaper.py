@@ -43,13 +43,21 @@ counted as a member, and while one lives that could be the tree's, the run
 cannot prove its tree gone (EXITED, naming it). The CLI as PID 1 avoids
 that: it forks its supervisor off first (_pid1.py), so visitors' orphans go
 to PID 1 and the tree's to the supervisor.
+
+The tree must not reach into the supervisor: a worker that can ptrace it
+(or write its memory) can turn the flag off, orphan a process past it and
+turn it on again, and the flag reads as if it had stayed. So the supervisor
+makes itself non-dumpable before the spawn, which leaves that only to a
+process with CAP_SYS_PTRACE over it, and a run whose worker may have that (a
+root worker whose bounding set keeps it) is never proven by this wall
+(_tamper).
 """
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from .._identity import spawned_here
+from .._identity import orphan_sources, spawned_here
 from .._procfs import read_stat
 from .._record import now_iso
 from .._scan import scan_processes
@@ -58,27 +66,15 @@ from . import none, posix
 KIND = "subreaper"
 _LIST_CAP = 50
 
-# The runs of this process whose trees may still have processes that could
-# be orphaned to it (no PID-namespace wall: a walled run's orphans stay in its
-# namespace): uid -> the worker's start tick. A run leaves it once its tree
-# was proven gone (REAPED): no orphan of it can appear after that. One that
-# ended otherwise stays: its descendants may live on.
-_runs: dict[str, int] = {}
-# (pid, start) of a process attributed to a run -> that run's uid.
+# (pid, start) of a process attributed to a run -> that run's uid. Which
+# runs of this process may have left an orphan: _identity.orphan_sources().
 _attributed: dict[tuple[int, int], str] = {}
 
 
-def note_run(uid: str, worker_start: int | None) -> None:
-    """A run of this process whose orphans can reach it (_launch, after the
-    spawn). Without a start time it could be any: from the beginning."""
-    _runs.setdefault(uid, worker_start if worker_start is not None else 0)
-
-
-def note_end(uid: str, tree_gone: bool) -> None:
-    """The run has ended; `tree_gone`: REAPED (then it is forgotten)."""
-    if tree_gone and _runs.pop(uid, None) is not None:
-        for key in [k for k, v in _attributed.items() if v == uid]:
-            del _attributed[key]
+def forget(uid: str) -> None:
+    """A run whose tree was proven gone: its members' identities recur never."""
+    for key in [k for k, v in _attributed.items() if v == uid]:
+        del _attributed[key]
 
 
 def subreaper_status() -> tuple[bool, str]:
@@ -109,6 +105,35 @@ def become() -> str | None:
 
     rc = lib.ct_set_child_subreaper(1)
     return None if rc == 0 else f"PR_SET_CHILD_SUBREAPER: {os.strerror(-rc)}"
+
+
+def _tamper(req: posix.SpawnRequest) -> str | None:
+    """How the tree could reach into the supervisor and turn its subreaper
+    flag off and on again unseen (ptrace, process_vm_writev, /proc/<pid>/mem:
+    orphans made meanwhile reparent past it), or None. The supervisor makes
+    itself non-dumpable first (process-wide, for good: no core dumps): then
+    only a process with CAP_SYS_PTRACE over it can, which a worker of root's
+    has where the bounding set keeps it (a host, not a default container)."""
+    from .._native import lib
+
+    if lib.ct_set_dumpable(0) < 0:
+        return "the supervisor could not make itself non-dumpable: a worker of its uid could ptrace it"
+    root_worker = req.uid == 0 or (req.uid < 0 and os.geteuid() == 0)
+    if root_worker and not getattr(req, "clear_caps", False) and _bounding_has(19):     # CAP_SYS_PTRACE
+        return ("the worker runs as root with CAP_SYS_PTRACE in its bounding set: it could ptrace the "
+                "supervisor and turn its subreaper flag off and on again unseen")
+    return None
+
+
+def _bounding_has(cap: int) -> bool:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapBnd:"):
+                    return bool(int(line.split()[1], 16) >> cap & 1)
+    except (OSError, ValueError):
+        pass
+    return True           # when in doubt: it could
 
 
 def _has_children_file() -> bool:
@@ -167,6 +192,7 @@ class Container(none.Container):
         self.problem: str | None = None         # why emptiness, once observed, proves nothing
         self.seen_empty: bool | None = None
         self.no_child: bool | None = None       # waitid said ECHILD (the supervisor has no child at all)
+        self.tamper: str | None = None          # how the tree could reach into the supervisor (_tamper)
 
     def prepare(self, req: posix.SpawnRequest, opts: Any) -> None:
         super().prepare(req, opts)
@@ -181,6 +207,7 @@ class Container(none.Container):
 
             raise ContainmentUnavailable(f"subreaper wall: {how}")
         self.since = how
+        self.tamper = _tamper(req)
         sp = super().spawn(req)
         if self.root_start < 0:
             st = read_stat(sp.pid)        # exited already: our unreaped child's stat still says when it began
@@ -189,7 +216,6 @@ class Container(none.Container):
                 self._remember(sp.pid, st[4], "worker")
         sp.via = f"{posix.clone_call('CLONE_VM', 'CLONE_VFORK', 'CLONE_PIDFD')}, into the subtree of pid {self.me} " \
                  f"({how})"
-        note_run(self.uid, self.root_start if self.root_start >= 0 else None)
         return sp
 
     # -- membership ------------------------------------------------------------
@@ -213,7 +239,7 @@ class Container(none.Container):
     def _candidates(self, start: int) -> list[str]:
         """The runs of this process a process that started at `start` may
         belong to (those whose worker is not younger)."""
-        return sorted(uid for uid, began in _runs.items() if began <= start)
+        return sorted(uid for uid, began in orphan_sources().items() if began <= start)
 
     def _closure(self) -> dict[int, int]:
         """Members alive now (pid -> start time): the subtrees of the
@@ -334,6 +360,8 @@ class Container(none.Container):
         on, how = subreaper_status()
         if not on:
             return f"the supervisor stopped being a child subreaper during the run ({how})"
+        if self.tamper:
+            return self.tamper
         if self.unattributed:
             pids = ", ".join(map(str, sorted(self.unattributed)[:10]))
             return (f"the supervisor has {len(self.unattributed)} child(ren) it cannot attribute (pid {pids}): "

@@ -352,6 +352,15 @@ def _after_clone(req: SpawnRequest, r: Any, rc: int, paths: Any, cgroup_fd: int)
                 elif isinstance(ev, InitClosed):
                     closed = True
                     p.unregister(r.report_fd)
+                elif isinstance(ev, InitUnknown) and not ev.raw and worker is None:
+                    # A report cut short (MSG_CTRUNC: no descriptor left here
+                    # for the worker's pidfd it carried): the EXEC is lost,
+                    # and waiting for it waited for ever. The init is killed
+                    # (spawn_wall), with the worker it may have started.
+                    from .._fdbudget import ResourceExhausted
+
+                    raise ResourceExhausted("the wall's init report was cut short (no descriptor left for the "
+                                            "worker's pidfd it passed): the spawn is undone")
                 else:
                     events.append(ev)
             if worker is not None or failed is not None or init_gone:
