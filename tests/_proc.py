@@ -87,6 +87,15 @@ def wait_holders(token: str, want: int, timeout: float = 10.0) -> list[int]:
         time.sleep(0.02)
 
 
+def wait_gone(token: str, timeout: float = 10.0) -> list[int]:
+    """Wait until no process carries `token` (the test's own scan); the
+    holders left when `timeout` passed ([] once all are gone)."""
+    deadline = time.monotonic() + timeout
+    while (left := holders(token)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return left
+
+
 def wait_comm(token: str, comm: str, timeout: float = 10.0) -> bool:
     """Wait until a token holder named `comm` exists (that program has been
     exec'd: counting holders is not enough, since contain's init and a

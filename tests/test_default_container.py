@@ -21,7 +21,8 @@ import pytest
 
 import _container
 import _seccomp
-from conftest import ROOT, pids_with_token
+from _proc import wait_gone
+from conftest import ROOT
 
 pytestmark = pytest.mark.skipif(_container.why_not() is not None, reason=_container.why_not() or "")
 
@@ -36,13 +37,6 @@ def pod(box, monkeypatch):
     monkeypatch.delenv("CONTAIN_CGROUP_BASE", raising=False)
     monkeypatch.delenv("CONTAIN_CGROUP_V1_BASE", raising=False)
     return box
-
-
-def _wait_gone(token: str, timeout: float = 10.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while (alive := pids_with_token(token)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return alive
 
 
 # -- the spawn: clone where clone3 is refused -----------------------------------
@@ -73,7 +67,7 @@ def test_a_refused_clone3_falls_back_to_clone_and_the_cgroup_still_holds_the_tre
     assert "wrote 0 to cgroup.procs, verified /proc/self/cgroup" in via, via
     kinds = [w["kind"] for w in rec["containment"]["walls"]]
     assert kinds == (["cgroup", "pidns"] if pidns is None else ["cgroup"]), kinds
-    assert _wait_gone(box.token) == []
+    assert wait_gone(box.token) == []
 
 
 @pytest.mark.forked
@@ -88,7 +82,7 @@ def test_the_pidns_backend_starts_its_init_and_worker_without_clone3(box) -> Non
     assert rec["state"] == "REAPED" and rec["exit_code"] == 0, rec
     via = rec["containment"].get("spawn_via") or ""
     assert "clone(" in via and "CLONE_NEWPID" in via and "clone3 refused" in via, via
-    assert _wait_gone(box.token) == []
+    assert wait_gone(box.token) == []
 
 
 @pytest.mark.forked
@@ -154,7 +148,7 @@ def test_the_readme_example_is_reaped_by_the_subreaper_wall_in_a_default_contain
     assert wall["kind"] == "subreaper" and wall["observed_empty"] is True, wall
     assert rec["evidence"]["descendants_exit"]["observed"] is True, rec["evidence"]["descendants_exit"]
     assert "using backend subreaper" in err and "never REAPED" not in err, err
-    assert _wait_gone(pod.token) == []
+    assert wait_gone(pod.token) == []
 
 
 @pytest.mark.forked
@@ -167,7 +161,7 @@ def test_a_double_forked_term_ignoring_daemon_is_stopped_by_the_cli(pod) -> None
     assert rec["state"] == "REAPED", rec["containment"]
     kill = [s for s in rec["evidence"]["signal_sent"]["detail"]["steps"] if s.get("kind") == "kill"]
     assert kill, rec["evidence"]["signal_sent"]        # TERM was ignored: it took the kill
-    assert _wait_gone(pod.token) == []
+    assert wait_gone(pod.token) == []
 
 
 def _library_daemon(token_file: str) -> dict:
@@ -201,7 +195,7 @@ def test_the_library_with_subreaper_true_stops_a_double_forked_daemon(pod, tmp_p
     assert rec["containment"]["backend"] == "subreaper"
     found = rec["evidence"]["descendants_exit"]
     assert found["observed"] is True, found
-    assert _wait_gone(pod.token) == []
+    assert wait_gone(pod.token) == []
 
 
 @pytest.mark.forked
@@ -312,7 +306,7 @@ def test_contain_as_pid_1_keeps_the_visitors_orphans_away_from_its_run(pod, tmp_
         rec = json.load(f)
     assert rec["state"] == "REAPED" and rec["containment"]["backend"] == "subreaper", rec["containment"]
     assert v.alive_after_record, "the visitor's orphan was killed by the run's stop"
-    assert _wait_gone(pod.token) == []
+    assert wait_gone(pod.token) == []
 
 
 @pytest.mark.forked
@@ -347,7 +341,7 @@ def test_the_library_as_pid_1_never_counts_a_visitors_orphan_as_a_member(pod, tm
     assert wall.get("unattributed"), wall
     members = rec["evidence"]["descendants_exit"]["detail"]["seen"]
     assert all(m["pid"] not in [u["pid"] for u in wall["unattributed"]] for m in members), members
-    assert _wait_gone(pod.token) == []
+    assert wait_gone(pod.token) == []
 
 
 # -- the wall without a /proc of its own ---------------------------------------------
@@ -423,6 +417,6 @@ def test_the_readme_example_works_for_a_plain_user_with_no_runtime_dir_in_a_defa
         assert rec["state"] == "REAPED" and rec["containment"]["backend"] == "subreaper", rec["containment"]
         st = os.stat(state)
         assert (st.st_uid, st.st_mode & 0o777) == (uid, 0o700)
-        assert _wait_gone(pod.token) == []
+        assert wait_gone(pod.token) == []
     finally:
         shutil.rmtree(state, ignore_errors=True)

@@ -14,6 +14,7 @@ import time
 import pytest
 
 import launcher
+from _proc import wait_gone
 from conftest import pids_with_token
 
 N = 500
@@ -30,11 +31,8 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _gone(token: str, timeout: float = 30.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while (alive := pids_with_token(token)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return alive
+def _gone(token: str) -> list[int]:
+    return wait_gone(token, 30.0)
 
 
 @pytest.mark.slow
