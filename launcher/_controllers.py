@@ -256,7 +256,9 @@ def plan(limits: Limits, *, v2_base: str | None, env: Mapping[str, str] | None =
     making, joining, reading and removing those cgroups cost about 0.85 ms
     of a run (docs/performance.md), so they are made only for a run that
     asks (a limit, --stats-json, --accounting; the owner's decision on
-    issue 27). The v2 directory's own files cost nothing extra."""
+    issue 27) or that has no PID-namespace wall (--no-pidns: a member that
+    left the v2 cgroup is found still in them, _escapes.at_empty). The v2
+    directory's own files cost nothing extra."""
     want = limits.controllers() + list(ACCOUNTING_CONTROLLERS) + ([] if v2_base else ["cpuacct"])
     routes = routes_for(want, v2_base=v2_base, env=env, hierarchies=hierarchies, enable=enable)
     if not accounting:

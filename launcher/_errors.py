@@ -72,3 +72,15 @@ def from_oserror(err: OSError, what: str) -> LauncherError:
     if err.errno in (_errno.ENOSYS, _errno.EOPNOTSUPP, _errno.EINVAL):
         return Unsupported(msg)
     return LauncherError(msg)
+
+
+class ResourceExhausted(LauncherError, OSError):
+    """A spawn this process cannot afford (its descriptors, RLIMIT_NOFILE):
+    refused before anything started, errno EMFILE (_fdbudget.py)."""
+
+    def __init__(self, message: str, err: int = _errno.EMFILE) -> None:
+        OSError.__init__(self, err, message)
+        self.errno = err
+
+    def __str__(self) -> str:
+        return str(self.strerror)

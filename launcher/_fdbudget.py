@@ -28,21 +28,10 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-from ._errors import LauncherError
+from ._errors import LauncherError, ResourceExhausted
 
 RESERVE = 24        # a stop and its final record at once, with room for an import and a /proc scan
 SPAWN_PEAK = 24     # a walled spawn's transient descriptors (pipes, socketpair, memfds, cgroup and /proc files)
-
-
-class ResourceExhausted(LauncherError, OSError):
-    """A spawn this process cannot afford: refused before anything started."""
-
-    def __init__(self, message: str, err: int = errno.EMFILE) -> None:
-        OSError.__init__(self, err, message)
-        self.errno = err
-
-    def __str__(self) -> str:
-        return str(self.strerror)
 
 
 class _Reserve:

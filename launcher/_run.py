@@ -75,8 +75,7 @@ class Run:
         self.inbox.on_reject = lambda offset, reason: self.journal("rejected", offset=offset, reason=reason[:200])
         self.watch: EscapeWatch | None = None
         self.stop = StopSequence(None, self.facts, kill_timeout=self.opts.kill_timeout, journal=self.journal)
-        self.usage = self.stop.usage = RunUsage(self.opts.limits, check_locks=self.opts.check_locks,
-                                                accounting=self.opts.accounting or bool(self.opts.stats_json))
+        self.usage = self.stop.usage = RunUsage.for_options(self.opts)
         self.on_change: Callable[[], None] | None = None
         self.end_hooks: list[Callable[[Run], None]] = []   # called once a run ended REAPED
         self._cancel_grace: float | None = None

@@ -39,6 +39,15 @@ class RunUsage:
         self.worker_pid = -1
         self.placement: dict[str, Any] | None = None
 
+    @classmethod
+    def for_options(cls, opts: Any) -> "RunUsage":
+        """v1 cgroups of the run's own (hybrid hosts) when their numbers are
+        asked for (a limit, stats_json, accounting), and without the wall:
+        there they are evidence too, a member that moved itself out of the
+        v2 cgroup is still in them (_escapes.at_empty)."""
+        return cls(opts.limits, check_locks=opts.check_locks,
+                   accounting=opts.accounting or bool(opts.stats_json) or opts.pidns is False)
+
     def create(self, container: Any, run_id: str, uid: str | None = None) -> None:
         """Raises ContainmentUnavailable when a limit cannot be applied (the
         run then fails with 125, never runs unlimited)."""

@@ -11,7 +11,7 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any, Sequence
 
-from .._errors import SpawnFailed
+from .._errors import ResourceExhausted, SpawnFailed
 from .._native import ffi, lib
 from .spawnreq import (DiedAtBirth, SpawnRequest, Spawned, candidates, clone3_refused, clone_call, close_fds,
                        raise_failure, spawn_args)
@@ -357,8 +357,6 @@ def _after_clone(req: SpawnRequest, r: Any, rc: int, paths: Any, cgroup_fd: int)
                     # for the worker's pidfd it carried): the EXEC is lost,
                     # and waiting for it waited for ever. The init is killed
                     # (spawn_wall), with the worker it may have started.
-                    from .._fdbudget import ResourceExhausted
-
                     raise ResourceExhausted("the wall's init report was cut short (no descriptor left for the "
                                             "worker's pidfd it passed): the spawn is undone")
                 else:
