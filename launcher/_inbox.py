@@ -69,6 +69,7 @@ class Inbox:
         self.facts = facts
         self.offset = 0
         self.ops: dict[str, dict[str, Any]] = {}      # op id -> its acknowledgement as written
+        self.first: dict[str, dict[str, Any]] = {}    # op id -> its acknowledgement as first written (cancel()'s answer)
         # Operations this process requested for a signal it received, and
         # that signal: held in memory, so a request read from the file can
         # never choose what is sent to the tree.
@@ -168,6 +169,7 @@ class Inbox:
     def acknowledge(self, arrival: Arrival, snap: S.Snapshot) -> None:
         ack = dict(arrival.ack, effect=arrival.effect, state=snap.state,
                    outcome=snap.outcome)
+        self.first[arrival.op] = ack
         self.write(arrival.op, ack, durable=snap.terminal)
 
     def settle(self, snap: S.Snapshot, *, emptied: bool = False) -> None:

@@ -187,7 +187,9 @@ class Worker(RunHandle):
         with self._cond:
             while op not in self._run.inbox.ops and not self.done():
                 self._cond.wait(1.0)
-        ack = self._run.inbox.ops.get(op)
+        # The acknowledgement as first written (cancel_requested, not_live):
+        # the one owner loop may already have settled it (cancelled) by now.
+        ack = self._run.inbox.first.get(op) or self._run.inbox.ops.get(op)
         if ack is not None:
             return CancelRecord(ack)
         # The run ended before its owner read this request: the request is in

@@ -227,6 +227,7 @@ int main(void) {
         int fd = open(path, O_WRONLY), n = snprintf(buf, sizeof buf, "%d", getpid());
         if (fd < 0 || write(fd, buf, n) != n) _exit(1);
         close(fd);
+        close(open(getenv("MOVED"), O_WRONLY | O_CREAT, 0644));   /* it did leave */
         for (;;) if (fork() != 0) _exit(0);
     }
     usleep(500000);
@@ -247,7 +248,8 @@ def test_fork_chain_outside_the_cgroup_faster_than_the_ledger_reads_identities_i
     subprocess.run([cc, "-O2", "-o", str(exe), str(src)], check=True, timeout=60)
     esc = os.path.join(box.base, "esc")
     os.makedirs(esc)
-    env = dict(box.env, ESC_CG=esc)
+    moved = str(tmp_path / "moved")
+    env = dict(box.env, ESC_CG=esc, MOVED=moved)
     env.pop("CONTAIN_LEDGER", None)
     rec_path = str(tmp_path / "rec.json")
     subprocess.run(contain_cmd("run", "-q", "--id", "c", "--no-pidns", "--grace", "0.3", "--kill-timeout", "1",
@@ -259,7 +261,11 @@ def test_fork_chain_outside_the_cgroup_faster_than_the_ledger_reads_identities_i
     left = holders(box.token)
     if rec["state"] == "REAPED":
         assert left == [] and in_esc == [], f"REAPED while the chain lives: {in_esc or left}"
-        assert rec["evidence"]["escapes"]["observed"] is True, "the chain left the cgroup: escapes cannot be false"
+        # (A migration the kernel refused, as under heavy load once in CI,
+        # is no escape: then false is the truth.)
+        if os.path.exists(moved):
+            assert rec["evidence"]["escapes"]["observed"] is True, \
+                f"the chain left the cgroup: escapes cannot be false: {json.dumps(rec['evidence'])[:3000]}"
     else:
         assert rec["state"] == "BREACHED" and rec["evidence"]["descendants_exit"]["observed"] is not True
 
