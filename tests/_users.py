@@ -18,12 +18,14 @@ import atexit
 import importlib.util
 import os
 import pwd
+import re
 import secrets
 import shutil
 import stat
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAFE_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
@@ -58,14 +60,63 @@ def spare_uids(n: int) -> list[int]:
 
 # -- what another uid runs ----------------------------------------------------------
 
+def _start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+# A stage is the session's, whichever process builds it: a forked test
+# (pytest-forked) that asks first builds its own and ends with os._exit,
+# which skips atexit. So every stage's name carries the session's pid and
+# start time, taken when conftest.py imports this module (before any
+# fork), and the session's process removes them all when it exits.
+_SESSION = os.getpid()
+_PREFIX = f"contain-users-{_SESSION}-{_start_time(_SESSION)}-"
+_NAME = re.compile(r"contain-users-(\d+)-(\d+)-\w+")
+
+
+# A session in another PID namespace looks gone from here: a stage not
+# ours is taken for a killed session's only once it is older than any
+# session runs (CI gives one an hour).
+_ORPHAN_AFTER_S = 6 * 3600
+
+
+def remove_stages() -> None:
+    """This session's stages; and those of sessions that were killed before
+    they could remove theirs (SIGKILL; timeout's SIGTERM): the process
+    their name gives is gone, or is another one now."""
+    if os.getpid() != _SESSION:
+        return
+    for name in os.listdir("/tmp"):
+        m = _NAME.fullmatch(name)
+        if m is None:
+            continue
+        path = os.path.join("/tmp", name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        if not name.startswith(_PREFIX) and (_start_time(int(m[1])) == m[2]
+                                             or time.time() - st.st_mtime < _ORPHAN_AFTER_S):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+atexit.register(remove_stages)
+
+
 class Stage:
     """A directory under /tmp (root's, 0755) with a copy of launcher/ in
     `lib`, and `python`, an interpreter a spare uid ran `import launcher`
     with from there (PYTHONPATH=`pythonpath`); or `why` not."""
 
     def __init__(self) -> None:
-        self.owner = os.getpid()
-        self.path = tempfile.mkdtemp(prefix="contain-users-", dir="/tmp")
+        self.path = tempfile.mkdtemp(prefix=_PREFIX, dir="/tmp")
         os.chmod(self.path, 0o755)
         self.lib = os.path.join(self.path, "lib")
         self.deps = os.path.join(self.path, "deps")
@@ -84,12 +135,6 @@ class Stage:
             os.chmod(dst, 0o644)
             self._shared[path] = dst
         return self._shared[path]
-
-    def close(self) -> None:
-        # A forked child (pytest-forked, a test's own fork) exits without
-        # taking the session's stage with it.
-        if os.getpid() == self.owner:
-            shutil.rmtree(self.path, ignore_errors=True)
 
 
 def _readable_copy(src: str, dst: str) -> None:
@@ -167,7 +212,6 @@ def _trial(python: str, pythonpath: str, lib: str) -> str | None:
 
 def _make_stage() -> Stage:
     s = Stage()
-    atexit.register(s.close)
     if os.geteuid() != 0:
         s.why = "needs root to switch to a spare uid"
         return s

@@ -36,6 +36,7 @@ os.environ["PYTHONPATH"] = ROOT + (os.pathsep + os.environ["PYTHONPATH"] if os.e
 # install .` builds it only into site-packages. `import launcher` itself
 # loads no extension (its names resolve on first use).
 import _native_build  # noqa: E402
+import _users  # noqa: E402,F401  (in the session's process, before any fork: see _users.remove_stages)
 import launcher  # noqa: E402
 
 if os.path.dirname(launcher.__file__) != os.path.join(ROOT, "launcher"):
