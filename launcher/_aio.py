@@ -3,18 +3,18 @@
     async with launcher.open_worker(argv) as w:
         rec = await w.wait()
 
-The run's owner loop is a task in the caller's event loop, not a thread: it
-waits for the same kernel readiness as the threaded owner (`Run.sources()`:
-the worker's pidfd, `cgroup.events`, the cancel inbox's wake-up FIFO and the
-wake-up pipe), gathered in one epoll instance. An epoll fd is readable when
-any registered event is ready, `cgroup.events`' POLLPRI included, so one
-`anyio.wait_readable()` covers them all; event loops only wait for
-readability, and POLLIN on `cgroup.events` is always ready (KERNEL-NOTES.md).
-Timed steps (grace, kill deadline, `timeout`) are the loop's own deadline.
+On Linux every run of the process, async or not, is owned by the one owner
+loop of the process (_reactor.py: one thread, one epoll set, one inotify
+instance, one wake-up pipe), so an async run costs its event loop no
+descriptor, no task and no thread of its own. The loop's thread tells the
+event loop what happened the way event loops take news from another
+thread (asyncio's `call_soon_threadsafe`, trio's `run_sync_soon`): when a
+run's state changes and when its last record is written. A run's stop goes
+on while the event loop is busy or blocked, as a Worker's does.
 
-The owner's turns (reading the inbox, signalling, writing the record) are
-short synchronous file operations done in the event loop, as are the spawn
-(clone3 and the exec handshake) and the final cgroup removal.
+On Windows an event loop cannot wait on a job's completion port: the run's
+owner loop is a task of the caller's event loop whose waits block in a
+thread (`host.wait_ready`).
 
 Leaving the `async with` block in any way cancels the run if it is still
 going and waits, shielded from cancellation, until its container is
@@ -23,8 +23,8 @@ observed empty (at most its grace plus the kill deadline).
 from __future__ import annotations
 
 import os
-import select
 import sys
+import threading
 import time
 from types import TracebackType
 from typing import Any, Sequence
@@ -43,7 +43,10 @@ from ._options import DEFAULT_GRACE
 from ._run import Run
 from ._state import Phase
 from ._stdio import Stdio, StdioSpec
-from ._worker import abandon, start_run
+from ._worker import SHARED_OWNER, abandon, claim, start_run
+
+if SHARED_OWNER:
+    from ._reactor import reactor
 
 __all__ = ["AsyncWorker", "AsyncSupervisor", "open_worker"]
 
@@ -155,14 +158,43 @@ class AsyncWorker(RunHandle):
     def __init__(self, run: Run, stdio: Stdio | None = None) -> None:
         self._run = run
         self._ended = anyio.Event()
+        self._finished = threading.Event()       # the owner loop is done (set in its thread)
+        self._changed: anyio.Event | None = None  # a cancel waiting for its acknowledgement
         self._error: BaseException | None = None
         parent = stdio.parent if stdio is not None else [None, None, None]
         self.stdin: FdSendStream | None = FdSendStream(parent[0]) if parent[0] is not None else None
         self.stdout: FdReceiveStream | None = FdReceiveStream(parent[1]) if parent[1] is not None else None
         self.stderr: FdReceiveStream | None = FdReceiveStream(parent[2]) if parent[2] is not None else None
+        self._soon = _threadsafe_soon()
+
+    def _start_owner(self, tg: anyio.abc.TaskGroup) -> None:
+        """Hand the run to its owner loop: the process's one loop on Linux
+        (claimed first, as a Worker's: a claimed run is owned, or abandon()
+        could not stop it), a task of `tg` on Windows."""
+        if not SHARED_OWNER:
+            tg.start_soon(self._own, name=f"contain-{self._run.id}")
+            return
+        loop = reactor()
+        self._run.on_change = lambda: self._soon(self._tell_changed)
+        if claim(self._run):
+            loop.own(self._run, self._owner_done)
+        else:
+            self._owner_done(None)        # abandon() owns it (the start was interrupted)
+
+    def _owner_done(self, error: BaseException | None) -> None:
+        """In the owner loop's thread: the run's last record is written."""
+        self._error = error
+        self._finished.set()
+        self._soon(self._ended.set)
+        self._soon(self._tell_changed)
+
+    def _tell_changed(self) -> None:
+        ev, self._changed = self._changed, None
+        if ev is not None:
+            ev.set()
 
     def done(self) -> bool:
-        return self._ended.is_set()
+        return self._ended.is_set() or self._finished.is_set()
 
     async def wait(self) -> StopRecord:
         """Until the owner loop has finished; the stop record."""
@@ -176,9 +208,44 @@ class AsyncWorker(RunHandle):
         `cancel_requested`, or `not_live` if the run had ended). `wait()` for
         the end; the settled acknowledgement is `cancel_record(op_id)`."""
         await anyio.lowlevel.checkpoint()
-        return self._cancel_now(op_id_or_new(op_id), grace)
+        op = op_id_or_new(op_id)
+        if not SHARED_OWNER:
+            return self._cancel_now(op, grace)
+        known = self._known_ack(op)
+        if known is not None:
+            return known
+        if self.done() or not self._run.owning():
+            return self._answer_as_ended(op)
+        self._request_stop(op, grace)
+        run = self._run
+        while op not in run.inbox.ops and not self._finished.is_set():
+            changed = self._changed = anyio.Event()
+            if op in run.inbox.ops or self._finished.is_set():     # said before the event was there
+                break
+            with anyio.CancelScope(shield=True):        # the intent is written: its answer is awaited
+                with anyio.move_on_after(1.0):
+                    await changed.wait()
+        # The acknowledgement as first written (cancel_requested, not_live):
+        # the owner loop may already have settled it (cancelled) by now.
+        ack = run.inbox.first.get(op) or run.inbox.ops.get(op)
+        if ack is not None:
+            return CancelRecord(ack)
+        return self._answer_as_ended(op)
+
+    def _request_stop(self, op: str, grace: float | None) -> None:
+        """A cancel's intent, written, and its owner woken; no wait for the
+        acknowledgement (a supervisor asks every run before it waits)."""
+        if not SHARED_OWNER:
+            self._cancel_now(op, grace)
+            return
+        if self.done() or self._known_ack(op) is not None:
+            return
+        self._request(op, grace, {"task": "anyio"})
+        self._run.wake()
 
     def _cancel_now(self, op: str, grace: float | None) -> CancelRecord:
+        """Windows: the owner is a task of this event loop, so the request is
+        acknowledged and acted on here and now."""
         run = self._run
         known = self._known_ack(op)
         if known is not None:
@@ -224,8 +291,8 @@ class AsyncWorker(RunHandle):
         interrupted: BaseException | None = None
         while True:
             try:
-                if not self._ended.is_set() and self._run.owning():
-                    self._cancel_now(f"scope-exit-{self._run.uid}", grace)
+                if not self.done() and self._run.owning():
+                    self._request_stop(f"scope-exit-{self._run.uid}", grace)
                 await self._ended.wait()
                 break
             except KeyboardInterrupt as e:
@@ -239,34 +306,44 @@ class AsyncWorker(RunHandle):
 
 
 async def _wait_ready(fds: Sequence[tuple[int, int]], deadline: float) -> list[int]:
-    """Wait until one of `fds` is ready or `deadline` (monotonic) passes;
-    the ready fds. A fresh epoll each time: the set changes as the run goes
-    (the pidfd closes at root exit), and fd numbers are reused. On Windows
-    the run's Waiter blocks in a thread of its own (an event loop cannot
-    wait on a completion port); a cancel from the loop wakes it (Run.wake)."""
-    if sys.platform == "win32":
-        from ._platform import host
+    """Windows: wait until one of `fds` is ready or `deadline` (monotonic)
+    passes; the ready ones. The run's Waiter blocks in a thread of its own
+    (an event loop cannot wait on a completion port); a cancel from the
+    loop wakes it (Run.wake)."""
+    from ._platform import host
 
-        left = deadline - time.monotonic()
-        if left <= 0:
-            await anyio.lowlevel.checkpoint()
-            return []
-        return list(await anyio.to_thread.run_sync(host.wait_ready, fds, left, limiter=anyio.CapacityLimiter(1)))
-    ep = select.epoll(max(1, len(fds)))
-    try:
-        for fd, events in fds:
-            ep.register(fd, events)      # POLLIN/POLLPRI/POLLERR equal the EPOLL* bits
-        ready = ep.poll(0)                # often already: a short worker exits during the spawn
-        left = deadline - time.monotonic()
-        if ready or left <= 0:
-            await anyio.lowlevel.checkpoint()
-        else:
-            with anyio.move_on_after(left):
-                await anyio.wait_readable(ep.fileno())
-            ready = ep.poll(0)
-        return [fd for fd, _ in ready]
-    finally:
-        ep.close()
+    left = deadline - time.monotonic()
+    if left <= 0:
+        await anyio.lowlevel.checkpoint()
+        return []
+    return list(await anyio.to_thread.run_sync(host.wait_ready, fds, left, limiter=anyio.CapacityLimiter(1)))
+
+
+def _threadsafe_soon() -> Any:
+    """How another thread has a function called soon in the current event
+    loop's thread, without waiting for it: asyncio's call_soon_threadsafe,
+    trio's run_sync_soon. Once the loop is gone, nothing (the run's record
+    is on disk all the same)."""
+    soon: Any = None
+    closed: tuple[type[BaseException], ...] = (RuntimeError,)
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            soon = trio.lowlevel.current_trio_token().run_sync_soon
+            closed = (trio.RunFinishedError,)
+        except RuntimeError:
+            pass                     # trio is imported, but this is not its loop
+    if soon is None:
+        import asyncio
+
+        soon = asyncio.get_running_loop().call_soon_threadsafe
+
+    def call(fn: Any) -> None:
+        try:
+            soon(fn)
+        except closed:
+            pass
+    return call
 
 
 async def _exit_group(tg: anyio.abc.TaskGroup, et: type[BaseException] | None, e: BaseException | None,
@@ -299,7 +376,8 @@ class _OpenWorker:
         try:
             run, st = start_run(self._argv, id=kw.pop("id"), grace=kw.pop("grace"), timeout=kw.pop("timeout"),
                                 backend=kw.pop("backend"), stdin=kw.pop("stdin"), stdout=kw.pop("stdout"),
-                                stderr=kw.pop("stderr"), options=kw, track=started.append)
+                                stderr=kw.pop("stderr"), options=kw, track=started.append,
+                                shared=SHARED_OWNER)
             w = AsyncWorker(run, st)
             tg = anyio.create_task_group()
             await tg.__aenter__()
@@ -312,7 +390,7 @@ class _OpenWorker:
                 if stream is not None:
                     _close_fd(stream)
             raise
-        tg.start_soon(w._own, name=f"contain-{run.id}")
+        w._start_owner(tg)
         self._tg, self._worker = tg, w
         return w
 
@@ -376,14 +454,15 @@ class AsyncSupervisor:
         try:
             run, st = start_run(argv, id=o.pop("id"), grace=o.pop("grace"), timeout=o.pop("timeout"),
                                 backend=o.pop("backend"), stdin=o.pop("stdin"), stdout=o.pop("stdout"),
-                                stderr=o.pop("stderr"), options=o, track=started.append)
+                                stderr=o.pop("stderr"), options=o, track=started.append,
+                                shared=SHARED_OWNER)
             w = AsyncWorker(run, st)
         except BaseException:
             for r in started:       # started, but neither listed nor owned yet: stopped here
                 abandon(r)
             raise
         self._workers.append(w)
-        self._tg.start_soon(w._own, name=f"contain-{run.id}")
+        w._start_owner(self._tg)
         return w
 
     async def wait(self) -> list[StopRecord]:
@@ -400,7 +479,7 @@ class AsyncSupervisor:
         workers = list(self._workers)
         for w in workers:
             if not w.done() and w._run.owning():
-                w._cancel_now(op, grace)
+                w._request_stop(op, grace)
         return [await w.wait() for w in workers]
 
     async def __aenter__(self) -> "AsyncSupervisor":
@@ -419,7 +498,7 @@ class AsyncSupervisor:
                 for w in self._workers:          # every stop requested first: graces run together
                     try:
                         if not w.done() and w._run.owning():
-                            w._cancel_now(f"supervisor-exit-{w._run.uid}", self.grace)
+                            w._request_stop(f"supervisor-exit-{w._run.uid}", self.grace)
                     except KeyboardInterrupt as ki:
                         interrupted = ki
                 for w in self._workers:

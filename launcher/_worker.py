@@ -46,7 +46,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _claim(run: Run) -> bool:
+def claim(run: Run) -> bool:
     """Become the one owner loop of `run` (a Worker's thread, or `abandon`).
     False if another has: an interrupt in `Thread.start()` comes once the
     thread exists, and both used to own the run at once."""
@@ -127,7 +127,7 @@ class Worker(RunHandle):
                 # started (its thread may take an interrupt) before the run is
                 # claimed: a claimed run is owned, or abandon() could not stop it.
                 loop = reactor()
-                if _claim(run):
+                if claim(run):
                     loop.own(run, self._ended)
                 else:
                     self._ended(None)     # abandon() owns it (the constructor was interrupted)
@@ -145,7 +145,7 @@ class Worker(RunHandle):
 
     def _own(self) -> None:
         try:
-            if not _claim(self._run):
+            if not claim(self._run):
                 return              # the constructor was interrupted and stopped the run itself
             self._run.supervise()
         except BaseException as e:      # surfaced by wait(), never lost
@@ -346,7 +346,7 @@ def abandon(run: Run) -> StopRecord | None:
     directory lock and its (killed, removed) container; None then."""
     if run.layout is None or run.finished() or not run.owning():
         return None
-    if not _claim(run):
+    if not claim(run):
         # Its Worker's thread owns it (the interrupt came once that thread
         # existed): that owner stops it, and this caller (Supervisor.close)
         # waits for that stop, bounded as the stop is: returning at once let
