@@ -29,6 +29,11 @@ Some facts about epoll that the loop follows from:
 - Wake-ups from other threads (`cancel()`, `abandon()`) go through one
   pipe for the whole process, with the run marked pending under a lock:
   a run needs no pipe of its own.
+- A run's cgroup.events is watched through the same inotify instance (a
+  change of `populated` is IN_MODIFY, cgroup-v2.rst; systemd watches all
+  its units' so): the container then closes its own descriptor of it and
+  opens the file again, through the directory verified as the run's, only
+  when it reads it (linux.Container.watch_events).
 - A cancel from another process (`contain cancel`) is a line appended to
   the run's `cancellations/requests.ndjson`: one inotify instance watches
   every run's `cancellations/` (IN_MODIFY and friends), by the directory's
@@ -64,8 +69,11 @@ _MAX_WAIT_S = 3600.0
 _IN_WATCH = 0x2 | 0x8 | 0x80 | 0x100     # IN_MODIFY | IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE
 
 
+_IN_MODIFY = 0x2                         # cgroup.events: `populated` (or `frozen`) changed
+
+
 class _Entry:
-    __slots__ = ("run", "fds", "done", "due", "wd")
+    __slots__ = ("run", "fds", "done", "due", "wd", "events_wd")
 
     def __init__(self, run: Any, done: Callable[[BaseException | None], None]) -> None:
         self.run = run
@@ -73,6 +81,7 @@ class _Entry:
         self.done = done
         self.due = 0.0
         self.wd = -1                       # the inotify watch on its cancellations/
+        self.events_wd = -1                # the inotify watch on its cgroup.events
 
 
 class Reactor:
@@ -129,6 +138,7 @@ class Reactor:
             for e in incoming:
                 self._entries[id(e.run)] = e
                 self._watch_inbox(e)
+                self._watch_events(e)
                 self._turn(e, [])            # the first turn: before any wait (as supervise())
             timeout = self._timeout()
             try:
@@ -237,6 +247,20 @@ class Reactor:
             self._by_wd[wd] = e
             wakeups.watched = True
 
+    def _watch_events(self, e: _Entry) -> None:
+        """The run's cgroup.events through the one inotify instance, in place
+        of a descriptor of its own (the container closes it)."""
+        watch = getattr(e.run.container, "watch_events", None)
+        if self._in < 0 or watch is None:
+            return
+        try:
+            wd = watch(lambda path: self._lib.ct_inotify_watch(self._in, path.encode(), _IN_MODIFY))
+        except OSError:
+            return                         # it keeps its descriptor
+        if wd >= 0:
+            e.events_wd = wd
+            self._by_wd[wd] = e
+
     def _inbox_events(self) -> list[int]:
         """The watch descriptors named by what the inotify instance has queued
         (struct inotify_event: wd, mask, cookie, len, then len bytes of name)."""
@@ -254,6 +278,10 @@ class Reactor:
         return wds
 
     def _drop(self, e: _Entry) -> None:
+        if e.events_wd >= 0:
+            self._by_wd.pop(e.events_wd, None)
+            self._lib.ct_inotify_unwatch(self._in, e.events_wd)     # EINVAL once the cgroup is gone
+            e.events_wd = -1
         if e.wd >= 0:
             self._by_wd.pop(e.wd, None)
             self._lib.ct_inotify_unwatch(self._in, e.wd)     # EINVAL once the directory is gone: fine

@@ -18,9 +18,9 @@ from _proc import wait_gone
 from conftest import pids_with_token
 
 N = 500
-# A walled run holds: its run directory and owner lock, cgroup.events, the
+# A walled run holds: its run directory and owner lock, the
 # wall's init pidfd, the worker's pidfd and the init's report socket.
-FDS_PER_WALLED_RUN = 6
+FDS_PER_WALLED_RUN = 5
 # Open for a moment while the count is taken (the event loop's, a turn's file).
 TRANSIENT_FDS = 8
 

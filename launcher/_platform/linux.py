@@ -19,13 +19,13 @@ import select
 import time
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Callable
 
 from .. import _tags
 from .._errors import ContainmentUnavailable, SpawnFailed
 from .._procfs import cgroup_of
 from . import pidwall, posix, sealing
-from .cgroups import (Hierarchy, hierarchies, identify, kill_by_freezing, remove_made, resolve_base, rmdir_known,
+from .cgroups import (Hierarchy, dev_of, hierarchies, identify, kill_by_freezing, remove_made, resolve_base, rmdir_known,
                       run_suffix, walk_dirs, writable_procs_above)
 from .._signals import signal_name
 from .posixwait import Root
@@ -46,6 +46,7 @@ class Container:
         self.path = hierarchy.cg_path(self.dir)      # as /proc/<pid>/cgroup names it
         self.leaf = os.path.join(self.dir, "main")
         self._events_fd = -1
+        self.events_watched = False             # an inotify watch stands for _events_fd (watch_events)
         self._dir_fd = -1                 # held by an adopter: what it verified is what it kills
         self._leaves: list[str] = []
         self.identity: dict[str, Any] | None = None   # recorded at creation (cgroups.identify)
@@ -195,9 +196,9 @@ class Container:
     def walls(self) -> list[dict[str, Any]]:
         # How it was observed empty, only if it was: an UNCONFIRMED stop's
         # cgroup said populated 1 (or was never read), never "populated 0".
-        if self.seen_empty is None and self._events_fd >= 0 and self.wall is not None:
+        if self.seen_empty is None and (self._events_fd >= 0 or self.events_watched) and self.wall is not None:
             try:
-                self.seen_empty = b"populated 0" in os.pread(self._events_fd, 4096, 0)
+                self.seen_empty = b"populated 0" in self._read_events()
             except OSError:
                 pass
         seen = self.seen_empty
@@ -311,6 +312,51 @@ class Container:
     def events_fd(self) -> int:
         return self._events_fd
 
+    def watch_events(self, add_watch: Callable[[str], int]) -> int:
+        """Let an inotify instance stand for the open cgroup.events (the
+        process's owner loop watches every run's through one: systemd does
+        the same for its units; a change of `populated` is IN_MODIFY,
+        cgroup-v2.rst). `add_watch(path)` adds the watch (by the inode the
+        path names) and returns its descriptor or -errno; once it is there
+        the file is closed, and read again only when looked at, through the
+        directory verified as the one made for the run. The watch, -errno,
+        or -1 when there is nothing to watch."""
+        if self._events_fd < 0 or self.identity is None:
+            return -1
+        wd = add_watch(f"/proc/self/fd/{self._events_fd}")
+        if wd >= 0:
+            os.close(self._events_fd)
+            self._events_fd = -1
+            self.events_watched = True
+        return wd
+
+    def _open_events(self) -> int:
+        """cgroup.events of the directory made for the run, opened anew: the
+        directory is opened first and must be the one made (its inode is
+        the cgroup's id, recorded at creation), so a rename of the run's
+        cgroup and an empty one put in its place read as failure, not as
+        `populated 0`."""
+        ident = self.identity or {}
+        dfd = os.open(self.dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(dfd)
+            if st.st_ino != ident.get("ino") or dev_of(st) != ident.get("dev"):
+                raise OSError(errno.ESTALE, f"{self.dir} is no longer the cgroup made for the run")
+            return os.open("cgroup.events", os.O_RDONLY | os.O_CLOEXEC, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+
+    def _read_events(self) -> bytes:
+        if self._events_fd >= 0:
+            return os.pread(self._events_fd, 4096, 0)
+        if not self.events_watched:
+            raise OSError(errno.EBADF, "cgroup.events is not open")
+        fd = self._open_events()
+        try:
+            return os.pread(fd, 4096, 0)
+        finally:
+            os.close(fd)
+
     def sources(self) -> list[tuple[int, int]]:
         """What the owner loop waits on: a change of `populated`, and the wall's init."""
         own = [(self._events_fd, select.POLLPRI | select.POLLERR)] if self._events_fd >= 0 else []
@@ -340,7 +386,7 @@ class Container:
             raise OSError(errno.ENOENT, self.wall_unknown)
         if self.wall is not None and not self.wall.empty():
             return True
-        data = os.pread(self._events_fd, 4096, 0)
+        data = self._read_events()
         for line in data.split(b"\n"):
             if line.startswith(b"populated "):
                 self.seen_empty = line[10:].strip() == b"0"
@@ -350,9 +396,14 @@ class Container:
     def wait_change(self, timeout: float) -> None:
         """Sleep until cgroup.events changes (POLLPRI, as the kernel's
         test_kill.c waits) or `timeout` seconds pass."""
-        p = select.poll()
-        p.register(self._events_fd, select.POLLPRI | select.POLLERR)
-        p.poll(max(0, int(timeout * 1000)))
+        fd = self._events_fd if self._events_fd >= 0 else self._open_events()
+        try:
+            p = select.poll()
+            p.register(fd, select.POLLPRI | select.POLLERR)
+            p.poll(max(0, int(timeout * 1000)))
+        finally:
+            if fd != self._events_fd:
+                os.close(fd)
 
     def members(self) -> list[int]:
         """The tree's processes in the subtree (the wall's init is ours, not
