@@ -222,6 +222,13 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
     # (`<(...)`, `3<file`, make's jobserver), as `env` and `timeout` do: read
     # before contain opens anything of its own (all close-on-exec, PEP 446).
     passed = _inherited_fds()
+    # Its own soft descriptor limit up to the hard one, as systemd does: a
+    # stop and its final record never meet the caller's low limit. The
+    # worker starts with the caller's limits all the same.
+    if sys.platform != "win32":
+        from ._platform.spawnreq import raise_own_limit
+
+        raise_own_limit()
     try:
         # What the caller ignored, read before any handler of ours exists:
         # it stays ignored here and in the worker (nohup, `trap '' INT`).

@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -234,6 +235,12 @@ void ct_child_exec(const struct ct_spawn_args *a, struct ct_report *rep) {
     prctl(PR_SET_NAME, CT_SPAWN_MARKER, 0, 0, 0);
     rep_stage(rep, CT_STAGE_START);
     child_signals(a->sig_ignore);
+    if (a->set_nofile) {
+        /* The caller's descriptor limit, which `contain run` raised for
+         * itself only (as systemd raises its own and not its services'). */
+        struct { uint64_t cur, max; } rl = {a->nofile_cur, a->nofile_max};
+        if (syscall(SYS_prlimit64, 0, RLIMIT_NOFILE, &rl, NULL) < 0) child_fail(rep, CT_STAGE_START, errno, -1);
+    }
 
     if (a->njoin > 0 || a->ncg_expect > 0) {
         rep_stage(rep, CT_STAGE_JOIN);

@@ -63,6 +63,10 @@ struct ct_spawn_args {
     char **shell_argv;          /* {"sh", <slot the child fills with the candidate>, argv[1], ..., NULL} */
     int clear_caps;             /* empty the bounding set, clear ambient (as far as permitted) */
     int path_search;            /* paths came from a PATH search (argv[0] has no slash) */
+    int set_nofile;             /* set RLIMIT_NOFILE to nofile_cur/nofile_max before exec (the caller's,
+                                   where `contain run` raised its own: spawnreq.raise_own_limit) */
+    uint64_t nofile_cur;
+    uint64_t nofile_max;
 };
 
 struct ct_spawn_result {

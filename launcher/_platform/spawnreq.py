@@ -145,6 +145,33 @@ def inherited_fds() -> list[int]:
     return sorted(out)
 
 
+_worker_nofile: tuple[int, int] | None = None
+
+
+def raise_own_limit() -> None:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit, as systemd
+    does for itself (`contain run` owns its process; the library never
+    does this to a caller), while every worker it spawns still starts with
+    the limits this process had (set in the child before exec)."""
+    global _worker_nofile
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (OSError, ValueError):
+        return                         # kept as it was: check_spawn counts against it
+    _worker_nofile = (soft, hard)
+
+
+def worker_nofile() -> tuple[int, int] | None:
+    """The RLIMIT_NOFILE a worker is started with, where it differs from
+    this process's own (raise_own_limit); None: inherited."""
+    return _worker_nofile
+
+
 class SpawnRequest:
     __slots__ = ("argv", "env", "cwd", "stdio", "new_pgroup", "new_session", "uid", "gid",
                  "groups", "drop_caps", "no_new_privs", "keep_ignored", "pass_fds", "shell", "clear_caps",
@@ -301,6 +328,12 @@ def spawn_args(req: SpawnRequest, cgroup_fd: int, join_fds: Sequence[int], expec
     a.clear_caps = int(req.clear_caps)
     a.path_search = int(bool(req.argv[0]) and "/" not in req.argv[0])     # candidates() searched PATH
     a.sig_ignore = _mask(req.keep_ignored)
+    nofile = worker_nofile()
+    if nofile is not None:
+        import resource
+
+        a.set_nofile = 1
+        a.nofile_cur, a.nofile_max = (2**64 - 1 if v == resource.RLIM_INFINITY else v for v in nofile)
     if req.pass_fds:
         a.pass_fds = _ints("int[]", req.pass_fds, keep)
         a.npass = len(req.pass_fds)
