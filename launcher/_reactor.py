@@ -42,8 +42,11 @@ Some facts about epoll that the loop follows from:
   names later). A watch is not a descriptor, and removing it before the
   instance is closed never waits for an SRCU grace period (cgroup.c). A
   worker that can write its run directory may replace `cancellations/`:
-  the run's guard deadline (Wakeups.guard_s) reads the inbox anyway, as it
-  did for the FIFO this replaces.
+  the watch then reports its own move or removal (IN_MOVE_SELF,
+  IN_DELETE_SELF, IN_IGNORED) and the new directory is watched; a guard
+  deadline (Wakeups.guard_s, 60 s when watched) reads the inbox anyway.
+  Deadlines are kept in a heap: a pass of the loop turns the runs that have
+  something to read, were woken, or are due, never all of them.
 
 A failure inside one run's turn is that run's (`_ending.abandon`: stopped
 as a cancel of contain's own and recorded), never the loop's. After
@@ -52,6 +55,8 @@ parent's, and the child starts its own reactor when it spawns.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import os
 import select
 import struct
@@ -67,6 +72,8 @@ _MAX_WAIT_S = 3600.0
 
 
 _IN_WATCH = 0x2 | 0x8 | 0x80 | 0x100     # IN_MODIFY | IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE
+_IN_SELF = 0x400 | 0x800                 # IN_DELETE_SELF | IN_MOVE_SELF: cancellations/ itself went
+_IN_IGNORED = 0x8000                     # the watch is gone (its inode was removed, or unwatched)
 
 
 _IN_MODIFY = 0x2                         # cgroup.events: `populated` (or `frozen`) changed
@@ -101,6 +108,12 @@ class Reactor:
         self._by_fd: dict[int, _Entry] = {}
         self._incoming: list[_Entry] = []          # handed over, not yet seen by the loop
         self._pending: set[int] = set()            # id(run) woken by another thread
+        # (due, n, entry) for every run's deadline: a loop pass looks at the
+        # runs that are due, not at all of them (a thousand runs made every
+        # wake-up, and so every spawn, cost a pass over all). Entries whose
+        # due changed since stay in the heap, and are skipped when popped.
+        self._deadlines: list[tuple[float, int, _Entry]] = []
+        self._seq = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="contain-reactor", daemon=True)
         self._thread.start()
 
@@ -146,6 +159,7 @@ class Reactor:
             except InterruptedError:
                 continue
             ready: dict[int, list[int]] = {}
+            moved: list[_Entry] = []            # runs whose cancellations/ was moved or removed
             for fd, _ev in events:
                 if fd == self._r:
                     try:
@@ -155,26 +169,40 @@ class Reactor:
                         pass
                     continue
                 if fd == self._in:
-                    for wd in self._inbox_events():
+                    for wd, mask in self._inbox_events():
                         owner = self._by_wd.get(wd)
                         if owner is not None:
                             ready.setdefault(id(owner.run), [])
+                            if wd == owner.wd and mask & (_IN_SELF | _IN_IGNORED):
+                                moved.append(owner)
                     continue
                 owner = self._by_fd.get(fd)
                 if owner is not None:
                     ready.setdefault(id(owner.run), []).append(fd)
+            for e in moved:
+                self._rewatch_inbox(e)        # the new one, which requesters write to now
             with self._mu:
                 woken, self._pending = self._pending, set()
             now = time.monotonic()
-            for key, e in list(self._entries.items()):
-                if key in ready or key in woken or e.due <= now:
-                    self._turn(e, ready.get(key, []))
+            due: dict[int, _Entry] = {}
+            heap = self._deadlines
+            while heap and heap[0][0] <= now:
+                t, _n, e = heapq.heappop(heap)
+                if t == e.due and self._entries.get(id(e.run)) is e:
+                    e.due = -1.0              # popped: the turn's deadline goes in anew, even the same
+                    due[id(e.run)] = e
+            for key in set(ready) | woken | set(due):
+                owner = due.get(key) or self._entries.get(key)
+                if owner is not None:
+                    self._turn(owner, ready.get(key, []))
 
     def _timeout(self) -> float:
-        if not self._entries:
+        heap = self._deadlines
+        while heap and (heap[0][0] != heap[0][2].due or self._entries.get(id(heap[0][2].run)) is not heap[0][2]):
+            heapq.heappop(heap)            # stale: the run's deadline moved, or it is gone
+        if not heap:
             return -1
-        soonest = min(e.due for e in self._entries.values())
-        return min(max(0.0, soonest - time.monotonic()), _MAX_WAIT_S)
+        return min(max(0.0, heap[0][0] - time.monotonic()), _MAX_WAIT_S)
 
     def _turn(self, e: _Entry, ready: list[int]) -> None:
         with reserve.released():         # near the descriptor limit: the stop's room (_fdbudget.py)
@@ -186,7 +214,10 @@ class Reactor:
             run.drain(ready)
             run.turn()
             if run.owning():
-                e.due = run.next_deadline()
+                due = run.next_deadline()
+                if due != e.due:
+                    e.due = due
+                    heapq.heappush(self._deadlines, (due, next(self._seq), e))
                 self._sync(e)
                 return
             if run.snap.terminal or run.snap.phase == S.Phase.UNCONFIRMED:
@@ -239,13 +270,23 @@ class Reactor:
         except OSError:
             return                     # read on the guard deadline instead
         try:
-            wd = self._lib.ct_inotify_watch(self._in, f"/proc/self/fd/{cfd}".encode(), _IN_WATCH)
+            wd = self._lib.ct_inotify_watch(self._in, f"/proc/self/fd/{cfd}".encode(), _IN_WATCH | _IN_SELF)
         finally:
             os.close(cfd)
         if wd >= 0:
             e.wd = wd
             self._by_wd[wd] = e
             wakeups.watched = True
+
+    def _rewatch_inbox(self, e: _Entry) -> None:
+        if e.wd < 0 or self._entries.get(id(e.run)) is not e:
+            return
+        self._by_wd.pop(e.wd, None)
+        self._lib.ct_inotify_unwatch(self._in, e.wd)     # EINVAL when the kernel dropped it: fine
+        e.wd = -1
+        if e.run.wakeups is not None:
+            e.run.wakeups.watched = False       # the guard timer's short period until watched again
+        self._watch_inbox(e)
 
     def _watch_events(self, e: _Entry) -> None:
         """The run's cgroup.events through the one inotify instance, in place
@@ -261,8 +302,8 @@ class Reactor:
             e.events_wd = wd
             self._by_wd[wd] = e
 
-    def _inbox_events(self) -> list[int]:
-        """The watch descriptors named by what the inotify instance has queued
+    def _inbox_events(self) -> list[tuple[int, int]]:
+        """(watch descriptor, mask) of what the inotify instance has queued
         (struct inotify_event: wd, mask, cookie, len, then len bytes of name)."""
         wds = []
         try:
@@ -270,8 +311,8 @@ class Reactor:
                 buf = os.read(self._in, 65536)
                 i = 0
                 while i + 16 <= len(buf):
-                    wd, _mask, _cookie, n = struct.unpack_from("iIII", buf, i)
-                    wds.append(wd)
+                    wd, mask, _cookie, n = struct.unpack_from("iIII", buf, i)
+                    wds.append((wd, mask))
                     i += 16 + n
         except BlockingIOError:
             pass

@@ -376,7 +376,17 @@ class Wakeups:
     # write its run directory may swap cancellations/wake for a FIFO of its
     # own, and the owner (holding the old one) would never hear a cancel.
     # One wake-up and one failed open every few seconds; no spin.
-    guard_s = 2.0
+    FIFO_GUARD_S = 2.0
+    # Watched by the shared loop's inotify instance instead, a swap of
+    # cancellations/ is an event of its own (IN_MOVE_SELF, IN_DELETE_SELF,
+    # IN_IGNORED: _reactor.py watches the new one): the timer is only a
+    # safety net there. At 2 s it was the loop's whole load with many runs
+    # (1,000 live runs: 500 turns a second, most of a CPU).
+    WATCH_GUARD_S = 60.0
+
+    @property
+    def guard_s(self) -> float:
+        return self.WATCH_GUARD_S if self.watched else self.FIFO_GUARD_S
 
     def __init__(self, layout: Any, *, container: Any = None, run_uid: str | None = None, pipe: bool = True) -> None:
         # (`container` and `run_uid`: what the Windows host needs, winhost.py.)
