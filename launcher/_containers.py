@@ -23,6 +23,48 @@ from ._options import user_account
 from ._policy import policy_env
 
 
+def chosen_backend(opts: Options, env: Any = os.environ) -> str:
+    """The backend asked for: the option, else CONTAIN_BACKEND (from the
+    supervisor's own environment), else auto."""
+    if opts.backend != "auto" or opts.backend_chosen:
+        return opts.backend
+    return policy_env("CONTAIN_BACKEND", env) or "auto"
+
+
+# What only Linux has. On Windows the backends below would import Linux-only
+# modules (fcntl, pwd, the clone3 spawn) and fail with a traceback after the
+# run directory was claimed; they are refused first, with the reason.
+_LINUX_BACKENDS = {
+    "cgroup2": "a cgroup v2 leaf",
+    "pidns": "a PID-namespace wall",
+    "subreaper": "the subreaper wall, PR_SET_CHILD_SUBREAPER",
+    "none": "the degraded mode: process groups and a /proc scan",
+}
+
+
+def refused_here(opts: Options, env: Any = os.environ) -> str | None:
+    """Why these options cannot run on this platform, or None. Checked
+    before the run's id is claimed (_launch.start), so nothing is made:
+    on Windows a Linux-only backend (--backend, CONTAIN_BACKEND, the
+    library's backend=), --user, --seal and passed descriptors."""
+    if sys.platform != "win32":
+        return None
+    backend = chosen_backend(opts, env)
+    if backend in _LINUX_BACKENDS:
+        return (f"backend {backend!r} ({_LINUX_BACKENDS[backend]}) exists only on Linux; on Windows the "
+                "container is a Job Object (backend 'job-object' or 'auto')")
+    if backend not in ("auto", "job-object"):
+        return f"unknown backend {backend!r} (auto or job-object on Windows)"
+    if opts.user is not None:
+        return "--user is not available on Windows (running the worker as another user needs a logon token)"
+    if opts.seal:
+        return ("--seal is not available for Job Objects: the worker runs as the supervisor's user "
+                "(a seal needs a restricted token; see docs/windows.md)")
+    if opts.pass_fds:
+        return "pass_fds is not available on Windows (only the three standard handles reach the worker)"
+    return None
+
+
 def make_container(run_id: str, opts: Options, uid: str | None = None) -> Any:
     """The strongest container the options and the host allow (its cgroup
     named from the run uid, `uid`: _runcgroups.run_cgroup_name). Policy
@@ -30,8 +72,7 @@ def make_container(run_id: str, opts: Options, uid: str | None = None) -> Any:
     from the supervisor's own environment, never from the worker's `env=`:
     a job must not choose its own containment or join another run."""
     env = os.environ
-    backend = opts.backend if opts.backend != "auto" or opts.backend_chosen else \
-        (policy_env("CONTAIN_BACKEND", env) or "auto")
+    backend = chosen_backend(opts, env)
     if backend == "job-object" or (backend == "auto" and sys.platform == "win32"):
         if sys.platform != "win32":
             raise ContainmentUnavailable("Job Objects exist only on Windows")

@@ -355,3 +355,27 @@ def test_ls_status_wait_and_gc(box: Box) -> None:
     g = box.contain("gc", "--json")
     assert g.returncode == 0 and json.loads(g.stdout)["removed"] == ["rd"], g.stdout + g.stderr
     assert not os.path.exists(os.path.join(box.state, "runs", "rd"))
+
+
+@pytest.mark.parametrize("args, env", [
+    (["--backend", "cgroup2"], {}),
+    (["--backend", "pidns"], {}),
+    (["--backend", "subreaper"], {}),
+    (["--backend", "none"], {}),
+    ([], {"CONTAIN_BACKEND": "cgroup2"}),
+    ([], {"CONTAIN_BACKEND": "none"}),
+    (["--user", "nobody"], {}),
+], ids=["cgroup2", "pidns", "subreaper", "none", "env-cgroup2", "env-none", "user"])
+def test_linux_only_option_exits_125_before_anything_is_made(box: Box, args: list[str], env: dict[str, str]) -> None:
+    """A backend or option only Linux has, asked for on Windows: 125 and the
+    reason on stderr, no traceback, no run directory, and the worker never
+    ran (it would have marked itself). Before: a traceback (AttributeError
+    CT_STAGE_CLONE, ModuleNotFoundError pwd), exit 1, and a run directory
+    saying spawn_failed 125."""
+    r = subprocess.run([*CONTAIN, "run", "--id", "lx", *args, "--", *child("pair", box.dir, "lx")],
+                       env=dict(box.env, **env), capture_output=True, text=True, timeout=LONG,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 125, r.stderr
+    assert "Traceback" not in r.stderr and "Windows" in r.stderr, r.stderr
+    assert not os.path.exists(os.path.join(box.state, "runs", "lx")), os.listdir(os.path.join(box.state, "runs"))
+    assert _census.marks(box.dir, "lx") == {}
