@@ -164,3 +164,26 @@ def test_capabilities_are_the_windows_facts() -> None:
 
     caps = launcher.capabilities()
     assert caps["platform"] == "win32" and caps["job_object"]["ok"] is True, caps
+
+
+@pytest.mark.parametrize("kw, env", [
+    ({"backend": "cgroup2"}, {}), ({"backend": "pidns"}, {}), ({"backend": "subreaper"}, {}), ({"backend": "none"}, {}),
+    ({}, {"CONTAIN_BACKEND": "pidns"}), ({"user": "nobody"}, {}),
+], ids=["cgroup2", "pidns", "subreaper", "none", "env-pidns", "user"])
+def test_linux_only_option_raises_containment_unavailable(  # type: ignore[no-untyped-def]
+        state: str, helpers, monkeypatch: pytest.MonkeyPatch, kw: dict[str, Any], env: dict[str, str]) -> None:
+    """The library asked for what only Linux has: ContainmentUnavailable (a
+    LauncherError) with the reason, from run() and spawn() alike, before a
+    run directory exists. Before: a bare AttributeError or
+    ModuleNotFoundError, after the run directory was claimed."""
+    import launcher
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    for call in (launcher.run, launcher.spawn):
+        with pytest.raises(launcher.ContainmentUnavailable) as e:
+            call(child("pair", helpers.dir, "lx"), id="lx", **kw)
+        assert "Windows" in str(e.value) and e.value.record is None
+    assert not os.path.exists(os.path.join(state, "runs", "lx"))
+    assert _census.marks(helpers.dir, "lx") == {}
+
