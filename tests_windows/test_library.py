@@ -187,3 +187,25 @@ def test_linux_only_option_raises_containment_unavailable(  # type: ignore[no-un
     assert not os.path.exists(os.path.join(state, "runs", "lx"))
     assert _census.marks(helpers.dir, "lx") == {}
 
+
+def test_scan_processes_lists_this_process_tree(helpers) -> None:  # type: ignore[no-untyped-def]
+    """launcher.scan_processes() on Windows (a Toolhelp snapshot): this
+    process and a child of it, each with its parent and its creation time
+    as the suite's own census reads it. Before: AttributeError
+    (CT_PROCSCAN_CGROUP)."""
+    import launcher
+
+    p = subprocess.Popen(child("sleep", helpers.dir, "sc"), stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        kid = _census.wait_marks(helpers.dir, "sc", 1)
+        assert list(kid) == [p.pid]
+        procs = {i.pid: i for i in launcher.scan_processes()}
+        me = procs[os.getpid()]
+        assert me.start_time == _census.my_creation_time() and me.state == "R", me
+        assert me.comm.lower() == "python.exe" and me.cgroup is None and me.cgroup_error, me
+        them = procs[p.pid]
+        assert them.ppid == os.getpid() and them.start_time == kid[p.pid], them
+    finally:
+        p.kill()
+        p.wait(timeout=60)
