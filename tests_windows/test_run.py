@@ -352,6 +352,8 @@ def test_worker_holding_a_stolen_job_handle_outlives_contain_and_cancel_reaps_it
     ev = rec["evidence"]
     assert ev["cancel_requested"]["observed"] is True and rec["cancellations"] == ["adopt"]
     assert rec["containment"]["walls"][0].get("opened_by"), rec["containment"]["walls"]
+    # What made this possible is said where the record says what the worker could do.
+    assert rec["containment"]["sealed"] is False and "job open" in rec["containment"]["sealed_reason"]
     kinds = [(s["kind"], s["observed"], s["via"]) for s in steps(rec)]
     assert kinds[-1][:2] == ("kill", True) and kinds[-1][2].startswith("TerminateJobObject"), kinds
     assert "pidfd" not in json.dumps(ev) and "cgroup.kill" not in json.dumps(ev), kinds

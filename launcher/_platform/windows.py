@@ -188,8 +188,10 @@ class Container:
         req.new_pgroup = True   # CTRL_BREAK_EVENT reaches the worker's group
 
     def seal_status(self, req: SpawnRequestLike) -> tuple[bool, str | None]:
-        return False, ("the worker runs as the supervisor's user: it can write the state directory and "
-                       "end the supervisor")
+        return False, ("the worker runs as the supervisor's user: it can write the state directory, end the "
+                       "supervisor, and hold the run's job open past it (opened by name, or a handle copied out "
+                       "of the supervisor), so that its tree outlives the supervisor until an adopter "
+                       "(`contain cancel`) terminates the job")
 
     def spawn(self, req: SpawnRequestLike) -> Spawned:
         sp, self.spawn_via = winproc.spawn_into(self.job, req)
