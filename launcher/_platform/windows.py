@@ -52,6 +52,7 @@ _LIMIT_KILL_ON_JOB_CLOSE = 0x2000
 _JOB_OBJECT_SET_ATTRIBUTES, _WRITE_DAC, _WRITE_OWNER = 0x10, 0x40000, 0x80000
 _ERROR_MORE_DATA = 234
 _ERROR_ALREADY_EXISTS = 183
+_ERROR_ACCESS_DENIED = 5
 _INFINITE = 0xFFFFFFFF
 # How long an adopter's kill waits for ActiveProcesses == 0 before the
 # driver observes (and, if members remain, retries the kill as on Linux).
@@ -110,8 +111,14 @@ class Container:
         job = ffi.new("uintptr_t*")
         name = job_name(uid) if uid else None
         rc = lib.ct_job_create_named(job, name.encode() if name else ffi.NULL)
-        if rc == _ERROR_ALREADY_EXISTS:
+        if name and rc == _ERROR_ALREADY_EXISTS:
             raise ContainmentUnavailable(f"a Job Object named {name} exists already: not made by this run, refused")
+        if name and rc == _ERROR_ACCESS_DENIED:
+            # CreateJobObjectW opens an existing name for all access, which a
+            # job made with our descriptor (another run's, or a squatter's
+            # copy of it) does not grant.
+            raise ContainmentUnavailable(f"a Job Object named {name} exists already (CreateJobObjectW: access "
+                                         "denied): not made by this run, refused")
         if rc != 0:
             raise ContainmentUnavailable(f"CreateJobObjectW/SetInformationJobObject: {_error(rc, 'job')}")
         key = int(job[0])
