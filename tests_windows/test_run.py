@@ -448,3 +448,46 @@ def test_linux_only_option_exits_125_before_anything_is_made(box: Box, args: lis
     assert "Traceback" not in r.stderr and "Windows" in r.stderr, r.stderr
     assert not os.path.exists(os.path.join(box.state, "runs", "lx")), os.listdir(os.path.join(box.state, "runs"))
     assert _census.marks(box.dir, "lx") == {}
+
+
+def test_run_json_rewritten_to_name_an_empty_job_is_not_taken_for_the_run(box: Box) -> None:
+    """A same-user worker can rewrite its run.json (Windows keeps no tags).
+    Here it outlives contain (a stolen job handle) and points run.json at
+    an empty job of the same descriptor under another run uid: opened and
+    read empty, that job would make the adopter say REAPED while the tree
+    runs. The adopter sees that the worker, still running, is not in that
+    job: UNCONFIRMED with the reason, and the tree is still there (the
+    census). A guard on the adoption by name (passes before it too: the
+    old adopter opened nothing); it fails without the IsProcessInJob check."""
+    from launcher._platform import windows
+    from launcher._platform.winsync import job_name
+
+    decoy = windows.Container.create("decoy", None, f"decoy{os.getpid()}")
+    out = open(os.path.join(box.dir, "contain.out"), "w")
+    tree: dict[int, int] = {}
+    try:
+        run = subprocess.Popen([*CONTAIN, "run", "--id", "rw", "--", *child("steal", box.dir, "rw")], env=box.env,
+                               stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+        try:
+            tree = {**_census.wait_marks(box.dir, "rw", 1), **_census.wait_marks(box.dir, "rw-gc", 1)}
+        finally:
+            run.kill()
+            run.wait(timeout=LONG)
+        assert all(_census.alive(pid, created) for pid, created in tree.items()), tree
+        path = os.path.join(box.state, "runs", "rw", "run.json")
+        info = load(path)
+        info.update(run_uid=f"decoy{os.getpid()}", cgroup=job_name(f"decoy{os.getpid()}"))
+        with open(path, "w") as f:
+            json.dump(info, f)
+        c = box.contain("cancel", "rw", "--op-id", "adopt", "--wait", "--json")
+        ack = json.loads(c.stdout)
+        assert ack["state"] != "REAPED" and c.returncode == 1, (ack, c.stderr)
+        rec = box.record("rw")
+        assert rec["state"] == "UNCONFIRMED", rec["state"]
+        assert any("does not hold the run's worker" in n for n in rec["notes"] + [str(rec["containment"])]), rec
+        assert all(_census.alive(pid, created) for pid, created in tree.items()), tree
+    finally:
+        out.close()
+        for pid, created in tree.items():
+            _census.kill(pid, created)
+        decoy.remove()
