@@ -377,7 +377,15 @@ def _attach_job(run_id: str, info: dict[str, Any]) -> AttachResult:
                 why = (f"the job named {path} does not hold the run's worker (IsProcessInJob: {where}): "
                        "not the run's job, not acted on")
             else:
+                container.verified = True
                 notes.append(f"the worker (pid {w['pid']}) is in the job opened by name: it is the run's job")
+    if container is not None and not isinstance(container, winhost.JobGone) and not container.verified:
+        # Nothing but run.json says this job is the run's, and a same-user
+        # worker can rewrite run.json to name an empty job of its own: the
+        # job observed empty then proves nothing about the tree (EXITED).
+        container.unverified = ("the job opened by name is the run's only by run.json's word: its worker was "
+                                "gone when the adopter came, so nothing witnessed that this job holds the run, "
+                                "and a same-user worker can rewrite run.json")
     if container is None:
         res = AttachResult(winhost.Orphaned(path, why), why or "its Job Object is gone with its owner")
     else:

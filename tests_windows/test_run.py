@@ -491,3 +491,46 @@ def test_run_json_rewritten_to_name_an_empty_job_is_not_taken_for_the_run(box: B
         for pid, created in tree.items():
             _census.kill(pid, created)
         decoy.remove()
+
+
+def test_job_held_after_its_worker_exited_is_killed_but_not_called_reaped(box: Box) -> None:
+    """contain killed, then the worker exits while a grandchild that copied
+    the job handle out of contain keeps the job (and itself) alive.
+    `contain cancel` opens the job by name and kills what is in it (the
+    census: the grandchild is gone), but with the worker gone nothing but
+    run.json, which the tree can rewrite, says this job is the run's: the
+    run ends EXITED, `descendants_exit` null with that reason, never REAPED.
+    Before: UNCONFIRMED, nothing signalled, the grandchild alive."""
+    out = open(os.path.join(box.dir, "contain.out"), "w")
+    tree: dict[int, int] = {}
+    try:
+        run = subprocess.Popen([*CONTAIN, "run", "--id", "gx", "--", *child("steal_below", box.dir, "gx")],
+                               env=box.env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+        try:
+            tree = {**_census.wait_marks(box.dir, "gx", 1), **_census.wait_marks(box.dir, "gx-thief", 1),
+                    **_census.wait_marks(box.dir, "gx-thief-gc", 1)}
+        finally:
+            run.kill()
+            run.wait(timeout=LONG)
+        with open(os.path.join(box.dir, "gx-thief.result")) as f:
+            assert f.read().split()[:1] == ["stole"]
+        worker = _census.marks(box.dir, "gx")
+        open(os.path.join(box.dir, "gx.go"), "w").close()
+        assert _census.wait_gone(worker) == []
+        held = {**_census.marks(box.dir, "gx-thief"), **_census.marks(box.dir, "gx-thief-gc")}
+        assert all(_census.alive(pid, created) for pid, created in held.items()), held
+        c = box.contain("cancel", "gx", "--op-id", "adopt", "--wait", "--json")
+        ack = json.loads(c.stdout)
+        assert ack["state"] == "EXITED", (ack, c.stderr)
+        assert _census.wait_gone(held) == []
+    finally:
+        out.close()
+        for pid, created in tree.items():
+            _census.kill(pid, created)
+    rec = box.record("gx")
+    ev = rec["evidence"]
+    assert ev["container_empty"]["observed"] is True, ev["container_empty"]
+    assert ev["descendants_exit"]["observed"] is None, ev["descendants_exit"]
+    wall = rec["containment"]["walls"][0]
+    assert wall["unleavable"] is False and "run.json" in str(wall["leavable_because"]), wall
+    assert [s["via"] for s in steps(rec)][-1].startswith("TerminateJobObject"), steps(rec)

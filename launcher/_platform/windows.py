@@ -88,8 +88,12 @@ class Container:
         self.name = name
         self.path = name or f"anonymous job of run {run_id}"
         # Opened by name by an adopter (`open`): no completion port (a job
-        # has one, its owner's), no console shared with the tree.
+        # has one, its owner's), no console shared with the tree. `verified`:
+        # the run's worker, alive, was seen in it (_containers._attach_job);
+        # else `unverified` says why the job may not be the run's.
         self.adopted = False
+        self.verified: bool | None = None
+        self.unverified: str | None = None
         self.last_terminate: dict[str, Any] | None = None
         self.waiter: Any = None   # the owner loop's Waiter on our port (winhost.Wakeups), closed first
         self.guard: dict[str, Any] = {}   # how the job is kept from being told to allow breakaway
@@ -235,6 +239,8 @@ class Container:
 
     def leavable(self) -> str | None:
         """Why a member could have left the job unseen, or None."""
+        if self.unverified:
+            return self.unverified
         got = self.guard.get("obtainable")
         if got is None:
             return f"whether the job's limits can be changed is not known ({self.guard.get('why')})"
