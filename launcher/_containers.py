@@ -23,6 +23,48 @@ from ._options import user_account
 from ._policy import policy_env
 
 
+def chosen_backend(opts: Options, env: Any = os.environ) -> str:
+    """The backend asked for: the option, else CONTAIN_BACKEND (from the
+    supervisor's own environment), else auto."""
+    if opts.backend != "auto" or opts.backend_chosen:
+        return opts.backend
+    return policy_env("CONTAIN_BACKEND", env) or "auto"
+
+
+# What only Linux has. On Windows the backends below would import Linux-only
+# modules (fcntl, pwd, the clone3 spawn) and fail with a traceback after the
+# run directory was claimed; they are refused first, with the reason.
+_LINUX_BACKENDS = {
+    "cgroup2": "a cgroup v2 leaf",
+    "pidns": "a PID-namespace wall",
+    "subreaper": "the subreaper wall, PR_SET_CHILD_SUBREAPER",
+    "none": "the degraded mode: process groups and a /proc scan",
+}
+
+
+def refused_here(opts: Options, env: Any = os.environ) -> str | None:
+    """Why these options cannot run on this platform, or None. Checked
+    before the run's id is claimed (_launch.start), so nothing is made:
+    on Windows a Linux-only backend (--backend, CONTAIN_BACKEND, the
+    library's backend=), --user, --seal and passed descriptors."""
+    if sys.platform != "win32":
+        return None
+    backend = chosen_backend(opts, env)
+    if backend in _LINUX_BACKENDS:
+        return (f"backend {backend!r} ({_LINUX_BACKENDS[backend]}) exists only on Linux; on Windows the "
+                "container is a Job Object (backend 'job-object' or 'auto')")
+    if backend not in ("auto", "job-object"):
+        return f"unknown backend {backend!r} (auto or job-object on Windows)"
+    if opts.user is not None:
+        return "--user is not available on Windows (running the worker as another user needs a logon token)"
+    if opts.seal:
+        return ("--seal is not available for Job Objects: the worker runs as the supervisor's user "
+                "(a seal needs a restricted token; see docs/windows.md)")
+    if opts.pass_fds:
+        return "pass_fds is not available on Windows (only the three standard handles reach the worker)"
+    return None
+
+
 def make_container(run_id: str, opts: Options, uid: str | None = None) -> Any:
     """The strongest container the options and the host allow (its cgroup
     named from the run uid, `uid`: _runcgroups.run_cgroup_name). Policy
@@ -30,8 +72,7 @@ def make_container(run_id: str, opts: Options, uid: str | None = None) -> Any:
     from the supervisor's own environment, never from the worker's `env=`:
     a job must not choose its own containment or join another run."""
     env = os.environ
-    backend = opts.backend if opts.backend != "auto" or opts.backend_chosen else \
-        (policy_env("CONTAIN_BACKEND", env) or "auto")
+    backend = chosen_backend(opts, env)
     if backend == "job-object" or (backend == "auto" and sys.platform == "win32"):
         if sys.platform != "win32":
             raise ContainmentUnavailable("Job Objects exist only on Windows")
@@ -39,7 +80,7 @@ def make_container(run_id: str, opts: Options, uid: str | None = None) -> Any:
 
         # A job's limits are written as it is made, while its handle can
         # still set them (winlimits.py); RunUsage records them.
-        return windows.Container.create(run_id, getattr(opts, "limits", None))
+        return windows.Container.create(run_id, getattr(opts, "limits", None), uid)
     weaker = None
     if backend in ("auto", "cgroup2"):
         from ._platform import linux
@@ -190,7 +231,7 @@ def attach_container(run_dir: str, run_id: str, info: dict[str, Any]) -> AttachR
     the recorded one, below our base, tagged for this run; a degraded run's
     members only by pid and start time. run.json is compared, never obeyed."""
     if sys.platform == "win32":
-        return _attach_job(info)
+        return _attach_job(run_id, info)
     facts, source = trusted_facts(run_dir, info, acting=True)
     if facts is None:
         return _detached(None, source)     # run.json's path is not even worth recording
@@ -273,22 +314,85 @@ def _may_have_spawned(run_dir: str) -> bool:
     return data is None or b'"event":"spawning"' in data or b'"event":"spawned"' in data
 
 
-def _attach_job(info: dict[str, Any]) -> AttachResult:
-    """Windows: the job of a run whose owner is gone cannot be opened (it
-    was anonymous, and only the owner held it), so nothing is acted on and
-    the stop is UNCONFIRMED with the reason (winhost.Orphaned). There are
-    no tags on Windows: the worker's identity is run.json's, and it is only
-    observed (re-opened by pid + creation time), never signalled."""
-    from ._platform import winhost
+def _attach_job(run_id: str, info: dict[str, Any]) -> AttachResult:
+    """Windows: the job of a run whose owner is gone, opened by its name
+    (winsync.job_name of the run uid; windows.Container.open). There are no
+    tags on Windows: the run uid, the job's name and the worker's identity
+    are run.json's, so what is opened is checked before it is acted on: the
+    name must be the one the run uid gives, the worker, if it still runs
+    (pid + creation time), must be in that job, and the limits guard is
+    probed again on the opened handle (a job whose descriptor lets this
+    user allow breakaway is never REAPED). No job of that name: no handle to
+    it is left anywhere, so KILL_ON_JOB_CLOSE ended the tree when the last
+    one closed (winhost.JobGone: EXITED, the emptiness not observed). A job
+    made anonymous (before named jobs) cannot be opened: winhost.Orphaned,
+    UNCONFIRMED with the reason."""
+    from ._platform import winhost, winproc
+    from ._platform.winsync import job_name
 
     backend = info.get("backend")
     path = info.get("cgroup") if isinstance(info.get("cgroup"), str) else None
-    why = None if backend == "job-object" else f"adopting a {backend!r} run is not supported on Windows"
-    res = AttachResult(winhost.Orphaned(path, why), why or "its Job Object is gone with its owner")
-    res.notes = ["adoption facts from run.json (Windows keeps no tags)"]
+    uid = info.get("run_uid") if isinstance(info.get("run_uid"), str) else None
     w = info.get("worker")
+    notes = ["adoption facts from run.json (Windows keeps no tags)"]
+    why: str | None = None
+    container: Any = None
+    if backend != "job-object":
+        why = f"adopting a {backend!r} run is not supported on Windows"
+    else:
+        try:
+            name = job_name(uid) if uid else None
+        except ValueError:
+            name = None
+        if name is None or path != name:
+            why = None if path is None or path.startswith("anonymous job") else \
+                f"run.json names the job {str(path)[:100]!r}, not the one its run uid gives: not opened"
+        else:
+            try:
+                from ._platform import windows
+
+                container = windows.Container.open(run_id, name)
+            except OSError as e:
+                if getattr(e, "winerror", None) == 2:     # ERROR_FILE_NOT_FOUND
+                    container = winhost.JobGone(name)
+                else:
+                    why = f"the run's job {name} could not be opened: {e}"
+    if container is not None and isinstance(w, dict):
+        # The worker, if it still runs, is the witness that this is the run's job.
+        try:
+            h = winproc.open_identity(int(w.get("pid")), int(w.get("start_time")))  # type: ignore[arg-type]
+        except (OSError, TypeError, ValueError):
+            h = None
+        if h is not None:
+            winproc.close_handle(h)
+        if h is not None and isinstance(container, winhost.JobGone):
+            container = None
+            why = (f"no job named {path} exists, yet the run's worker (pid {w.get('pid')}) still runs: "
+                   "KILL_ON_JOB_CLOSE would have ended it, so run.json does not describe its job")
+        elif h is not None:
+            where = container.placed(int(w["pid"]))
+            if where != container.path:
+                container.remove()
+                container = None
+                why = (f"the job named {path} does not hold the run's worker (IsProcessInJob: {where}): "
+                       "not the run's job, not acted on")
+            else:
+                container.verified = True
+                notes.append(f"the worker (pid {w['pid']}) is in the job opened by name: it is the run's job")
+    if container is not None and not isinstance(container, winhost.JobGone) and not container.verified:
+        # Nothing but run.json says this job is the run's, and a same-user
+        # worker can rewrite run.json to name an empty job of its own: the
+        # job observed empty then proves nothing about the tree (EXITED).
+        container.unverified = ("the job opened by name is the run's only by run.json's word: its worker was "
+                                "gone when the adopter came, so nothing witnessed that this job holds the run, "
+                                "and a same-user worker can rewrite run.json")
+    if container is None:
+        res = AttachResult(winhost.Orphaned(path, why), why or "its Job Object is gone with its owner")
+    else:
+        res = AttachResult(container)
+    res.notes = notes
     res.worker = dict(w, boot_id=info.get("boot_id")) if isinstance(w, dict) else None
-    res.run_uid = info.get("run_uid") if isinstance(info.get("run_uid"), str) else None
+    res.run_uid = uid
     return res
 
 

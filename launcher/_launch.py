@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 from . import _nested
 from . import _state as S
-from ._containers import make_container, spawn_request
+from ._containers import make_container, refused_here, spawn_request
 from ._errors import ContainmentUnavailable, LauncherError, SpawnFailed
 from ._layout import RunDir
 from ._escapes import EscapeWatch
@@ -41,11 +41,16 @@ LIVE_RECORD_DELAY_S = 0.005
 
 def start(run: Run) -> None:
     """Raises RunConflict, ContainmentUnavailable or SpawnFailed; in the last
-    two cases a final record with outcome `spawn_failed` exists. Whatever
+    two cases a final record with outcome `spawn_failed` exists, except for
+    options this platform refuses outright (`refused_here`: a Linux-only
+    backend or --user on Windows), refused before the claim. Whatever
     fails after the claim (an unknown user, EMFILE, a full disk, an
     interrupt) is rolled back the same way: the container stopped and
     removed, a `spawn_failed` record, the lock released, the id reusable;
     then the error goes on to the caller."""
+    refused = refused_here(run.opts)
+    if refused is not None:
+        raise ContainmentUnavailable(refused)   # before the claim: no run directory, nothing made
     if run.opts.user is not None:
         user_account(run.opts.user)        # an unknown user is refused before anything is made
     if run.opts.record_file:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 from collections.abc import Iterable
 from itertools import repeat
 from typing import Any, NamedTuple
@@ -109,10 +110,30 @@ def scan_processes(*, cgroups: bool = True) -> list[ProcessInfo]:
     `cgroup_error` "not requested".
     Raises OSError if /proc cannot be listed or a process's stat cannot be
     read for any reason but its exit.
+
+    On Windows: one Toolhelp snapshot (_platform/winproc.snapshot). `ppid`
+    is the parent's pid as Windows kept it (that pid may since name another
+    process: compare creation times); `start_time` is the creation time as
+    a FILETIME (100 ns since 1601), 0 for a process this token cannot open
+    (System, protected processes); `state` is "R", or "Z" for an exited
+    process whose object an open handle keeps; `comm` is the image's file
+    name; `pgid` and `sid` are -1 (Windows has neither); `cgroup` is None.
     """
+    if sys.platform == "win32":
+        return _scan_windows()
     if _lib is None:
         return _scan_python(cgroups)
     return _scan_native(cgroups)
+
+
+NO_CGROUPS = "Windows has no cgroups"
+
+
+def _scan_windows() -> list[ProcessInfo]:
+    from ._platform.winproc import snapshot
+
+    return [ProcessInfo(pid, ppid, -1, -1, "R" if threads else "Z", created, name, None, NO_CGROUPS)
+            for pid, ppid, threads, created, _err, name in snapshot()]
 
 
 def _check(rc: int, what: str) -> None:

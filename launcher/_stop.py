@@ -211,7 +211,8 @@ class StopSequence:
             self.facts.signal_step("term", sent, via, dict(detail, signal=name, seen=seen))
             return bool(sent)
         except OSError as e:
-            self.facts.signal_step("term", None, f"{name} by pidfd", f"failed: {e}")
+            via = getattr(self.container, "term_via", None) or f"{name} by pidfd"
+            self.facts.signal_step("term", None, via, f"failed: {e}")
             return False
 
     def _kill(self, now: float) -> None:
@@ -227,7 +228,8 @@ class StopSequence:
                 detail["seen"] = seen
             self.facts.signal_step("kill", True, via, detail)
         except OSError as e:
-            self.facts.signal_step("kill", None, "cgroup.kill", f"failed: {e}")
+            self.facts.signal_step("kill", None, getattr(self.container, "kill_via", None) or "cgroup.kill",
+                                   f"failed: {e}")
         if self.journal is not None:
             self.journal("kill", round=self.kill_rounds)
         self.stage, self.deadline = "kill", now + self.kill_timeout
@@ -246,6 +248,15 @@ class StopSequence:
         if self.stage == "linger":
             self._end_linger(time.monotonic(), "emptied")
         t = time.time()
+        gone = getattr(c, "gone_detail", None)
+        if gone:
+            # A Windows job nobody holds any more (winhost.JobGone): the
+            # kernel ended its tree, but an empty job cannot be observed.
+            facts.layers["container_empty"] = {"observed": None, "at": now_iso(t), "via": c.empty_via,
+                                               "detail": gone}
+            facts.layers["descendants_exit"] = {"observed": None, "at": now_iso(t), "via": c.empty_via,
+                                                "detail": gone}
+            return S.Event.TREE_GONE
         facts.times["empty_at"] = now_iso(t)
         if self.usage is not None:
             self.usage.at_empty()

@@ -157,7 +157,8 @@ class RunUsage:
             acct["cpu_usec"] = {"value": wall_cpu["usage_usec"], "source": src}
             acct["cpu_user_usec"] = {"value": wall_cpu["user_usec"], "source": src}
             acct["cpu_system_usec"] = {"value": wall_cpu["system_usec"], "source": src}
-        if container is not None and container.backend == "job-object":
+        if container is not None and container.backend == "job-object" and getattr(container, "job", 0):
+            # (An adopter's job that is gone, or was never opened, has no numbers to give.)
             from ._platform.winacct import fields
 
             acct.update(fields(container))        # `null` with the reason where Wine reads 0

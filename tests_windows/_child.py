@@ -314,6 +314,59 @@ def role_try_alloc(d: str, tag: str, mb: str) -> int:
     return 0
 
 
+def role_steal(d: str, tag: str, up: str = "1") -> int:
+    """The worker that keeps its job alive past its supervisor: it opens its
+    parent (`contain`, the same user; with `up` 2 its grandparent) with
+    PROCESS_DUP_HANDLE, copies out every handle value that is a job holding
+    this process, and keeps them; then a child that stays, and it stays.
+    `<tag>.result` says how many job handles it holds ("stole N")."""
+    from ctypes import wintypes as w
+
+    k32 = ctypes.WinDLL("kernel32", use_last_error=True)
+    k32.OpenProcess.restype = w.HANDLE
+    k32.OpenProcess.argtypes = [w.DWORD, w.BOOL, w.DWORD]
+    k32.GetCurrentProcess.restype = w.HANDLE
+    k32.DuplicateHandle.argtypes = [w.HANDLE, w.HANDLE, w.HANDLE, ctypes.POINTER(w.HANDLE), w.DWORD, w.BOOL,
+                                    w.DWORD]
+    k32.IsProcessInJob.argtypes = [w.HANDLE, w.HANDLE, ctypes.POINTER(w.BOOL)]
+    k32.CloseHandle.argtypes = [w.HANDLE]
+    PROCESS_DUP_HANDLE, DUPLICATE_SAME_ACCESS = 0x0040, 0x2
+    parents = {pid: ppid for pid, (ppid, _exe) in _census.snapshot().items()}
+    parent = os.getpid()
+    for _ in range(int(up)):
+        parent = parents[parent]
+    src = k32.OpenProcess(PROCESS_DUP_HANDLE, False, parent)
+    me_h = k32.GetCurrentProcess()
+    kept = []
+    if src:
+        for value in range(4, 0x4000, 4):
+            dup = w.HANDLE()
+            if not k32.DuplicateHandle(src, w.HANDLE(value), me_h, ctypes.byref(dup), 0, False,
+                                       DUPLICATE_SAME_ACCESS):
+                continue
+            inside = w.BOOL()
+            if k32.IsProcessInJob(me_h, dup, ctypes.byref(inside)) and inside.value:
+                kept.append(dup)
+            else:
+                k32.CloseHandle(dup)
+    result(d, tag, f"stole {len(kept)}")
+    _census.mark(d, tag)
+    start(me("sleep", d, f"{tag}-gc"))
+    time.sleep(LONG)
+    return 0
+
+
+def role_steal_below(d: str, tag: str) -> int:
+    """A worker whose child steals the job handle out of `contain` (its
+    grandparent) and stays; the worker itself exits once `<tag>.go` exists."""
+    _census.mark(d, tag)
+    start(me("steal", d, f"{tag}-thief", "2"))
+    deadline = time.monotonic() + LONG
+    while not os.path.exists(os.path.join(d, f"{tag}.go")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return 3
+
+
 ROLES = {n[5:]: f for n, f in list(globals().items()) if n.startswith("role_")}
 
 if __name__ == "__main__":

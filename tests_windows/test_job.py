@@ -333,3 +333,59 @@ def test_extension_carries_only_windows_modules() -> None:
     names = set(dir(lib))
     assert {"ct_job_spawn", "ct_job_terminate", "ct_sync_wait", "ct_sync_lock"} <= names
     assert not {n for n in names if n.startswith(("ct_spawn", "ct_procscan", "ct_cgroup", "ct_seal"))}
+
+
+def test_named_job_opens_to_watch_and_kill_but_never_to_allow_breakaway() -> None:
+    """A run's job is named (so an adopter can open it), and its descriptor
+    grants this user only what watching and killing need: a process of the
+    tree opening it by name gets query and terminate, never
+    JOB_OBJECT_SET_ATTRIBUTES, WRITE_DAC or WRITE_OWNER (each refused with
+    5). A second job of that name is refused (a squatter), an adopter's
+    open probes the guard again, and once the last handle closes the name
+    is gone (OpenJobObjectW: 2). Before: jobs had no name."""
+    import ctypes
+    from ctypes import wintypes as w
+
+    from launcher._platform.winsync import job_name
+
+    k32 = ctypes.WinDLL("kernel32", use_last_error=True)
+    k32.OpenJobObjectW.restype = w.HANDLE
+    k32.OpenJobObjectW.argtypes = [w.DWORD, w.BOOL, w.LPCWSTR]
+    k32.CloseHandle.argtypes = [w.HANDLE]
+    uid = f"t{os.getpid()}named"
+    c = windows.Container.create("named", None, uid)
+    try:
+        assert c.path == job_name(uid) == f"Local\\contain-{uid}-job"
+        for right in (0x10, 0x40000, 0x80000):        # SET_ATTRIBUTES, WRITE_DAC, WRITE_OWNER
+            h = k32.OpenJobObjectW(right, False, c.path)
+            err = ctypes.get_last_error()
+            if h:
+                k32.CloseHandle(h)
+            assert not h and err == 5, (hex(right), err)
+        h = k32.OpenJobObjectW(0x4 | 0x8, False, c.path)  # QUERY | TERMINATE
+        assert h, ctypes.get_last_error()
+        k32.CloseHandle(h)
+        with pytest.raises(ContainmentUnavailable, match="exists already"):
+            windows.Container.create("again", None, uid)
+        # A squatter's job with the default descriptor: CreateJobObjectW
+        # would hand it over (ERROR_ALREADY_EXISTS); it is refused.
+        k32.CreateJobObjectW.restype = w.HANDLE
+        k32.CreateJobObjectW.argtypes = [w.LPVOID, w.LPCWSTR]
+        squat = k32.CreateJobObjectW(None, job_name(uid + "sq"))
+        assert squat, ctypes.get_last_error()
+        try:
+            with pytest.raises(ContainmentUnavailable, match="exists already"):
+                windows.Container.create("squat", None, uid + "sq")
+        finally:
+            k32.CloseHandle(squat)
+        o = windows.Container.open("named", c.path)
+        try:
+            assert o.adopted and o.guard["obtainable"] == [] and o.leavable() is None, o.guard
+            assert o.populated() is False
+        finally:
+            o.remove()
+    finally:
+        c.remove()
+    with pytest.raises(OSError) as e:
+        windows.Container.open("named", c.path)
+    assert e.value.winerror == 2, e.value

@@ -164,3 +164,48 @@ def test_capabilities_are_the_windows_facts() -> None:
 
     caps = launcher.capabilities()
     assert caps["platform"] == "win32" and caps["job_object"]["ok"] is True, caps
+
+
+@pytest.mark.parametrize("kw, env", [
+    ({"backend": "cgroup2"}, {}), ({"backend": "pidns"}, {}), ({"backend": "subreaper"}, {}), ({"backend": "none"}, {}),
+    ({}, {"CONTAIN_BACKEND": "pidns"}), ({"user": "nobody"}, {}),
+], ids=["cgroup2", "pidns", "subreaper", "none", "env-pidns", "user"])
+def test_linux_only_option_raises_containment_unavailable(  # type: ignore[no-untyped-def]
+        state: str, helpers, monkeypatch: pytest.MonkeyPatch, kw: dict[str, Any], env: dict[str, str]) -> None:
+    """The library asked for what only Linux has: ContainmentUnavailable (a
+    LauncherError) with the reason, from run() and spawn() alike, before a
+    run directory exists. Before: a bare AttributeError or
+    ModuleNotFoundError, after the run directory was claimed."""
+    import launcher
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    for call in (launcher.run, launcher.spawn):
+        with pytest.raises(launcher.ContainmentUnavailable) as e:
+            call(child("pair", helpers.dir, "lx"), id="lx", **kw)
+        assert "Windows" in str(e.value) and e.value.record is None
+    assert not os.path.exists(os.path.join(state, "runs", "lx"))
+    assert _census.marks(helpers.dir, "lx") == {}
+
+
+def test_scan_processes_lists_this_process_tree(helpers) -> None:  # type: ignore[no-untyped-def]
+    """launcher.scan_processes() on Windows (a Toolhelp snapshot): this
+    process and a child of it, each with its parent and its creation time
+    as the suite's own census reads it. Before: AttributeError
+    (CT_PROCSCAN_CGROUP)."""
+    import launcher
+
+    p = subprocess.Popen(child("sleep", helpers.dir, "sc"), stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        kid = _census.wait_marks(helpers.dir, "sc", 1)
+        assert list(kid) == [p.pid]
+        procs = {i.pid: i for i in launcher.scan_processes()}
+        me = procs[os.getpid()]
+        assert me.start_time == _census.my_creation_time() and me.state == "R", me
+        assert me.comm.lower() == "python.exe" and me.cgroup is None and me.cgroup_error, me
+        them = procs[p.pid]
+        assert them.ppid == os.getpid() and them.start_time == kid[p.pid], them
+    finally:
+        p.kill()
+        p.wait(timeout=60)

@@ -266,11 +266,15 @@ def test_exec_failures(box: Box, what: str, code: int) -> None:
     assert rec["evidence"]["container_empty"]["observed"] is True
 
 
-def test_supervisor_death_kills_the_tree_and_the_next_reader_proves_nothing_more(box: Box) -> None:
+def test_supervisor_death_kills_the_tree_and_the_next_cancel_ends_the_run(box: Box) -> None:
     """contain killed outright: KILL_ON_JOB_CLOSE ends the tree when its
-    last handle closes. The next `contain cancel` adopts the run: it cannot
-    open the (anonymous) job, so emptiness is not observed and the run is
-    UNCONFIRMED with the reason, never REAPED."""
+    last handle closes. The next `contain cancel` adopts the run and looks
+    for the job by its name: gone (no handle left anywhere), so the record
+    is terminal, EXITED, with the emptiness not observed and the reason
+    (or REAPED, should the name still open and the job read empty); the
+    cancel exits 0, and gc removes the run. Before: UNCONFIRMED for ever,
+    every cancel exiting 1, never removed, the record speaking of
+    cgroup.kill and "SIGTERM by pidfd"."""
     run = box.start("run", "--id", "sd", "--", *child("pair", box.dir, "sd"))
     try:
         tree = {**_census.wait_marks(box.dir, "sd", 1), **_census.wait_marks(box.dir, "sd-gc", 1)}
@@ -282,14 +286,79 @@ def test_supervisor_death_kills_the_tree_and_the_next_reader_proves_nothing_more
     c = box.contain("cancel", "sd", "--op-id", "after", "--wait", "--json")
     ack = json.loads(c.stdout)
     # The worker was found gone before the cancel was applied: the cancel
-    # did not end it (not_live), and the stop it joins is not proven.
-    assert ack["effect"] == "not_live" and ack["state"] == "UNCONFIRMED", ack
+    # did not end it (not_live), and the stop it joins is final.
+    assert c.returncode == 0 and ack["effect"] == "not_live" and ack["state"] in ("EXITED", "REAPED"), (ack, c.stderr)
     rec = box.record("sd")
-    assert rec["state"] == "UNCONFIRMED"
-    empty = rec["evidence"]["container_empty"]
-    assert empty["observed"] is None and "KILL_ON_JOB_CLOSE" in str(empty["detail"]), empty
+    assert rec["state"] == ack["state"]
+    assert rec["containment"]["path"].startswith("Local\\contain-") and rec["containment"]["path"].endswith("-job")
+    ev = rec["evidence"]
+    if rec["state"] == "EXITED":
+        empty = ev["container_empty"]
+        assert empty["observed"] is None and "KILL_ON_JOB_CLOSE" in str(empty["detail"]), empty
+        assert ev["descendants_exit"]["observed"] is None
+    # Nothing was left to signal, and nothing was said in Linux's words.
+    assert ev["signal_sent"]["observed"] is not True, ev["signal_sent"]
+    assert "pidfd" not in json.dumps(ev) and "cgroup.kill" not in json.dumps(ev), ev["signal_sent"]
+    assert ev["cancel_requested"]["observed"] is not True and rec["cancellations"] == ["after"]
     # The worker's own identity was re-read: gone (observed), status unknown.
-    assert rec["evidence"]["root_exit"]["observed"] is True and rec["exit_code"] is None
+    assert ev["root_exit"]["observed"] is True and rec["exit_code"] is None
+    ls = json.loads(box.contain("ls", "--all", "--json").stdout)
+    assert [(v["id"], v["state"]) for v in ls] == [("sd", rec["state"])], ls
+    g = box.contain("gc", "--json")
+    assert g.returncode == 0 and json.loads(g.stdout)["removed"] == ["sd"], g.stdout + g.stderr
+
+
+def test_worker_holding_a_stolen_job_handle_outlives_contain_and_cancel_reaps_it(box: Box) -> None:
+    """The worker opens `contain` (its parent, the same user) with
+    PROCESS_DUP_HANDLE and keeps a copy of the job handle, so the job
+    outlives contain and KILL_ON_JOB_CLOSE never fires: the tree goes on.
+    `contain cancel` adopts the run, opens the job by its name, terminates
+    it and observes ActiveProcesses == 0: REAPED, cancelled, and the
+    census finds nothing. Before: UNCONFIRMED "worker running" on every
+    cancel, the tree alive for ever.
+
+    contain's stdout and stderr are a file here: with them on a pipe, Wine 8
+    ended the worker together with contain (exit code 0, the job not
+    signalled, so not by KILL_ON_JOB_CLOSE: measured), which would hide the
+    case this test is about."""
+    out = open(os.path.join(box.dir, "contain.out"), "w")
+    try:
+        run = subprocess.Popen([*CONTAIN, "run", "--id", "st", "--", *child("steal", box.dir, "st")], env=box.env,
+                               stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+        try:
+            tree = {**_census.wait_marks(box.dir, "st", 1), **_census.wait_marks(box.dir, "st-gc", 1)}
+            assert len(tree) == 2
+        finally:
+            run.kill()
+            run.wait(timeout=LONG)
+    finally:
+        out.close()
+    with open(os.path.join(box.dir, "st.result")) as f:
+        stole = f.read().split()
+    assert stole[0] == "stole" and int(stole[1]) >= 1, stole
+    # The stolen handle keeps the job, and so the tree, alive without contain.
+    assert all(_census.alive(pid, created) for pid, created in tree.items()), tree
+    try:
+        c = box.contain("cancel", "st", "--op-id", "adopt", "--wait", "--json")
+        ack = json.loads(c.stdout)
+        assert c.returncode == 0 and ack["effect"] == "cancelled" and ack["state"] == "REAPED", (ack, c.stderr)
+        assert _census.wait_gone(tree) == []
+    finally:
+        for pid, created in tree.items():
+            _census.kill(pid, created)
+    rec = box.record("st")
+    assert_reaped(rec)
+    assert rec["outcome"] == "cancelled" and rec["exit_code"] == 137, rec["outcome"]
+    ev = rec["evidence"]
+    assert ev["cancel_requested"]["observed"] is True and rec["cancellations"] == ["adopt"]
+    assert rec["containment"]["walls"][0].get("opened_by"), rec["containment"]["walls"]
+    # What made this possible is said where the record says what the worker could do.
+    assert rec["containment"]["sealed"] is False and "job open" in rec["containment"]["sealed_reason"]
+    kinds = [(s["kind"], s["observed"], s["via"]) for s in steps(rec)]
+    assert kinds[-1][:2] == ("kill", True) and kinds[-1][2].startswith("TerminateJobObject"), kinds
+    assert "pidfd" not in json.dumps(ev) and "cgroup.kill" not in json.dumps(ev), kinds
+    g = box.contain("gc", "--json")
+    assert g.returncode == 0 and json.loads(g.stdout)["removed"] == ["st"], g.stdout + g.stderr
 
 
 def test_nested_run_is_a_nested_job_and_ends_with_its_lead(box: Box) -> None:
@@ -355,3 +424,113 @@ def test_ls_status_wait_and_gc(box: Box) -> None:
     g = box.contain("gc", "--json")
     assert g.returncode == 0 and json.loads(g.stdout)["removed"] == ["rd"], g.stdout + g.stderr
     assert not os.path.exists(os.path.join(box.state, "runs", "rd"))
+
+
+@pytest.mark.parametrize("args, env", [
+    (["--backend", "cgroup2"], {}),
+    (["--backend", "pidns"], {}),
+    (["--backend", "subreaper"], {}),
+    (["--backend", "none"], {}),
+    ([], {"CONTAIN_BACKEND": "cgroup2"}),
+    ([], {"CONTAIN_BACKEND": "none"}),
+    (["--user", "nobody"], {}),
+], ids=["cgroup2", "pidns", "subreaper", "none", "env-cgroup2", "env-none", "user"])
+def test_linux_only_option_exits_125_before_anything_is_made(box: Box, args: list[str], env: dict[str, str]) -> None:
+    """A backend or option only Linux has, asked for on Windows: 125 and the
+    reason on stderr, no traceback, no run directory, and the worker never
+    ran (it would have marked itself). Before: a traceback (AttributeError
+    CT_STAGE_CLONE, ModuleNotFoundError pwd), exit 1, and a run directory
+    saying spawn_failed 125."""
+    r = subprocess.run([*CONTAIN, "run", "--id", "lx", *args, "--", *child("pair", box.dir, "lx")],
+                       env=dict(box.env, **env), capture_output=True, text=True, timeout=LONG,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 125, r.stderr
+    assert "Traceback" not in r.stderr and "Windows" in r.stderr, r.stderr
+    assert not os.path.exists(os.path.join(box.state, "runs", "lx")), os.listdir(os.path.join(box.state, "runs"))
+    assert _census.marks(box.dir, "lx") == {}
+
+
+def test_run_json_rewritten_to_name_an_empty_job_is_not_taken_for_the_run(box: Box) -> None:
+    """A same-user worker can rewrite its run.json (Windows keeps no tags).
+    Here it outlives contain (a stolen job handle) and points run.json at
+    an empty job of the same descriptor under another run uid: opened and
+    read empty, that job would make the adopter say REAPED while the tree
+    runs. The adopter sees that the worker, still running, is not in that
+    job: UNCONFIRMED with the reason, and the tree is still there (the
+    census). A guard on the adoption by name (passes before it too: the
+    old adopter opened nothing); it fails without the IsProcessInJob check."""
+    from launcher._platform import windows
+    from launcher._platform.winsync import job_name
+
+    decoy = windows.Container.create("decoy", None, f"decoy{os.getpid()}")
+    out = open(os.path.join(box.dir, "contain.out"), "w")
+    tree: dict[int, int] = {}
+    try:
+        run = subprocess.Popen([*CONTAIN, "run", "--id", "rw", "--", *child("steal", box.dir, "rw")], env=box.env,
+                               stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+        try:
+            tree = {**_census.wait_marks(box.dir, "rw", 1), **_census.wait_marks(box.dir, "rw-gc", 1)}
+        finally:
+            run.kill()
+            run.wait(timeout=LONG)
+        assert all(_census.alive(pid, created) for pid, created in tree.items()), tree
+        path = os.path.join(box.state, "runs", "rw", "run.json")
+        info = load(path)
+        info.update(run_uid=f"decoy{os.getpid()}", cgroup=job_name(f"decoy{os.getpid()}"))
+        with open(path, "w") as f:
+            json.dump(info, f)
+        c = box.contain("cancel", "rw", "--op-id", "adopt", "--wait", "--json")
+        ack = json.loads(c.stdout)
+        assert ack["state"] != "REAPED" and c.returncode == 1, (ack, c.stderr)
+        rec = box.record("rw")
+        assert rec["state"] == "UNCONFIRMED", rec["state"]
+        assert any("does not hold the run's worker" in n for n in rec["notes"] + [str(rec["containment"])]), rec
+        assert all(_census.alive(pid, created) for pid, created in tree.items()), tree
+    finally:
+        out.close()
+        for pid, created in tree.items():
+            _census.kill(pid, created)
+        decoy.remove()
+
+
+def test_job_held_after_its_worker_exited_is_killed_but_not_called_reaped(box: Box) -> None:
+    """contain killed, then the worker exits while a grandchild that copied
+    the job handle out of contain keeps the job (and itself) alive.
+    `contain cancel` opens the job by name and kills what is in it (the
+    census: the grandchild is gone), but with the worker gone nothing but
+    run.json, which the tree can rewrite, says this job is the run's: the
+    run ends EXITED, `descendants_exit` null with that reason, never REAPED.
+    Before: UNCONFIRMED, nothing signalled, the grandchild alive."""
+    out = open(os.path.join(box.dir, "contain.out"), "w")
+    tree: dict[int, int] = {}
+    try:
+        run = subprocess.Popen([*CONTAIN, "run", "--id", "gx", "--", *child("steal_below", box.dir, "gx")],
+                               env=box.env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+        try:
+            tree = {**_census.wait_marks(box.dir, "gx", 1), **_census.wait_marks(box.dir, "gx-thief", 1),
+                    **_census.wait_marks(box.dir, "gx-thief-gc", 1)}
+        finally:
+            run.kill()
+            run.wait(timeout=LONG)
+        with open(os.path.join(box.dir, "gx-thief.result")) as f:
+            assert f.read().split()[:1] == ["stole"]
+        worker = _census.marks(box.dir, "gx")
+        open(os.path.join(box.dir, "gx.go"), "w").close()
+        assert _census.wait_gone(worker) == []
+        held = {**_census.marks(box.dir, "gx-thief"), **_census.marks(box.dir, "gx-thief-gc")}
+        assert all(_census.alive(pid, created) for pid, created in held.items()), held
+        c = box.contain("cancel", "gx", "--op-id", "adopt", "--wait", "--json")
+        ack = json.loads(c.stdout)
+        assert ack["state"] == "EXITED", (ack, c.stderr)
+        assert _census.wait_gone(held) == []
+    finally:
+        out.close()
+        for pid, created in tree.items():
+            _census.kill(pid, created)
+    rec = box.record("gx")
+    ev = rec["evidence"]
+    assert ev["container_empty"]["observed"] is True, ev["container_empty"]
+    assert ev["descendants_exit"]["observed"] is None, ev["descendants_exit"]
+    wall = rec["containment"]["walls"][0]
+    assert wall["unleavable"] is False and "run.json" in str(wall["leavable_because"]), wall
+    assert [s["via"] for s in steps(rec)][-1].startswith("TerminateJobObject"), steps(rec)

@@ -24,7 +24,9 @@
 #include <windows.h>
 #include <aclapi.h>
 #include <sddl.h>
+#include <stdio.h>
 #include <string.h>
+#include <wchar.h>
 
 /* What the handle the owner keeps may do (ct_job_restrict): watch, list,
  * kill, assign (the spawn), read the descriptor. Never SET_ATTRIBUTES. */
@@ -45,37 +47,107 @@ static int last_error(void) {
 
 /* The job's security descriptor. A process that takes a handle to the job
  * (it duplicates one out of the supervisor, as the harness's `steal` role
- * does) must not be able to allow breakaway: the handle the owner keeps has
- * CT_JOB_KEPT_ACCESS only (ct_job_restrict), and asking DuplicateHandle for
- * more is an access check against this descriptor (ObDuplicateObject),
- * which grants nothing. The owner of an object may always change its DACL,
- * so the owner is SYSTEM where this token may say so (an administrator's),
- * and OWNER RIGHTS (S-1-3-4, Windows Vista+) keeps a user owner to reading
- * it. Whether that holds for this token is observed, not assumed
- * (ct_job_probe). */
+ * does, or opens a named job by its name) must not be able to allow
+ * breakaway: the handle the owner keeps has CT_JOB_KEPT_ACCESS only
+ * (ct_job_restrict), and asking DuplicateHandle or OpenJobObjectW for more
+ * is an access check against this descriptor (ObDuplicateObject), which
+ * grants no right that changes the job. The owner of an object may always
+ * change its DACL, so the owner is SYSTEM where this token may say so (an
+ * administrator's), and OWNER RIGHTS (S-1-3-4, Windows Vista+) keeps a user
+ * owner to reading it. Whether that holds for this token is observed, not
+ * assumed (ct_job_probe).
+ *
+ * A named job (ct_job_create_named) also grants this token's user
+ * CT_JOB_OPEN_ACCESS, so that an adopter (the same user, after the owner
+ * died) can open it by name, terminate it and observe it empty. A process
+ * of the tree can open it too: with no more than it could already take out
+ * of the supervisor (PROCESS_DUP_HANDLE, same user), and never a right
+ * that allows breakaway. */
 static const wchar_t *const job_sddl[2] = {L"O:SYD:P(A;;RC;;;OW)", L"D:P(A;;RC;;;OW)"};
 
-int ct_job_create(uintptr_t *job) {
+/* What an opener of a named job gets: watch, list and kill it. */
+#define CT_JOB_OPEN_ACCESS (JOB_OBJECT_QUERY | JOB_OBJECT_TERMINATE | SYNCHRONIZE | READ_CONTROL)
+
+/* "S-1-5-..." of this process's token user, LocalFree'd by the caller. */
+static int token_user_sid(wchar_t **out) {
+    HANDLE token = NULL;
+    DWORD n = 0;
+    TOKEN_USER *tu = NULL;
+    int rc = 0;
+    *out = NULL;
+    if (!OpenProcessToken(GetCurrentProcess(), TOKEN_QUERY, &token)) return last_error();
+    GetTokenInformation(token, TokenUser, NULL, 0, &n);
+    tu = n ? (TOKEN_USER *)HeapAlloc(GetProcessHeap(), 0, n) : NULL;
+    if (tu == NULL) rc = n ? ERROR_NOT_ENOUGH_MEMORY : last_error();
+    else if (!GetTokenInformation(token, TokenUser, tu, n, &n)) rc = last_error();
+    else if (!ConvertSidToStringSidW(tu->User.Sid, out)) rc = last_error();
+    if (tu) HeapFree(GetProcessHeap(), 0, tu);
+    CloseHandle(token);
+    return rc;
+}
+
+/* UTF-8 to a heap UTF-16 copy (NUL-terminated input). */
+static int widen_name(const char *s, wchar_t **out) {
+    int n;
+    *out = NULL;
+    n = MultiByteToWideChar(CP_UTF8, MB_ERR_INVALID_CHARS, s, -1, NULL, 0);
+    if (n <= 0) return last_error();
+    *out = (wchar_t *)HeapAlloc(GetProcessHeap(), 0, (SIZE_T)n * sizeof(wchar_t));
+    if (*out == NULL) return ERROR_NOT_ENOUGH_MEMORY;
+    if (MultiByteToWideChar(CP_UTF8, MB_ERR_INVALID_CHARS, s, -1, *out, n) <= 0) {
+        int e = last_error();
+        HeapFree(GetProcessHeap(), 0, *out);
+        *out = NULL;
+        return e;
+    }
+    return 0;
+}
+
+/* `name` NULL: an anonymous job. Otherwise a job of that name, which must
+ * not exist yet: ERROR_ALREADY_EXISTS if it does (someone squats the name;
+ * CreateJobObjectW would hand us their job). */
+int ct_job_create_named(uintptr_t *job, const char *name) {
     JOBOBJECT_EXTENDED_LIMIT_INFORMATION li;
     SECURITY_ATTRIBUTES sa;
     PSECURITY_DESCRIPTOR sd = NULL;
     HANDLE j = NULL;
+    wchar_t *wname = NULL, *user = NULL, sddl[512];
     int i, e = 0;
     *job = 0;
-    /* No name and no inheritable handle: nothing in the tree can open it
-     * to change its limits. */
+    if (name != NULL) {
+        if ((e = widen_name(name, &wname))) return e;
+        if ((e = token_user_sid(&user))) {
+            HeapFree(GetProcessHeap(), 0, wname);
+            return e;
+        }
+    }
+    /* No inheritable handle: the tree cannot inherit it. */
     for (i = 0; i < 2 && j == NULL; i++) {
-        if (!ConvertStringSecurityDescriptorToSecurityDescriptorW(job_sddl[i], SDDL_REVISION_1, &sd, NULL))
-            return last_error();
+        if (user != NULL)
+            _snwprintf(sddl, 511, L"%ls(A;;0x%lx;;;%ls)", job_sddl[i], (unsigned long)CT_JOB_OPEN_ACCESS, user);
+        else
+            _snwprintf(sddl, 511, L"%ls", job_sddl[i]);
+        sddl[511] = 0;
+        if (!ConvertStringSecurityDescriptorToSecurityDescriptorW(sddl, SDDL_REVISION_1, &sd, NULL)) {
+            e = last_error();
+            break;
+        }
         sa.nLength = sizeof sa;
         sa.lpSecurityDescriptor = sd;
         sa.bInheritHandle = FALSE;
-        j = CreateJobObjectW(&sa, NULL);
-        e = j == NULL ? last_error() : 0;
+        j = CreateJobObjectW(&sa, wname);
+        e = j == NULL ? last_error() : (GetLastError() == ERROR_ALREADY_EXISTS ? ERROR_ALREADY_EXISTS : 0);
         LocalFree(sd);
-        if (j == NULL && e != ERROR_INVALID_OWNER) return e;   /* only the owner falls back */
+        if (e == ERROR_ALREADY_EXISTS) {
+            CloseHandle(j);
+            j = NULL;
+            break;
+        }
+        if (j == NULL && e != ERROR_INVALID_OWNER) break;   /* only the owner falls back */
     }
-    if (j == NULL) return e;
+    if (wname) HeapFree(GetProcessHeap(), 0, wname);
+    if (user) LocalFree(user);
+    if (j == NULL) return e ? e : ERROR_GEN_FAILURE;
     ZeroMemory(&li, sizeof li);
     li.BasicLimitInformation.LimitFlags = CT_JOB_BASE_LIMITS;
     if (!SetInformationJobObject(j, JobObjectExtendedLimitInformation, &li, sizeof li)) {
@@ -83,6 +155,28 @@ int ct_job_create(uintptr_t *job) {
         CloseHandle(j);
         return e;
     }
+    *job = (uintptr_t)j;
+    return 0;
+}
+
+int ct_job_create(uintptr_t *job) {
+    return ct_job_create_named(job, NULL);
+}
+
+/* A named job of ours, for an adopter: CT_JOB_OPEN_ACCESS, what its
+ * descriptor grants this user. ERROR_FILE_NOT_FOUND when no job of that
+ * name exists: no handle to it is left anywhere (a name lives as long as a
+ * handle does), so KILL_ON_JOB_CLOSE has ended its tree. */
+int ct_job_open(const char *name, uintptr_t *job) {
+    wchar_t *wname = NULL;
+    HANDLE j;
+    int e;
+    *job = 0;
+    if ((e = widen_name(name, &wname))) return e;
+    j = OpenJobObjectW(CT_JOB_OPEN_ACCESS, FALSE, wname);
+    e = j == NULL ? last_error() : 0;
+    HeapFree(GetProcessHeap(), 0, wname);
+    if (j == NULL) return e;
     *job = (uintptr_t)j;
     return 0;
 }

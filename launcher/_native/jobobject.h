@@ -40,6 +40,8 @@ struct ct_job_limit_values {
  * breakaway, with a descriptor that grants nobody the right to change that
  * (see jobobject.c). */
 int ct_job_create(uintptr_t *job);
+int ct_job_create_named(uintptr_t *job, const char *name);
+int ct_job_open(const char *name, uintptr_t *job);
 /* Replace *job by a handle that can watch, kill and assign, but not change
  * the job's limits: call after ct_job_port_create, before the spawn. */
 int ct_job_restrict(uintptr_t *job);

@@ -62,4 +62,16 @@ int ct_job_process_status(uintptr_t process, int *running, uint32_t *exit_code);
 int ct_job_process_open(uint32_t pid, uintptr_t *process);
 int ct_job_process_times(uintptr_t process, struct ct_job_times *t);
 int ct_job_console_pids(uint32_t *pids, uint32_t cap, uint32_t *count);
+
+/* One process of a Toolhelp snapshot (ct_proc_snapshot). */
+#define CT_WINPROC_NAME_MAX 780    /* MAX_PATH UTF-16 units as UTF-8, at most 3 bytes each */
+struct ct_winproc {
+    uint32_t pid;
+    uint32_t ppid;             /* as the snapshot says: may name an exited parent whose pid was reused */
+    uint32_t threads;          /* 0: exited, its object kept by an open handle */
+    int times_error;           /* 0, or why creation_100ns could not be read (GetLastError) */
+    uint64_t creation_100ns;   /* FILETIME; with pid, the process's identity */
+    char name[CT_WINPROC_NAME_MAX + 1];   /* the image's file name, UTF-8 */
+};
+int ct_proc_snapshot(struct ct_winproc *out, uint32_t cap, uint32_t *count);
 #endif

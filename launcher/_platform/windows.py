@@ -51,7 +51,12 @@ _LIMIT_SILENT_BREAKAWAY_OK = 0x1000
 _LIMIT_KILL_ON_JOB_CLOSE = 0x2000
 _JOB_OBJECT_SET_ATTRIBUTES, _WRITE_DAC, _WRITE_OWNER = 0x10, 0x40000, 0x80000
 _ERROR_MORE_DATA = 234
+_ERROR_ALREADY_EXISTS = 183
+_ERROR_ACCESS_DENIED = 5
 _INFINITE = 0xFFFFFFFF
+# How long an adopter's kill waits for ActiveProcesses == 0 before the
+# driver observes (and, if members remain, retries the kill as on Linux).
+_ADOPTED_KILL_WAIT_MS = 5000
 
 
 class Container:
@@ -65,8 +70,11 @@ class Container:
     empty_via = "QueryInformationJobObject ActiveProcesses"
     empty_proof = "QueryInformationJobObject ActiveProcesses == 0"
     seal_detail = None
+    # The stop's words when a step fails (_stop.py): Windows', not Linux's.
+    term_via = "GenerateConsoleCtrlEvent(CTRL_BREAK_EVENT) to the worker's process group"
+    kill_via = "TerminateJobObject"
 
-    def __init__(self, run_id: str, job: int, port: int, key: int) -> None:
+    def __init__(self, run_id: str, job: int, port: int, key: int, name: str | None = None) -> None:
         self.run_id = run_id
         self.job = job            # JOB_OBJECT_QUERY | TERMINATE | ASSIGN_PROCESS only (ct_job_restrict)
         self.port = port
@@ -74,8 +82,18 @@ class Container:
         self.process = 0
         self.pid = -1
         self.spawn_via: str | None = None
-        # Anonymous on purpose: a named job could be opened by the tree.
-        self.path = f"anonymous job of run {run_id}"
+        # Named after the run uid (winsync.job_name), so that an adopter can
+        # open it once the owner is gone; anonymous only without a run uid
+        # (the doctor's probe).
+        self.name = name
+        self.path = name or f"anonymous job of run {run_id}"
+        # Opened by name by an adopter (`open`): no completion port (a job
+        # has one, its owner's), no console shared with the tree. `verified`:
+        # the run's worker, alive, was seen in it (_containers._attach_job);
+        # else `unverified` says why the job may not be the run's.
+        self.adopted = False
+        self.verified: bool | None = None
+        self.unverified: str | None = None
         self.last_terminate: dict[str, Any] | None = None
         self.waiter: Any = None   # the owner loop's Waiter on our port (winhost.Wakeups), closed first
         self.guard: dict[str, Any] = {}   # how the job is kept from being told to allow breakaway
@@ -84,15 +102,27 @@ class Container:
         self._wait: Any = None
 
     @classmethod
-    def create(cls, run_id: str, limits: Limits | None = None) -> "Container":
+    def create(cls, run_id: str, limits: Limits | None = None, uid: str | None = None) -> "Container":
         """`limits` (--memory-max, --pids-max, --cpu-max) are written and
         read back here, while the handle can still set them and nothing is
-        in the job (winlimits.py); ContainmentUnavailable if one is refused."""
+        in the job (winlimits.py); ContainmentUnavailable if one is refused.
+        With the run's `uid` the job is named (winsync.job_name); a job of
+        that name existing already is refused (someone squats the name)."""
         require_windows("Job Objects")
         from .._native import ffi, lib
+        from .winsync import job_name
 
         job = ffi.new("uintptr_t*")
-        rc = lib.ct_job_create(job)
+        name = job_name(uid) if uid else None
+        rc = lib.ct_job_create_named(job, name.encode() if name else ffi.NULL)
+        if name and rc == _ERROR_ALREADY_EXISTS:
+            raise ContainmentUnavailable(f"a Job Object named {name} exists already: not made by this run, refused")
+        if name and rc == _ERROR_ACCESS_DENIED:
+            # CreateJobObjectW opens an existing name for all access, which a
+            # job made with our descriptor (another run's, or a squatter's
+            # copy of it) does not grant.
+            raise ContainmentUnavailable(f"a Job Object named {name} exists already (CreateJobObjectW: access "
+                                         "denied): not made by this run, refused")
         if rc != 0:
             raise ContainmentUnavailable(f"CreateJobObjectW/SetInformationJobObject: {_error(rc, 'job')}")
         key = int(job[0])
@@ -114,8 +144,27 @@ class Container:
                     lib.ct_job_close_take(port[0])
         if rc != 0:
             raise ContainmentUnavailable(f"completion port / restricted job handle: {_error(rc, 'job')}")
-        c = cls(run_id, int(job[0]), int(port[0]), key)
+        c = cls(run_id, int(job[0]), int(port[0]), key, name)
         c.job_limits = applied
+        c._wait = ffi.new("struct ct_job_wait_result*")
+        c.guard = c._probe()
+        return c
+
+    @classmethod
+    def open(cls, run_id: str, name: str) -> "Container":
+        """The job of a run whose owner is gone, opened by its name with
+        what its descriptor grants this user (query, terminate: ct_job_open).
+        OSError (winerror 2) when no job has that name: no handle to it is
+        left anywhere, so KILL_ON_JOB_CLOSE ended its tree. The caller checks
+        that it is the run's job (_containers._attach_job). The limits guard
+        is probed again on this handle: what the descriptor grants decides."""
+        require_windows("Job Objects")
+        from .._native import ffi, lib
+
+        job = ffi.new("uintptr_t*")
+        _check(lib.ct_job_open(name.encode(), job), f"OpenJobObjectW {name}")
+        c = cls(run_id, int(job[0]), 0, int(job[0]), name)
+        c.adopted = True
         c._wait = ffi.new("struct ct_job_wait_result*")
         c.guard = c._probe()
         return c
@@ -150,8 +199,10 @@ class Container:
         req.new_pgroup = True   # CTRL_BREAK_EVENT reaches the worker's group
 
     def seal_status(self, req: SpawnRequestLike) -> tuple[bool, str | None]:
-        return False, ("the worker runs as the supervisor's user: it can write the state directory and "
-                       "end the supervisor")
+        return False, ("the worker runs as the supervisor's user: it can write the state directory, end the "
+                       "supervisor, and hold the run's job open past it (opened by name, or a handle copied out "
+                       "of the supervisor), so that its tree outlives the supervisor until an adopter "
+                       "(`contain cancel`) terminates the job")
 
     def spawn(self, req: SpawnRequestLike) -> Spawned:
         sp, self.spawn_via = winproc.spawn_into(self.job, req)
@@ -188,6 +239,8 @@ class Container:
 
     def leavable(self) -> str | None:
         """Why a member could have left the job unseen, or None."""
+        if self.unverified:
+            return self.unverified
         got = self.guard.get("obtainable")
         if got is None:
             return f"whether the job's limits can be changed is not known ({self.guard.get('why')})"
@@ -197,9 +250,12 @@ class Container:
         return None
 
     def walls(self) -> list[dict[str, Any]]:
-        return [{"kind": "job", "path": self.path, "via": self.empty_proof, "breakaway": "never allowed",
-                 "limits_guard": dict(self.guard), "unleavable": self.leavable() is None,
-                 "leavable_because": self.leavable()}]
+        wall = {"kind": "job", "path": self.path, "via": self.empty_proof, "breakaway": "never allowed",
+                "limits_guard": dict(self.guard), "unleavable": self.leavable() is None,
+                "leavable_because": self.leavable()}
+        if self.adopted:
+            wall["opened_by"] = "OpenJobObjectW by name, by the adopter (the owner was gone)"
+        return [wall]
 
     def owns(self, pid: int) -> bool:
         return False
@@ -340,6 +396,10 @@ class Container:
         detail: dict[str, Any] = {"event": "CTRL_BREAK_EVENT", "asked_for": sig, "process_group": self.pid,
                                   "sent": False, "delivered": False, "reached": 0, "not_reached": None}
         self.last_terminate = detail
+        if self.adopted:
+            detail["reason"] = ("adopted after the owner died: a console control event reaches only the "
+                                "sender's own console, and the tree's was its owner's")
+            return via, detail
         if self.pid < 0:
             detail["reason"] = "no worker"
             return via, detail
@@ -372,6 +432,13 @@ class Container:
         from .._native import lib
 
         _check(lib.ct_job_terminate(self.job, KILL_EXIT_CODE), "TerminateJobObject")
+        if self.adopted:
+            # No completion port wakes an adopter when the job empties: wait
+            # here, bounded, re-reading ActiveProcesses (ct_job_wait_empty
+            # without a port queries every 100 ms); the driver observes next.
+            _check(lib.ct_job_wait_empty(self.job, 0, _ADOPTED_KILL_WAIT_MS, self._wait),
+                   "QueryInformationJobObject(JobObjectBasicAccountingInformation)")
+            return "TerminateJobObject (the job opened by name by the adopter)"
         return "TerminateJobObject"
 
     def remove(self) -> str | None:

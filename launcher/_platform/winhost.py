@@ -189,6 +189,9 @@ class Orphaned:
     waiter: Any = None
     empty_via = "QueryInformationJobObject ActiveProcesses"
     empty_proof = ""
+    # The stop's words when a step fails (_stop.py): Windows', not Linux's.
+    term_via = "GenerateConsoleCtrlEvent(CTRL_BREAK_EVENT)"
+    kill_via = "TerminateJobObject"
 
     def __init__(self, path: str | None, reason: str | None = None) -> None:
         self.path = path
@@ -250,3 +253,31 @@ class Orphaned:
 
     def remove(self) -> str | None:
         return None
+
+
+class JobGone(Orphaned):
+    """The named job of a run whose owner is gone, which no longer exists:
+    OpenJobObjectW found no job of that name. A name lives as long as a
+    handle to the object does, so no handle to the job is left anywhere,
+    and the job's last handle closing ran KILL_ON_JOB_CLOSE (a limit no
+    handle of this user could clear: the limits guard), which terminates
+    every process in the job. That is the kernel's act, not an observation
+    of ActiveProcesses == 0 (a job nobody holds cannot be queried): the
+    stop observes it as the tree gone, unproven (_stop.observe: EXITED,
+    `container_empty` null with this reason), and sends nothing."""
+
+    empty_via = "OpenJobObjectW by the job's name"
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, (
+            f"no job named {path} exists any more: no handle to it is left anywhere (a name lives as long as "
+            "a handle does), so KILL_ON_JOB_CLOSE terminated every process in it when the last one closed; an "
+            "empty job that nobody holds cannot be queried, so ActiveProcesses == 0 was not observed"))
+        self.gone_detail = self.reason
+
+    def populated(self) -> bool:
+        return False
+
+    def walls(self) -> list[dict[str, Any]]:
+        return [{"kind": "job", "path": self.path, "observed_empty": None, "via": self.empty_via,
+                 "detail": self.reason}]

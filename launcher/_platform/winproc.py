@@ -297,3 +297,29 @@ def console_pids() -> tuple[set[int] | None, str | None]:
         if rc != 0:
             return None, str(_error(rc, "GetConsoleProcessList"))
         return {int(buf[i]) for i in range(n[0])}, None
+
+
+def snapshot() -> list[tuple[int, int, int, int, int, str]]:
+    """Every process, from one Toolhelp snapshot (ct_proc_snapshot): (pid,
+    parent pid, thread count, creation time as a FILETIME or 0 where this
+    token cannot open the process, its GetLastError, image name). OSError
+    if the snapshot itself fails."""
+    require_windows("Toolhelp snapshots")
+    from .._native import ffi, lib
+
+    cap = 512
+    for _ in range(8):
+        buf = ffi.new("struct ct_winproc[]", cap)
+        n = ffi.new("uint32_t*")
+        rc = lib.ct_proc_snapshot(buf, cap, n)
+        if rc == _ERROR_MORE_DATA:
+            cap = int(n[0]) + int(n[0]) // 4 + 64    # processes may keep appearing
+            continue
+        _check(rc, "CreateToolhelp32Snapshot")
+        out = []
+        for i in range(n[0]):
+            p = buf[i]
+            out.append((int(p.pid), int(p.ppid), int(p.threads), int(p.creation_100ns), int(p.times_error),
+                        ffi.string(p.name).decode("utf-8", "surrogateescape")))
+        return out
+    raise _error(_ERROR_MORE_DATA, "CreateToolhelp32Snapshot: still growing after 8 tries")

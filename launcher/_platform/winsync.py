@@ -84,6 +84,12 @@ def owner_event_name(run_uid: str) -> str:
     return f"Local\\contain-{_part(run_uid, 'run uid')}-owner"
 
 
+def job_name(run_uid: str) -> str:
+    """A run's Job Object, by name, so that an adopter can open it once its
+    owner is gone (windows.Container.open). `Local\\` as the owner event."""
+    return f"Local\\contain-{_part(run_uid, 'run uid')}-job"
+
+
 def waiter_event_name(token: str) -> str:
     """The event one waiting process (`contain wait`, `cancel --wait`)
     listens on, named by the token file it puts in the run's `waiters\\`
