@@ -54,15 +54,56 @@ def test_readme_example_is_reaped_for_a_user_without_delegation(user):
     assert rec["containment"]["walls"][0]["user_namespace"] == "self"
 
 
-def test_tree_cpu_is_counted_without_a_cgroup(user):
-    """Whole-tree CPU comes from the init's rusage: it reaps every member,
-    a setsid grandchild's burn included."""
+def test_tree_cpu_without_a_cgroup_is_unknown_with_the_inits_rusage_as_a_lower_bound(user):
+    """No cgroup counts the tree's CPU here: the init's rusage (every member
+    reaped by a wait, a setsid grandchild's burn included) is kept as
+    `at_least`, never as the whole-tree number (see the auto-reaped burner)."""
     uid, token, home = user
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
     script = f"setsid {python()} -c '{burn}' & wait; sleep 0.5"
     rc, rec = _run(uid, token, home, "--", "sh", "-c", script)
     assert rc == 0 and rec["state"] == "REAPED"
-    assert rec["cpu"]["usage_usec"] >= 250_000, rec["cpu"]
+    cpu = rec["accounting"]["cpu_usec"]
+    assert rec["cpu"] is None and cpu["value"] is None and "SIGCHLD" in cpu["reason"], cpu
+    assert cpu["at_least"] >= 250_000, cpu
+
+
+# The member ignores SIGCHLD, so the kernel reaps its child at exit
+# (exit_notify's autoreap) and the child's CPU is added to no rusage.
+AUTOREAP_BURNER = """\
+import os, signal, time
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+p = os.fork()
+if p == 0:
+    t = time.process_time()
+    while time.process_time() - t < 0.6:
+        pass
+    os._exit(0)
+try:
+    os.waitpid(p, 0)     # returns ECHILD once the child is gone: nobody reaped it by a wait
+except ChildProcessError:
+    pass
+"""
+
+
+def _complete_or_unknown(rec: dict, burned_usec: int) -> None:
+    cpu = rec["accounting"]["cpu_usec"]
+    if cpu["value"] is None:
+        assert cpu.get("reason"), cpu
+        assert rec["cpu"] is None, rec["cpu"]
+    else:
+        assert cpu["value"] >= burned_usec, f"whole-tree CPU {cpu} misses the auto-reaped child's {burned_usec} us"
+        assert rec["cpu"] is None or rec["cpu"]["usage_usec"] >= burned_usec, rec["cpu"]
+
+
+def test_cpu_of_a_child_reaped_by_the_kernel_is_never_left_out(user):
+    """A member that ignores SIGCHLD: its child burned 0.6 s, and the record
+    said 0.02 s (the init's RUSAGE_CHILDREN never saw it). Whole-tree CPU is
+    complete or null with the reason, never a smaller number."""
+    uid, token, home = user
+    rc, rec = _run(uid, token, home, "--backend", "pidns", "--", python(), "-c", AUTOREAP_BURNER)
+    assert rc == 0 and rec["state"] == "REAPED" and rec["containment"]["backend"] == "pidns", rec["state"]
+    _complete_or_unknown(rec, 550_000)
 
 
 def test_worker_behind_the_wall_has_no_capabilities(user):

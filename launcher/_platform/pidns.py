@@ -5,9 +5,11 @@ The wall is a container in its own right (pidwall.py): nothing can leave a
 PID namespace, and its init is reaped only once every member is gone. A
 caller without root gets it inside a user namespace that maps its own uid
 to itself, with every capability dropped before the worker runs
-(pidwall.shape). There is no cgroup: the run can end REAPED, its whole-tree
-CPU comes from the init's rusage (it reaps every member), and limits need a
-cgroup (refused).
+(pidwall.shape). There is no cgroup: the run can end REAPED; its whole-tree
+CPU is the run's own v1 `cpuacct` cgroup where it has one (a root caller on
+a hybrid host), else unknown, with the init's rusage as a lower bound (a
+member that ignores SIGCHLD has its children reaped by the kernel, and
+their CPU reaches no rusage); limits need a cgroup (refused).
 """
 from __future__ import annotations
 
@@ -195,6 +197,15 @@ class Container:
         return self.wall is not None and self.wall.owns(pid)
 
     def cpu_stat(self) -> dict[str, int] | None:
+        """None: no whole-tree number is proven here (_usage.RunUsage.finish
+        takes the run's own cgroup where it has one)."""
+        return None
+
+    def cpu_lower_bound(self) -> dict[str, int] | None:
+        """The init's RUSAGE_CHILDREN: the CPU of every member reaped by a
+        wait. A member that ignores SIGCHLD (or sets SA_NOCLDWAIT) has its
+        children reaped by the kernel (exit_notify's autoreap), whose CPU is
+        added to nobody's rusage: so this is only a lower bound."""
         return self.wall.cpu() if self.wall is not None else None
 
     # -- stopping ----------------------------------------------------------
