@@ -329,4 +329,9 @@ def spawn_request(argv: list[str], opts: Options, container: Any, run_id: str,
     if run_dir is not None and req.mount_proc and getattr(container, "hides_state_dir", False):
         # <state>/runs/<id>: the whole state directory, every run of the user's.
         req.hide = os.path.dirname(os.path.dirname(run_dir))
+        from ._platform.pidns import replaceable_link
+
+        problem = replaceable_link(req.hide)
+        if problem:
+            raise ContainmentUnavailable(f"state directory {req.hide}: {problem}")
     return req

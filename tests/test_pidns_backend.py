@@ -293,3 +293,87 @@ def test_a_start_that_failed_inside_the_wall_names_the_wall_it_was_reaped_by(use
     assert [w["kind"] for w in walls] == ["pidns"], walls
     assert walls[0]["observed_empty"] is True and isinstance(walls[0]["init_pid"], int), walls
     assert holders(token) == []
+
+
+# The worker (the caller's uid) moves the state directory's parent aside
+# and plants a state directory with a REAPED record for its own run, then
+# lives on. `MOVED` says whether the rename went through.
+FORGE = """\
+cd "$HOME_DIR" || exit 1
+if mv cache cache.old 2>"$HOME_DIR/mv.err"; then
+    mkdir -p "cache/contain/runs/$RUN" && cp "$FORGED" "cache/contain/runs/$RUN/record.json"
+    echo moved > "$HOME_DIR/outcome"
+else
+    echo refused > "$HOME_DIR/outcome"
+fi
+exec sleep 300
+"""
+
+
+def test_worker_renaming_a_parent_of_the_state_directory_cannot_forge_its_record(user):
+    """`--backend pidns` with the state directory under a directory the
+    user owns (`~/cache/contain`): the init hides the state directory, but
+    the worker (same uid) renamed its parent, planted a fresh state directory
+    with a forged REAPED record, and `status` believed it while the tree ran
+    on. Every directory above the state directory is a mount point in the
+    worker's namespace now: the rename is refused, and readers see the run."""
+    import subprocess
+    import time
+
+    uid, token, home = user
+    cache = os.path.join(home, "cache")
+    os.mkdir(cache, 0o700)
+    os.chown(cache, uid, uid)
+    state = os.path.join(cache, "contain")
+    forged = os.path.join(home, "forged.json")
+    with open(forged, "w") as f:
+        json.dump({"run_id": "victim", "run_uid": "0123456789abcdef", "state": "REAPED", "outcome": "exited",
+                   "exit_code": 0, "argv": ["true"],
+                   "timings": {"spawned_at": "2026-01-01T00:00:00.000000Z",
+                               "ended_at": "2026-01-01T00:00:01.000000Z"}}, f)
+    os.chown(forged, uid, uid)
+    env = user_env(CONTAIN_STATE_DIR=state, HOME_DIR=home, RUN="victim", FORGED=forged, **{TOKEN_VAR: token})
+    sup = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", python(), "-m",
+                            "launcher", "run", "-q", "--id", "victim", "--backend", "pidns", "--grace", "0.2", "--",
+                            "sh", "-c", FORGE], env=env, cwd="/", stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    outcome = os.path.join(home, "outcome")
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(outcome) and sup.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert os.path.exists(outcome), f"the worker never got to try (rc {sup.poll()})"
+        time.sleep(0.1)
+        assert holders(token), "the worker is gone (the test is void)"
+        st = as_uid(uid, [python(), "-m", "launcher", "status", "victim", "--json"], env=env)
+        view = json.loads(st.stdout) if st.stdout.strip() else {}
+        what = open(outcome).read().strip()
+        assert what == "refused", f"the worker renamed {cache}: status now says {st.stdout[:400]}"
+        assert st.returncode == 0 and view.get("state") == "RUNNING", (st.returncode, st.stdout[:400], st.stderr)
+    finally:
+        as_uid(uid, [python(), "-m", "launcher", "cancel", "victim", "--grace", "0"], env=env)
+        try:
+            sup.wait(30)
+        except subprocess.TimeoutExpired:
+            sup.kill()
+            sup.wait(10)
+        kill_holders(token)
+    assert holders(token) == []
+
+
+def test_state_directory_reached_through_a_symlink_the_worker_could_replace_is_refused(user):
+    """The pins hold directories, not a symlink on the way to them: one in a
+    directory the user may write (the worker could replace it and point
+    readers at another state directory) is refused before anything starts,
+    naming the real path to use instead."""
+    uid, token, home = user
+    real = os.path.join(home, "real")
+    os.mkdir(real, 0o700)
+    os.chown(real, uid, uid)
+    link = os.path.join(home, "link")
+    os.symlink(real, link)
+    os.lchown(link, uid, uid)
+    env = user_env(CONTAIN_STATE_DIR=os.path.join(link, "contain"), **{TOKEN_VAR: token})
+    p = as_uid(uid, [python(), "-m", "launcher", "run", "--backend", "pidns", "--", "true"], env=env)
+    assert p.returncode == 125 and "Traceback" not in p.stderr, (p.returncode, p.stderr)
+    assert "symlink" in p.stderr and f"CONTAIN_STATE_DIR={real}/contain" in p.stderr, p.stderr

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import select
+import stat
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import Any
@@ -40,6 +41,36 @@ def available() -> str | None:
     if userns not in _available:
         _available[userns] = posix.wall_available(userns, mount_proc=True)
     return _available[userns]
+
+
+def replaceable_link(state_dir: str) -> str | None:
+    """Why readers of `state_dir` could be pointed elsewhere by a worker of
+    the caller's own uid, or None. The init pins every directory above it
+    (a mount point cannot be renamed: init.c, pin_ancestors), but a symlink
+    on the way is followed by readers, and one in a directory this uid may
+    write can be replaced; the pin follows it and holds only its target."""
+    path = os.path.abspath(state_dir)
+    parts = [p for p in path.split("/") if p]
+    cur = "/"
+    for name in parts:
+        parent, cur = cur, os.path.join(cur, name)
+        try:
+            st = os.lstat(cur)
+        except OSError:
+            return None                   # made later, by us, as a directory
+        if not stat.S_ISLNK(st.st_mode):
+            continue
+        try:
+            pst = os.stat(parent)
+        except OSError:
+            continue
+        sticky_guard = pst.st_mode & stat.S_ISVTX and os.geteuid() not in (st.st_uid, pst.st_uid)
+        if os.access(parent, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids) \
+                and not sticky_guard:
+            return (f"{cur} is a symlink in {parent}, which the worker (uid {os.geteuid()}, behind the PID-namespace "
+                    f"wall) may replace, pointing readers at another state directory with forged records; use the "
+                    f"real path (CONTAIN_STATE_DIR={os.path.realpath(path)})")
+    return None
 
 
 class Container:
