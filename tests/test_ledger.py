@@ -312,6 +312,7 @@ def _race_runs(exe: str, env: dict[str, str], token: str, runs: int, out: str) -
 
     import launcher
 
+    os.setpgid(0, 0)           # a group of the test's own: ended whole if the runs overrun
     ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)     # PR_SET_CHILD_SUBREAPER
     sup = os.fork()
     if sup == 0:
@@ -374,7 +375,7 @@ def test_clone_parent_child_of_an_orphan_racing_its_parents_exit_is_never_reaped
     deadline = time.monotonic() + 300
     while os.waitpid(reaper, os.WNOHANG) == (0, 0):
         if time.monotonic() > deadline:
-            os.kill(reaper, signal.SIGKILL)
+            os.killpg(reaper, signal.SIGKILL)
             os.waitpid(reaper, 0)
             pytest.fail("the runs did not end within 300 s")
         time.sleep(0.05)
