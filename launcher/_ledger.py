@@ -460,35 +460,35 @@ class Ledger:
 
 class _Outside:
     """The forks one watched parent outside the tree reported outside the
-    run: how many, the latest time, and the latest few (for the record)."""
+    run: the latest _SAMPLES (for the record), and the latest time among
+    those let go (they count as much, unlisted)."""
 
-    __slots__ = ("count", "last_ns", "samples")
+    __slots__ = ("samples", "dropped", "dropped_ns")
 
     def __init__(self) -> None:
-        self.count = 0
-        self.last_ns = 0
         self.samples: list[tuple[int, dict[str, Any]]] = []
+        self.dropped = 0
+        self.dropped_ns = -1
 
     def add(self, pid: int, start: int | None, parent: int, where: str | None, ts: int) -> None:
-        self.count += 1
-        self.last_ns = max(self.last_ns, ts)
         self.samples.append((ts, {"pid": pid, "reported_parent": parent, "seen_in": where, "start_time": start}))
         if len(self.samples) > _SAMPLES:
-            del self.samples[0]
+            ts0, _ = self.samples.pop(0)
+            self.dropped += 1
+            self.dropped_ns = max(self.dropped_ns, ts0)
 
     def forget(self, pid: int, start: int) -> None:
         self.samples = [(ts, u) for ts, u in self.samples if (u["pid"], u["start_time"]) != (pid, start)]
 
     def taken(self, since: int) -> list[dict[str, Any]]:
-        """The forks at or after `since` (taken out: reported once)."""
-        if self.last_ns < since:
-            return []
+        """The forks at or after `since`, taken out (each is reported once)."""
         out = [u for ts, u in self.samples if ts >= since]
         self.samples = [(ts, u) for ts, u in self.samples if ts < since]
-        self.count = len(self.samples)
-        self.last_ns = max((ts for ts, _ in self.samples), default=0)
-        return out or [{"pid": None, "reported_parent": None, "seen_in": None, "start_time": None,
-                        "note": "forks outside the run, after a member was orphaned to their parent"}]
+        if self.dropped_ns >= since:
+            out.append({"pid": None, "reported_parent": None, "seen_in": None, "start_time": None,
+                        "note": f"up to {self.dropped} more such forks, not listed"})
+            self.dropped, self.dropped_ns = 0, -1
+        return out
 
 
 def _exited(pid: int) -> bool:
