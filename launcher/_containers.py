@@ -63,7 +63,7 @@ def make_container(run_id: str, opts: Options, uid: str | None = None) -> Any:
             c = pidns.Container(run_id)
             if weaker:
                 c.weaker = (f"{weaker}: the PID-namespace wall alone (still REAPED when it empties; no "
-                            "limits, CPU from the init's rusage)")
+                            "limits, and whole-tree CPU unknown: the init's rusage is only a lower bound)")
             return c
         if backend == "pidns":
             raise ContainmentUnavailable(f"PID-namespace wall unavailable: {problem}")
