@@ -157,8 +157,8 @@ def modes(caps: dict[str, Any]) -> list[dict[str, Any]]:
     }, {
         "mode": "pidns (no cgroup)", "backend": "pidns", "available": wall_ok,
         "strongest_state": "REAPED" if wall_ok else None,
-        "escapes": ("prevented: no process can leave a PID namespace; no limits, and CPU only from the init's "
-                    "rusage (--backend pidns, or auto where no cgroup can be had)"
+        "escapes": ("prevented: no process can leave a PID namespace; no limits, and whole-tree CPU unknown "
+                    "(the init's rusage is only a lower bound) (--backend pidns, or auto where no cgroup can be had)"
                     + ("" if root else "; the state directory is hidden from the worker (an empty tmpfs over it "
                        "in the run's mount namespace)")) if wall_ok else None,
         "why_not": None if wall_ok else wall_why,

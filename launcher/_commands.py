@@ -44,7 +44,8 @@ def add_parsers(sub: Any, argtype: Any) -> None:
     ls.add_argument("--json", action="store_true", help="one JSON array of every run (ended ones too)")
     g = sub.add_parser("gc", help="remove ended runs' directories",
                        description="Remove the directories of ended runs (a terminal record and no owner). "
-                       "Live, orphaned and unreadable runs are never removed. Without options every ended "
+                       "Live, orphaned and unreadable runs are never removed, nor a BREACHED run whose escaper "
+                       "is alive. Without options every ended "
                        "run goes. Automatically, a run start that finds more than CONTAIN_KEEP_RUNS (default 1000) "
                        "plus 100 run directories removes the oldest ended ones down to CONTAIN_KEEP_RUNS.")
     g.add_argument("--older-than", type=argtype(parse_duration), metavar="DURATION",

@@ -104,7 +104,7 @@ def make_container(run_id: str, opts: Options, uid: str | None = None) -> Any:
             c = pidns.Container(run_id)
             if weaker:
                 c.weaker = (f"{weaker}: the PID-namespace wall alone (still REAPED when it empties; no "
-                            "limits, CPU from the init's rusage)")
+                            "limits, and whole-tree CPU unknown: the init's rusage is only a lower bound)")
             return c
         if backend == "pidns":
             raise ContainmentUnavailable(f"PID-namespace wall unavailable: {problem}")
@@ -433,4 +433,9 @@ def spawn_request(argv: list[str], opts: Options, container: Any, run_id: str,
     if run_dir is not None and req.mount_proc and getattr(container, "hides_state_dir", False):
         # <state>/runs/<id>: the whole state directory, every run of the user's.
         req.hide = os.path.dirname(os.path.dirname(run_dir))
+        from ._platform.pidns import replaceable_link
+
+        problem = replaceable_link(req.hide)
+        if problem:
+            raise ContainmentUnavailable(f"state directory {req.hide}: {problem}")
     return req

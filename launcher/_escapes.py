@@ -49,7 +49,7 @@ def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float
         while True:
             fresh = 0
             live = ledger.live()            # (synced first)
-            made = len(ledger.tracked)      # every fork into the tree so far
+            made = ledger.forks              # every fork into the tree so far
             for t in live:
                 key = (t.pid, t.start_time or -1)
                 if key in found or key in known:
@@ -102,7 +102,7 @@ def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float
             # than their identities can be read is never seen alive, but
             # its forks keep coming.
             ledger.sync()
-            quiet = len(ledger.tracked) == made
+            quiet = ledger.forks == made
             if not fresh and quiet:
                 # Once more after a moment: a fork's event is sent after the
                 # child may already run (kernel_clone: wake_up_new_task, then
@@ -113,13 +113,13 @@ def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float
                 if not ledger.all_reaped():
                     time.sleep(_SETTLE_S)
                 ledger.sync()
-                quiet = len(ledger.tracked) == made
+                quiet = ledger.forks == made
                 if quiet:
                     break
             if time.monotonic() >= deadline:
                 break
-        if not quiet:
-            newest = ledger.tracked[-1]
+        newest = ledger.newest
+        if not quiet and newest is not None:
             found[(-1, -1)] = {"pid": newest.pid, "ppid": newest.ppid, "identity": None, "seen_in": None,
                                "at": now_iso(), "via": VIA, "killed": False, "gone": None,
                                "detail": ("the tree was still forking when the escaper pass ran out of time: "

@@ -9,7 +9,10 @@ reuse moved aside.
 Ended means: no process holds the owner lock, and the record is readable and
 terminal (REAPED, EXITED, BREACHED), and, for REAPED or EXITED, nothing the
 run's tag names is alive (_tags.still_alive: else a member that can write
-its run directory wrote that record). A run that is live, orphaned (record
+its run directory wrote that record); for BREACHED, no escaper the record
+names is alive by its identity (_identity.escapers_alive): the record is
+the only one of a breach, and is kept while the breach lives on (counted
+with the live runs). A run that is live, orphaned (record
 RUNNING or UNCONFIRMED, nobody owning it: `contain cancel` adopts it), or
 whose files cannot be read, is never removed: nothing proves it over. A
 moved-aside `.ended-*` directory was not live when it was moved, and is
@@ -171,7 +174,12 @@ def _status(st: StateDir, e: Entry, now: float) -> str:
             return "unreadable"
         if rec["state"] not in TERMINAL:
             return "live"
-        if rec["state"] != "BREACHED":
+        if rec["state"] == "BREACHED":
+            from ._identity import escapers_alive
+
+            if escapers_alive(rec):
+                return "live"     # the breach lives on, and this record is the only one of it
+        else:
             from ._tags import still_alive
 
             if still_alive(path) is not None:

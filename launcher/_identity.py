@@ -63,6 +63,32 @@ def orphan_sources() -> dict[str, int]:
     return _orphan_sources
 
 
+def escapers_alive(rec: dict[str, Any]) -> list[int]:
+    """The escapers a BREACHED record names (`evidence.escapes.detail`,
+    each with its identity) that are alive now, by pid + start time + boot
+    id; a zombie is not. The record is input: what does not fit is skipped,
+    so a forged one can only keep its own run longer, never remove another."""
+    ev = rec.get("evidence")
+    esc = ev.get("escapes") if isinstance(ev, dict) else None
+    detail = esc.get("detail") if isinstance(esc, dict) else None
+    if not isinstance(detail, list):
+        return []
+    from ._procfs import read_stat
+
+    out = []
+    for e in detail[:1000]:
+        ident = e.get("identity") if isinstance(e, dict) else None
+        if not isinstance(ident, dict) or ident.get("boot_id") != boot_id():
+            continue
+        pid, start = ident.get("pid"), ident.get("start_time")
+        if type(pid) is not int or type(start) is not int or pid <= 0:
+            continue
+        st = read_stat(pid)
+        if st is not None and st[4] == start and st[0] not in ("Z", "X"):
+            out.append(pid)
+    return out
+
+
 def boot_id() -> str:
     global _boot_id
     if _boot_id is None:

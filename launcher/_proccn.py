@@ -2,8 +2,12 @@
 
 `listen()` subscribes a socket; `events(buf, n)` turns what one recv read
 into (what, a, b, timestamp_ns) tuples: forks as (PROC_EVENT_FORK, parent
-tgid, child tgid, ts) and exits as (PROC_EVENT_EXIT, tgid, 0, ts), threads
-left out. The layout is the kernel's include/uapi/linux/cn_proc.h and
+tgid, child tgid, ts), threads left out; exits as (PROC_EVENT_EXIT, tgid,
+parent tgid, ts) for a thread-group leader and (THREAD_EXIT, tgid, parent
+tgid, ts) for any other thread. The parent is the exiting task's
+`real_parent` at its exit (0 where the kernel's event has no such field,
+before 4.18): it tells the ledger which reaper a member had once it was
+orphaned, whatever order the events came in. The layout is the kernel's include/uapi/linux/cn_proc.h and
 connector.h, as pyroute2's `pyroute2/netlink/connector/cn_proc.py` reads it;
 the socket is the standard library's because `import pyroute2` costs 130-155
 ms here (benchmarks/bench_ledger.py).
@@ -28,6 +32,7 @@ PROC_CN_MCAST_IGNORE = 2
 PROC_EVENT_NONE = 0x0
 PROC_EVENT_FORK = 0x1
 PROC_EVENT_EXIT = 0x80000000
+THREAD_EXIT = 0x1_0000_0000              # not a kernel value: a non-leader thread's exit
 NLMSG_DONE = 3
 NLMSG_ERROR = 2
 
@@ -35,7 +40,8 @@ _NLMSGHDR = struct.Struct("=IHHII")       # len, type, flags, seq, pid
 _CN_MSG = struct.Struct("=IIIIHH")        # idx, val, seq, ack, len, flags
 _EVENT = struct.Struct("=IIQ")            # what, cpu, timestamp_ns (CLOCK_MONOTONIC)
 _FORK = struct.Struct("=IIII")            # parent_pid, parent_tgid, child_pid, child_tgid
-_EXIT = struct.Struct("=II")              # process_pid, process_tgid (exit code etc. follow)
+_EXIT = struct.Struct("=II")              # process_pid, process_tgid
+_EXIT_PARENT = struct.Struct("=IIIIII")    # ... exit_code, exit_signal, parent_pid, parent_tgid (4.18)
 _ACK = struct.Struct("=I")                # err
 _HDR = _NLMSGHDR.size + _CN_MSG.size      # 36: where the proc_event starts
 _DATA = _HDR + _EVENT.size                # 52: where the event's data starts
@@ -83,7 +89,7 @@ def listen(ack_timeout: float = 0.2) -> _socket.socket:
 
 
 def events(buf: bytearray, n: int) -> Iterator[tuple[int, int, int, int]]:
-    """The process-level forks and exits in the first `n` bytes of `buf`."""
+    """The process-level forks, and the exits, in the first `n` bytes of `buf`."""
     off = 0
     while off + _DATA <= n:
         ln = _NLMSGHDR.unpack_from(buf, off)[0]
@@ -96,8 +102,8 @@ def events(buf: bytearray, n: int) -> Iterator[tuple[int, int, int, int]]:
                 yield what, ptgid, ctgid, ts
         elif what == PROC_EVENT_EXIT and ln >= _DATA + _EXIT.size:
             pid, tgid = _EXIT.unpack_from(buf, off + _DATA)
-            if pid == tgid:
-                yield what, tgid, 0, ts
+            parent = _EXIT_PARENT.unpack_from(buf, off + _DATA)[5] if ln >= _DATA + _EXIT_PARENT.size else 0
+            yield (what if pid == tgid else THREAD_EXIT), tgid, parent, ts
         off += (ln + 3) & ~3
 
 

@@ -292,6 +292,17 @@ class StopSequence:
         facts.set("descendants_exit", True, f"{c.empty_proof}, and no member could leave unseen ({how})", None, at=t)
         if self.watch is not None:
             facts.escapes.extend(self.watch.at_empty(c, self.kill_timeout))
+            if how == LEDGER_PROOF:
+                # The escapers acted until the pass stopped them: a fork one
+                # made outside (clone(CLONE_PARENT), reported as a reaper's)
+                # is judged only now, with every event it caused read.
+                how, why_not = self._unleavable()
+                if how is None:
+                    facts.layers["descendants_exit"] = {
+                        "observed": None, "at": now_iso(), "via": c.empty_proof,
+                        "detail": f"the container emptied, but a member could have left it unseen: {why_not}"}
+                    return (S.Event.EMPTY_ESCAPED if escapers_alive(facts.escapes) is not False
+                            else S.Event.EMPTY_LEAVABLE)
         alive = escapers_alive(facts.escapes)
         if alive is not False:
             # The container is empty, but a process that left it is alive or
@@ -321,7 +332,7 @@ class StopSequence:
             return f"sealed: {method}", ""
         missing = self.watch.saw_whole_run() if self.watch is not None else "no fork ledger"
         if missing is None:
-            return "the fork ledger saw every fork of the run", ""
+            return LEDGER_PROOF, ""
         return None, f"not sealed ({sealed_reason}), and {missing}"
 
     def wait_empty(self, deadline: float) -> str:
@@ -335,6 +346,9 @@ class StopSequence:
             if time.monotonic() > deadline:
                 return S.Event.DEADLINE
             self.container.wait_change(0.05)
+
+
+LEDGER_PROOF = "the fork ledger saw every fork of the run"
 
 
 def escapers_alive(escapes: list[dict[str, Any]]) -> bool | None:

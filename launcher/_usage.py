@@ -150,13 +150,8 @@ class RunUsage:
         v2_dir = getattr(container, "dir", None) if container is not None and container.backend == "cgroup2" else None
         acct = final_snapshot(self.cgroups, v2_dir=v2_dir, wall_s=wall_time(self.spawned_mono, self.empty_mono),
                               wall_reason=None if self.empty_mono else "the container was not observed empty")
-        wall_cpu = container.cpu_stat() if container is not None and container.backend == "pidns" else None
-        if wall_cpu:
-            # No cgroup: whole-tree CPU from the init's rusage (it reaps every member).
-            src = "rusage of the PID namespace's init (every member it reaped)"
-            acct["cpu_usec"] = {"value": wall_cpu["usage_usec"], "source": src}
-            acct["cpu_user_usec"] = {"value": wall_cpu["user_usec"], "source": src}
-            acct["cpu_system_usec"] = {"value": wall_cpu["system_usec"], "source": src}
+        if container is not None and container.backend == "pidns":
+            facts.cpu = _pidns_cpu(acct, container.cpu_lower_bound())
         if container is not None and container.backend == "job-object" and getattr(container, "job", 0):
             # (An adopter's job that is gone, or was never opened, has no numbers to give.)
             from ._platform.winacct import fields
@@ -192,3 +187,25 @@ class RunUsage:
             facts.cleanup["cgroups_v1_removed"] = problem is None
             if problem:
                 facts.cleanup["cgroups_v1_detail"] = problem
+
+
+_AUTOREAP = ("no cgroup of the run counts the tree's CPU, and the PID namespace's init counts only the members "
+             "reaped by a wait: a member that ignores SIGCHLD (or sets SA_NOCLDWAIT) has its children reaped by "
+             "the kernel, and their CPU reaches no rusage")
+
+
+def _pidns_cpu(acct: dict[str, Any], bound: dict[str, int] | None) -> dict[str, int] | None:
+    """Whole-tree CPU of a `pidns` run: the run's own cpuacct cgroup (it
+    counts every member, auto-reaped ones too) where the snapshot read one;
+    else null with the reason, the init's rusage kept as `at_least`. Returns
+    the record's `cpu` (None when not proven)."""
+    keys = (("cpu_usec", "usage_usec"), ("cpu_user_usec", "user_usec"), ("cpu_system_usec", "system_usec"))
+    if all(isinstance(acct.get(k), dict) and acct[k].get("value") is not None for k, _ in keys):
+        return {key: acct[k]["value"] for k, key in keys}
+    for k, key in keys:
+        entry: dict[str, Any] = {"value": None, "reason": _AUTOREAP}
+        if bound is not None:
+            entry["at_least"] = bound[key]
+            entry["at_least_source"] = "rusage of the PID namespace's init (the members reaped by a wait)"
+        acct[k] = entry
+    return None

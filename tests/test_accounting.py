@@ -464,3 +464,34 @@ def test_v1_accounting_cgroups_are_made_only_for_a_run_that_asks(cgroup_base, st
         p, a = plain["accounting"][key], asked["accounting"][key]
         assert p["value"] is None and "made only for a run that asks" in p["reason"], p
         assert a["value"] is not None and a["value"] > 0, a
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or _v1("cpuacct") is None,
+                    reason="needs root and the cgroup v1 cpuacct hierarchy (a pidns run's own cgroup)")
+def test_pidns_run_with_its_own_cgroup_counts_a_child_reaped_by_the_kernel(box, tmp_path):
+    """On the `pidns` backend the init's rusage replaced the run's own
+    cpuacct cgroup, and a member that ignores SIGCHLD has its children
+    reaped by the kernel: their CPU reaches no rusage. The cgroup counts
+    them: whole-tree CPU comes from it (a 0.6 s burner's child)."""
+    import launcher
+
+    burner = tmp_path / "burn.py"
+    burner.write_text(textwrap.dedent("""\
+        import os, signal, time
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+        p = os.fork()
+        if p == 0:
+            t = time.process_time()
+            while time.process_time() - t < 0.6:
+                pass
+            os._exit(0)
+        try:
+            os.waitpid(p, 0)
+        except ChildProcessError:
+            pass
+        """))
+    rec = launcher.run([sys.executable, str(burner)], backend="pidns", accounting=True, env=box.env).to_dict()
+    assert rec["state"] == "REAPED" and rec["containment"]["backend"] == "pidns", rec["state"]
+    cpu = rec["accounting"]["cpu_usec"]
+    assert cpu["value"] is not None and cpu["value"] >= 550_000, cpu
+    assert "cpuacct" in cpu["source"] and rec["cpu"]["usage_usec"] == cpu["value"], (cpu, rec["cpu"])

@@ -10,13 +10,16 @@ of the tree lives.
 """
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
+from _proc import holders, kill_holders
 from _survivors import IS_ROOT, ROOT, Contain, kill_survivors, new_token, survivors, wait_for
 from test_seal import ATTEMPTS, BASE, _attempt, _finish, _inside
 
@@ -238,3 +241,184 @@ def test_clone_parent_child_is_still_contained(contain_runs, tmp_path, migrate):
     if not migrate:
         # It was born inside and stayed: the stop found it as a member.
         assert left == [] and rec["state"] == "REAPED" and rc == 0, (left, rec["state"])
+
+
+# The worker forks K and exits at once; K spins until the kernel has
+# reparented it (getppid changes: the worker's exit_notify), then makes C
+# with clone(CLONE_PARENT). The process connector names K's new parent (a
+# reaper outside the tree) as C's, and C's fork can be queued before the
+# worker's exit event, which is what told the old ledger to look at that
+# reaper's forks. C moves itself out of every cgroup of the run (the test's
+# own v2 and v1 cgroups: `ESC_FILES`) and sleeps, deaf to the polite signal.
+# With CREATOR_LEAVES, K leaves first, so C is born outside the run and can
+# only be told from the host's other forks by what the ledger knows of K.
+RACER_C = r"""
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+static void leave(void) {
+    char *files = strdup(getenv("ESC_FILES")), *save = 0;
+    for (char *f = strtok_r(files, ":", &save); f; f = strtok_r(0, ":", &save)) {
+        int fd = open(f, O_WRONLY | O_CLOEXEC);
+        if (fd >= 0) { if (write(fd, "0", 1) < 0) {} close(fd); }
+    }
+}
+int main(void) {
+    pid_t w = getpid();
+    signal(SIGTERM, SIG_IGN);
+    signal(SIGINT, SIG_IGN);
+    signal(SIGHUP, SIG_IGN);
+    if (fork() != 0) _exit(0);
+    while (getppid() == w) ;
+    if (getenv("CREATOR_LEAVES")) leave();       /* C is born outside */
+    long c = syscall(SYS_clone, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0);
+    if (c == 0) {
+        leave();
+        execlp("sleep", "sleep", "300", (char *)0);
+        _exit(127);
+    }
+    _exit(0);
+}
+"""
+
+
+def _v1_escape_cgroups(box) -> list[str]:
+    """A cgroup of the test's own in every v1 hierarchy (under the box's v1
+    base, removed with it): where the racer's child goes."""
+    from conftest import v1_mounts
+
+    out = []
+    for mnt in v1_mounts():
+        d = os.path.join(mnt, box.v1_base.lstrip("/"), "esc")
+        try:
+            os.makedirs(d, exist_ok=True)
+        except OSError:
+            continue
+        out.append(os.path.join(d, "tasks"))
+    return out
+
+
+def _race_runs(exe: str, env: dict[str, str], token: str, runs: int, out: str) -> None:
+    """In a forked child: become a child subreaper (the reaper of the
+    tree's orphans, outside the tree, reaping at once), fork the library
+    supervisor, which runs the racer `runs` times and writes, for each
+    run, the record's state and what the test's own /proc scan found."""
+    import ctypes
+
+    import launcher
+
+    os.setpgid(0, 0)           # a group of the test's own: ended whole if the runs overrun
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)     # PR_SET_CHILD_SUBREAPER
+    sup = os.fork()
+    if sup == 0:
+        rows = []
+        for i in range(runs):
+            rec = launcher.run([exe], id=f"race{i}", grace=0.2, pidns=False, env=env, kill_timeout=2).to_dict()
+            left = holders(token)
+            ev = rec["evidence"]
+            rows.append({"state": rec["state"], "left": left, "escapes": ev["escapes"],
+                         "descendants_exit": ev["descendants_exit"]})
+            kill_holders(token)
+        with open(out, "w") as f:
+            json.dump(rows, f)
+        os._exit(0)
+    while True:          # reap everything, the supervisor last
+        try:
+            pid, _ = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        if pid == sup:
+            break
+    os._exit(0)
+
+
+@needs_root
+@pytest.mark.parametrize("creator", ["stays", "leaves_first"])
+def test_clone_parent_child_of_an_orphan_racing_its_parents_exit_is_never_reaped(box, tmp_path, creator):
+    """Without the wall (library `pidns=False`), under a subreaper that is
+    not the supervisor: the tree's orphans go to a reaper outside the tree,
+    which reaps them at once. The worker forks K and exits; K, orphaned,
+    makes C with clone(CLONE_PARENT) and exits; C leaves every cgroup of the
+    run. Whatever order the kernel's fork and exit events arrive in, and
+    whether K is still there to be read when they are, a run whose escaper
+    lives is never REAPED, and `descendants_exit` is never true then (the
+    test's own /proc scan decides what lives). Many runs: the order is a race."""
+    import shutil
+
+    if box.base is None:
+        pytest.skip("no cgroup v2 mount")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler for the racer")
+    src, exe = tmp_path / "racer.c", str(tmp_path / "racer")
+    src.write_text(RACER_C)
+    subprocess.run([cc, "-O1", "-o", exe, str(src)], check=True, timeout=60)
+    os.makedirs(box.base, exist_ok=True)
+    esc = os.path.join(box.base, "esc")
+    os.makedirs(esc, exist_ok=True)
+    env = dict(box.env, ESC_FILES=":".join([os.path.join(esc, "cgroup.procs"), *_v1_escape_cgroups(box)]))
+    env.pop("CONTAIN_LEDGER", None)
+    if creator == "leaves_first":
+        env["CREATOR_LEAVES"] = "1"
+    runs, out = 30, str(tmp_path / "rows.json")
+    reaper = os.fork()
+    if reaper == 0:
+        try:
+            _race_runs(exe, env, box.token, runs, out)
+        finally:
+            os._exit(1)
+    deadline = time.monotonic() + 300
+    while os.waitpid(reaper, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.killpg(reaper, signal.SIGKILL)
+            os.waitpid(reaper, 0)
+            pytest.fail("the runs did not end within 300 s")
+        time.sleep(0.05)
+    with open(out) as f:
+        rows = json.load(f)
+    assert len(rows) == runs
+    lies = [(i, r) for i, r in enumerate(rows)
+            if r["left"] and (r["state"] == "REAPED" or r["descendants_exit"]["observed"] is True)]
+    caught = sum(1 for r in rows if r["escapes"]["observed"] is True)
+    print(f"{len(lies)} lies, {caught} escapes caught, states {[r['state'] for r in rows]}")
+    assert not lies, f"{len(lies)} of {runs} runs said more than was observed; first: {lies[0]}"
+    # Where the ledger could not be sure, it says why.
+    unsure = [r for r in rows if r["state"] != "REAPED"]
+    assert all(r["descendants_exit"]["observed"] is not True and r["descendants_exit"]["detail"] for r in unsure)
+
+
+def test_ledger_table_does_not_grow_with_forks_that_are_reaped():
+    """A worker that forks 3,000 short children, each reaped at once: the
+    ledger's table holds what may still be alive, not every fork it ever
+    saw (it held 3,001 entries, and 30,001 for 30,000 forks: RSS 14.8 ->
+    23.5 MB). Drives the Ledger directly."""
+    sys.path.insert(0, ROOT)
+    from launcher._ledger import Ledger
+    from launcher._proccn import LedgerUnavailable
+
+    try:
+        led = Ledger.open()
+    except LedgerUnavailable as e:
+        pytest.skip(f"process connector unavailable here: {e.reason}")
+    token = new_token()
+    code = "import os\nfor i in range(3000):\n    p = os.fork()\n    if p == 0:\n        os._exit(0)\n    os.waitpid(p, 0)\n"
+    p = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, SEALTEST_TOKEN=token))
+    try:
+        led.track_root(p.pid)
+        assert p.wait(120) == 0
+        led.sync()
+        assert led.all_reaped() or led.live() == []
+        assert len(led.tracked) < 600, f"{len(led.tracked)} entries held after 3,000 forks"
+        assert led.forks >= 3001, led.forks
+        assert led.complete(), led.summary()
+    finally:
+        led.close()
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        kill_survivors(token)

@@ -54,15 +54,56 @@ def test_readme_example_is_reaped_for_a_user_without_delegation(user):
     assert rec["containment"]["walls"][0]["user_namespace"] == "self"
 
 
-def test_tree_cpu_is_counted_without_a_cgroup(user):
-    """Whole-tree CPU comes from the init's rusage: it reaps every member,
-    a setsid grandchild's burn included."""
+def test_tree_cpu_without_a_cgroup_is_unknown_with_the_inits_rusage_as_a_lower_bound(user):
+    """No cgroup counts the tree's CPU here: the init's rusage (every member
+    reaped by a wait, a setsid grandchild's burn included) is kept as
+    `at_least`, never as the whole-tree number (see the auto-reaped burner)."""
     uid, token, home = user
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
     script = f"setsid {python()} -c '{burn}' & wait; sleep 0.5"
     rc, rec = _run(uid, token, home, "--", "sh", "-c", script)
     assert rc == 0 and rec["state"] == "REAPED"
-    assert rec["cpu"]["usage_usec"] >= 250_000, rec["cpu"]
+    cpu = rec["accounting"]["cpu_usec"]
+    assert rec["cpu"] is None and cpu["value"] is None and "SIGCHLD" in cpu["reason"], cpu
+    assert cpu["at_least"] >= 250_000, cpu
+
+
+# The member ignores SIGCHLD, so the kernel reaps its child at exit
+# (exit_notify's autoreap) and the child's CPU is added to no rusage.
+AUTOREAP_BURNER = """\
+import os, signal, time
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+p = os.fork()
+if p == 0:
+    t = time.process_time()
+    while time.process_time() - t < 0.6:
+        pass
+    os._exit(0)
+try:
+    os.waitpid(p, 0)     # returns ECHILD once the child is gone: nobody reaped it by a wait
+except ChildProcessError:
+    pass
+"""
+
+
+def _complete_or_unknown(rec: dict, burned_usec: int) -> None:
+    cpu = rec["accounting"]["cpu_usec"]
+    if cpu["value"] is None:
+        assert cpu.get("reason"), cpu
+        assert rec["cpu"] is None, rec["cpu"]
+    else:
+        assert cpu["value"] >= burned_usec, f"whole-tree CPU {cpu} misses the auto-reaped child's {burned_usec} us"
+        assert rec["cpu"] is None or rec["cpu"]["usage_usec"] >= burned_usec, rec["cpu"]
+
+
+def test_cpu_of_a_child_reaped_by_the_kernel_is_never_left_out(user):
+    """A member that ignores SIGCHLD: its child burned 0.6 s, and the record
+    said 0.02 s (the init's RUSAGE_CHILDREN never saw it). Whole-tree CPU is
+    complete or null with the reason, never a smaller number."""
+    uid, token, home = user
+    rc, rec = _run(uid, token, home, "--backend", "pidns", "--", python(), "-c", AUTOREAP_BURNER)
+    assert rc == 0 and rec["state"] == "REAPED" and rec["containment"]["backend"] == "pidns", rec["state"]
+    _complete_or_unknown(rec, 550_000)
 
 
 def test_worker_behind_the_wall_has_no_capabilities(user):
@@ -252,3 +293,87 @@ def test_a_start_that_failed_inside_the_wall_names_the_wall_it_was_reaped_by(use
     assert [w["kind"] for w in walls] == ["pidns"], walls
     assert walls[0]["observed_empty"] is True and isinstance(walls[0]["init_pid"], int), walls
     assert holders(token) == []
+
+
+# The worker (the caller's uid) moves the state directory's parent aside
+# and plants a state directory with a REAPED record for its own run, then
+# lives on. `MOVED` says whether the rename went through.
+FORGE = """\
+cd "$HOME_DIR" || exit 1
+if mv cache cache.old 2>"$HOME_DIR/mv.err"; then
+    mkdir -p "cache/contain/runs/$RUN" && cp "$FORGED" "cache/contain/runs/$RUN/record.json"
+    echo moved > "$HOME_DIR/outcome"
+else
+    echo refused > "$HOME_DIR/outcome"
+fi
+exec sleep 300
+"""
+
+
+def test_worker_renaming_a_parent_of_the_state_directory_cannot_forge_its_record(user):
+    """`--backend pidns` with the state directory under a directory the
+    user owns (`~/cache/contain`): the init hides the state directory, but
+    the worker (same uid) renamed its parent, planted a fresh state directory
+    with a forged REAPED record, and `status` believed it while the tree ran
+    on. Every directory above the state directory is a mount point in the
+    worker's namespace now: the rename is refused, and readers see the run."""
+    import subprocess
+    import time
+
+    uid, token, home = user
+    cache = os.path.join(home, "cache")
+    os.mkdir(cache, 0o700)
+    os.chown(cache, uid, uid)
+    state = os.path.join(cache, "contain")
+    forged = os.path.join(home, "forged.json")
+    with open(forged, "w") as f:
+        json.dump({"run_id": "victim", "run_uid": "0123456789abcdef", "state": "REAPED", "outcome": "exited",
+                   "exit_code": 0, "argv": ["true"],
+                   "timings": {"spawned_at": "2026-01-01T00:00:00.000000Z",
+                               "ended_at": "2026-01-01T00:00:01.000000Z"}}, f)
+    os.chown(forged, uid, uid)
+    env = user_env(CONTAIN_STATE_DIR=state, HOME_DIR=home, RUN="victim", FORGED=forged, **{TOKEN_VAR: token})
+    sup = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", python(), "-m",
+                            "launcher", "run", "-q", "--id", "victim", "--backend", "pidns", "--grace", "0.2", "--",
+                            "sh", "-c", FORGE], env=env, cwd="/", stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    outcome = os.path.join(home, "outcome")
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(outcome) and sup.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert os.path.exists(outcome), f"the worker never got to try (rc {sup.poll()})"
+        time.sleep(0.1)
+        assert holders(token), "the worker is gone (the test is void)"
+        st = as_uid(uid, [python(), "-m", "launcher", "status", "victim", "--json"], env=env)
+        view = json.loads(st.stdout) if st.stdout.strip() else {}
+        what = open(outcome).read().strip()
+        assert what == "refused", f"the worker renamed {cache}: status now says {st.stdout[:400]}"
+        assert st.returncode == 0 and view.get("state") == "RUNNING", (st.returncode, st.stdout[:400], st.stderr)
+    finally:
+        as_uid(uid, [python(), "-m", "launcher", "cancel", "victim", "--grace", "0"], env=env)
+        try:
+            sup.wait(30)
+        except subprocess.TimeoutExpired:
+            sup.kill()
+            sup.wait(10)
+        kill_holders(token)
+    assert holders(token) == []
+
+
+def test_state_directory_reached_through_a_symlink_the_worker_could_replace_is_refused(user):
+    """The pins hold directories, not a symlink on the way to them: one in a
+    directory the user may write (the worker could replace it and point
+    readers at another state directory) is refused before anything starts,
+    naming the real path to use instead."""
+    uid, token, home = user
+    real = os.path.join(home, "real")
+    os.mkdir(real, 0o700)
+    os.chown(real, uid, uid)
+    link = os.path.join(home, "link")
+    os.symlink(real, link)
+    os.lchown(link, uid, uid)
+    env = user_env(CONTAIN_STATE_DIR=os.path.join(link, "contain"), **{TOKEN_VAR: token})
+    p = as_uid(uid, [python(), "-m", "launcher", "run", "--backend", "pidns", "--", "true"], env=env)
+    assert p.returncode == 125 and "Traceback" not in p.stderr, (p.returncode, p.stderr)
+    assert "symlink" in p.stderr and f"CONTAIN_STATE_DIR={real}/contain" in p.stderr, p.stderr

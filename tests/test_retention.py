@@ -159,3 +159,43 @@ def test_bad_durations(text):
 
     with pytest.raises(ValueError):
         parse_duration(text)
+
+
+def _breached(sd: str, rid: str, pid: int, start: int) -> None:
+    from launcher._identity import boot_id
+
+    t = time.time()
+    ident = {"pid": pid, "start_time": start, "boot_id": boot_id(), "pidns": None, "pidfd_inode": None}
+    rec = {"run_id": rid, "run_uid": UID, "state": "BREACHED", "outcome": "exited", "exit_code": 0,
+           "argv": ["true"], "timings": {"spawned_at": iso(t - 1), "ended_at": iso(t)},
+           "evidence": {"escapes": {"observed": True, "at": iso(t), "via": "fork ledger (netlink process connector)",
+                                    "detail": [{"pid": pid, "identity": ident, "killed": True, "gone": None,
+                                                "alive_at_end": None}]}}}
+    make(sd, rid, record=json.dumps(rec).encode())
+
+
+def test_gc_keeps_a_breached_run_whose_escaper_lives(tmp_path):
+    """A BREACHED record is the only record of a breach: gc (and the
+    automatic bound, which decides through the same _gc.examine) removed it while the
+    escaper it names lived on. Kept while that process (by pid and start
+    time) lives; removed once it is gone, and at once for one already gone."""
+    from launcher._procfs import read_stat
+
+    sd = str(tmp_path / "state")
+    env = dict(os.environ, CONTAIN_STATE_DIR=sd)
+    p = subprocess.Popen(["sleep", "300"])
+    try:
+        st = read_stat(p.pid)
+        assert st is not None
+        _breached(sd, "alive", p.pid, st[4])
+        _breached(sd, "gone", p.pid, st[4] + 1)        # another start time: that process is gone
+        r = run_contain(env, "gc", "--json")
+        assert r.returncode == 0, r.stderr
+        assert names(sd) == {"alive"}, json.loads(r.stdout)
+        assert json.loads(r.stdout)["live"] == 1
+    finally:
+        p.kill()
+        p.wait(10)
+    r = run_contain(env, "gc", "--json")
+    assert r.returncode == 0, r.stderr
+    assert names(sd) == set(), json.loads(r.stdout)

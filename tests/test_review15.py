@@ -210,6 +210,7 @@ def test_holder_of_the_seal_uid_claims_lock_cannot_wedge_sealed_runs_for_ever(tm
 
     monkeypatch.setattr(sealing, "_CLAIMS_WAIT_S", 0.5, raising=False)
     sd = _claims_dir(tmp_path)
+    monkeypatch.setattr(sealing, "CLAIMS_HOST", os.path.join(sd, sealing.CLAIMS))   # this test's own
     holder = os.open(os.path.join(sd, sealing.CLAIMS), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     fcntl.flock(holder, fcntl.LOCK_EX)
     claim = _Claim(sealing, sd, "r1")
@@ -235,6 +236,7 @@ def test_fork_during_a_seal_uid_claim_does_not_keep_the_claims_lock(tmp_path, mo
 
     monkeypatch.setattr(sealing, "_CLAIMS_WAIT_S", 0.5, raising=False)
     sd = _claims_dir(tmp_path)
+    monkeypatch.setattr(sealing, "CLAIMS_HOST", os.path.join(sd, sealing.CLAIMS))   # this test's own
     real = sealing._uids_in_use
     children: list[int] = []
 

@@ -300,3 +300,39 @@ def test_seal_whose_user_namespace_fails_at_the_spawn_fails_the_run_never_runs_u
     assert "Traceback" not in c.stderr
     rec = c.record()
     assert rec["outcome"] == "spawn_failed", rec
+
+
+@pytest.mark.forked
+@pytest.mark.skipif(not IS_ROOT, reason="dynamic uids are claimed by a root supervisor (--seal)")
+def test_two_state_directories_never_claim_the_same_dynamic_uid(tmp_path):
+    """Dynamic seal uids were claimed per state directory: two root
+    supervisors with different state directories could hand the same host
+    uid to two sealed runs (each sealed worker could then signal, trace or
+    write the other's). With the range narrowed to one free uid (this forked
+    process only), the second state directory's claim is refused."""
+    import errno
+
+    from launcher._platform import sealing
+
+    free = next(u for u in range(sealing.DYNAMIC_FIRST, sealing.DYNAMIC_LAST + 1)
+                if u not in sealing._uids_in_use() and not sealing._is_account(u)
+                and not os.path.exists(os.path.join(sealing.CLAIMS_HOST, str(u))))
+    sealing.DYNAMIC_FIRST = sealing.DYNAMIC_LAST = free
+    existed = os.path.isdir(sealing.CLAIMS_HOST)
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(mode=0o700)
+    b.mkdir(mode=0o700)
+    uid, path = sealing.claim_dynamic_uid(str(a), "r1")
+    try:
+        assert uid == free
+        with pytest.raises(OSError) as err:
+            _uid2, path2 = sealing.claim_dynamic_uid(str(b), "r2")
+            sealing.release_claim(path2)
+        assert err.value.errno == errno.EUSERS, err.value
+    finally:
+        sealing.release_claim(path)
+        if not existed:
+            try:
+                os.rmdir(sealing.CLAIMS_HOST)     # made by this test's claim; kept if another's is in it
+            except OSError:
+                pass

@@ -274,6 +274,30 @@ void ct_init_from_image(int sock, int sync_rd, int args_fd, size_t len) {
     init_run(a, w, sock, sync_rd);
 }
 
+/* Every directory above the one to hide, bound onto itself: a mount point
+ * cannot be renamed, replaced or removed from the mount namespace it is
+ * mounted in (vfs_rename and vfs_rmdir: is_local_mountpoint -> EBUSY,
+ * whatever path names it), so a worker that owns a parent of the state
+ * directory (~/.local/state/contain: it owns ~/.local) cannot move it
+ * aside and plant another state directory, with a forged record, where
+ * readers outside look. Recursive (MS_REC): submounts stay visible, and a
+ * locked one may only be bound with its parent. Top down, and before the
+ * tmpfs below them is mounted. 0 or -errno. */
+static int pin_ancestors(const char *path) {
+    char buf[4096];
+    size_t n = strlen(path);
+    if (n == 0 || n >= sizeof buf || path[0] != '/') return -EINVAL;
+    memcpy(buf, path, n + 1);
+    for (size_t i = 1; i < n; i++) {
+        if (buf[i] != '/' || buf[i - 1] == '/') continue;
+        buf[i] = '\0';
+        int r = mount(buf, buf, NULL, MS_BIND | MS_REC, NULL);
+        buf[i] = '/';
+        if (r < 0) return -errno;
+    }
+    return 0;
+}
+
 static void init_run(const struct ct_spawn_args *a, const struct ct_wall_args *w, int sock, int sync_rd) {
     int rc;
     int extra[2] = {sock, sync_rd};
@@ -331,6 +355,8 @@ static void init_run(const struct ct_spawn_args *a, const struct ct_wall_args *w
              * copy_mnt_ns -> lock_mnt_tree). Only behind a user namespace of
              * the caller's own uid, whose worker would otherwise own the state
              * directory (wall.py decides). */
+            int pinned = w->hide ? pin_ancestors(w->hide) : 0;
+            if (pinned < 0) init_send(sock, CT_EV_NOTE, CT_NOTE_HIDE, -pinned, 0, 0, 0, 0, -1);
             if (w->hide && mount("tmpfs", w->hide, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
                                  "mode=0700,size=64m") < 0) {
                 init_send(sock, CT_EV_NOTE, CT_NOTE_HIDE, errno, 0, 0, 0, 0, -1);

@@ -5,15 +5,18 @@ The wall is a container in its own right (pidwall.py): nothing can leave a
 PID namespace, and its init is reaped only once every member is gone. A
 caller without root gets it inside a user namespace that maps its own uid
 to itself, with every capability dropped before the worker runs
-(pidwall.shape). There is no cgroup: the run can end REAPED, its whole-tree
-CPU comes from the init's rusage (it reaps every member), and limits need a
-cgroup (refused).
+(pidwall.shape). There is no cgroup: the run can end REAPED; its whole-tree
+CPU is the run's own v1 `cpuacct` cgroup where it has one (a root caller on
+a hybrid host), else unknown, with the init's rusage as a lower bound (a
+member that ignores SIGCHLD has its children reaped by the kernel, and
+their CPU reaches no rusage); limits need a cgroup (refused).
 """
 from __future__ import annotations
 
 import errno
 import os
 import select
+import stat
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
     from typing import Any
@@ -38,6 +41,36 @@ def available() -> str | None:
     if userns not in _available:
         _available[userns] = posix.wall_available(userns, mount_proc=True)
     return _available[userns]
+
+
+def replaceable_link(state_dir: str) -> str | None:
+    """Why readers of `state_dir` could be pointed elsewhere by a worker of
+    the caller's own uid, or None. The init pins every directory above it
+    (a mount point cannot be renamed: init.c, pin_ancestors), but a symlink
+    on the way is followed by readers, and one in a directory this uid may
+    write can be replaced; the pin follows it and holds only its target."""
+    path = os.path.abspath(state_dir)
+    parts = [p for p in path.split("/") if p]
+    cur = "/"
+    for name in parts:
+        parent, cur = cur, os.path.join(cur, name)
+        try:
+            st = os.lstat(cur)
+        except OSError:
+            return None                   # made later, by us, as a directory
+        if not stat.S_ISLNK(st.st_mode):
+            continue
+        try:
+            pst = os.stat(parent)
+        except OSError:
+            continue
+        sticky_guard = pst.st_mode & stat.S_ISVTX and os.geteuid() not in (st.st_uid, pst.st_uid)
+        if os.access(parent, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids) \
+                and not sticky_guard:
+            return (f"{cur} is a symlink in {parent}, which the worker (uid {os.geteuid()}, behind the PID-namespace "
+                    f"wall) may replace, pointing readers at another state directory with forged records; use the "
+                    f"real path (CONTAIN_STATE_DIR={os.path.realpath(path)})")
+    return None
 
 
 class Container:
@@ -195,6 +228,15 @@ class Container:
         return self.wall is not None and self.wall.owns(pid)
 
     def cpu_stat(self) -> dict[str, int] | None:
+        """None: no whole-tree number is proven here (_usage.RunUsage.finish
+        takes the run's own cgroup where it has one)."""
+        return None
+
+    def cpu_lower_bound(self) -> dict[str, int] | None:
+        """The init's RUSAGE_CHILDREN: the CPU of every member reaped by a
+        wait. A member that ignores SIGCHLD (or sets SA_NOCLDWAIT) has its
+        children reaped by the kernel (exit_notify's autoreap), whose CPU is
+        added to nobody's rusage: so this is only a lower bound."""
         return self.wall.cpu() if self.wall is not None else None
 
     # -- stopping ----------------------------------------------------------

@@ -31,7 +31,15 @@ if TYPE_CHECKING:
     from typing import Any, Iterable
 
 DYNAMIC_FIRST, DYNAMIC_LAST = 61184, 65519
-CLAIMS = "dynamic-uids"          # in the (root) state directory: one file per claimed uid
+# Claims of dynamic uids are the host's, not one state directory's: two root
+# supervisors with different state directories must never hand out the same
+# host uid (a uid is checked free only against live processes, and a claimed
+# one has none until its worker starts). /run is a tmpfs emptied at boot, as
+# claims should be. Where it cannot be made (no /run, read-only), the state
+# directory's own `dynamic-uids` is used, and only runs of that state
+# directory are kept apart (docs/sealing.md says so).
+CLAIMS_HOST = "/run/contain-uids"
+CLAIMS = "dynamic-uids"          # the fallback, in the (root) state directory: one file per claimed uid
 _CLAIM_STALE_S = 60.0            # a claim older than this whose uid no process has is free
 _CLAIMS_WAIT_S = 10.0            # how long a claim waits for another's lock of the claims directory
 
@@ -72,10 +80,26 @@ def _is_account(uid: int) -> bool:
     return False
 
 
+def _claims_dir(state_dir: str) -> str:
+    """Where claims live: the host's directory, else the state directory's."""
+    try:
+        os.mkdir(CLAIMS_HOST, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        d = os.path.join(state_dir, CLAIMS)
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+        return d
+    return CLAIMS_HOST
+
+
 def claim_dynamic_uid(state_dir: str, run_id: str) -> tuple[int, str]:
     """A host uid for one sealed run, from the dynamic range: one no live
     process has, no account or group of this host names, and no recent
-    claim names. Returns (uid, claim path); the
+    claim names, in any state directory (CLAIMS_HOST). Returns (uid, claim path); the
     claim is removed when the run ends (release_claim). Claims are made
     under an flock of the claims directory, so two supervisors never take
     the same one. Raises OSError when none is free, or when the lock was
@@ -84,11 +108,7 @@ def claim_dynamic_uid(state_dir: str, run_id: str) -> tuple[int, str]:
     ever, deaf to SIGTERM)."""
     import fcntl
 
-    d = os.path.join(state_dir, CLAIMS)
-    try:
-        os.mkdir(d, 0o700)
-    except FileExistsError:
-        pass
+    d = _claims_dir(state_dir)
     dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         st = os.fstat(dfd)

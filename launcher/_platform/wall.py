@@ -93,7 +93,8 @@ _NOTES = {
     lib.CT_NOTE_DEVNULL: "the init could not point its stdio at /dev/null",
     lib.CT_NOTE_SHED: ("the init could not let go of the supervisor's memory (shared copy-on-write "
                        "until the run ends)"),
-    lib.CT_NOTE_HIDE: "the state directory could not be hidden from the worker (it can write its run directory)",
+    lib.CT_NOTE_HIDE: ("the state directory could not be hidden from the worker, or a directory above it pinned "
+                       "(it can write its run directory, or move the state directory aside for another)"),
 }
 
 
