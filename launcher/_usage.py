@@ -5,7 +5,8 @@
                                    hosts), limits written and read back: before the spawn
     .join(req)                     the spawn's join fds: the child writes "0" to each before
                                    exec, so the whole tree is inside from its first instruction
-    .spawned(pid)                  placement verified right after the spawn (None, or why not)
+    .spawned(pid, pidfd)           placement verified right after the spawn (None, or why not);
+                                   `placement_note()` when it could not be (the worker had exited)
     .at_stop(members)              the locks members hold when the stop begins (`locks_released`)
     .finish(facts, container)      the final snapshot, after the container was observed empty and
                                    before anything is removed; then the run's cgroups removed
@@ -111,17 +112,25 @@ class RunUsage:
         if self.cgroups is not None:
             self.cgroups.close_join_fds()
 
-    def spawned(self, pid: int) -> str | None:
-        """None if the worker is in every cgroup it must be in, else why not
-        (the caller stops it: a run must not go on as if limited)."""
+    def spawned(self, pid: int, pidfd: int = -1) -> str | None:
+        """None if the worker is in every cgroup it must be in, or if that
+        could not be read (a worker that already exited: `placement_note`
+        says what was and was not verified); else why not, in words (the
+        caller stops it: a run must not go on as if limited)."""
         self.spawned_mono = time.monotonic()
         self.worker_pid = pid
         if self.cgroups is None:
             return None
-        self.placement = self.cgroups.verify(pid)
+        self.placement = self.cgroups.verify(pid, pidfd)
         if self.placement.get("observed") is False and self.limits:
-            return f"the worker is not in its limited cgroups: {self.placement.get('detail')}"
+            return str(self.placement["detail"]["note"])
         return None
+
+    def placement_note(self) -> str | None:
+        """The record's note for a placement that could not be verified."""
+        if self.placement is None or self.placement.get("observed") is not None:
+            return None
+        return str(self.placement["detail"]["note"])
 
     def at_stop(self, members: list[int]) -> None:
         if self.check_locks and self.locks is None:
@@ -171,7 +180,7 @@ class RunUsage:
             facts.limits = dict(self.cgroups.limits_record(), hit=hits)
             if caveat and self.limits:
                 facts.limits["notes"] = [*facts.limits.get("notes", []), caveat]
-            facts.cgroup_v1 = self.cgroups.describe()
+            facts.cgroup_v1 = dict(self.cgroups.describe(), placement=self.placement)
         elif container is not None and container.backend == "job-object" and hasattr(container, "limits_record"):
             # The job's own read-back, `hit` from the port's limit messages.
             job_limits = container.limits_record()
