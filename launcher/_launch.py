@@ -147,6 +147,7 @@ def _start(run: Run) -> None:
         sp = run.container.spawn(req)
     except (SpawnFailed, ContainmentUnavailable, OSError) as e:
         err = e if isinstance(e, LauncherError) else ContainmentUnavailable(f"spawn: {e}")
+        err = run.usage.explain_spawn_failure(err, run.container)     # while its cgroups still exist
         spawn_failed(run, err)
         raise err from (None if err is e else e)
     finally:

@@ -257,13 +257,32 @@ class RunCgroups:
         right after it."""
         self.close_join_fds()
         try:
-            for name in sorted(self.v1):
+            for name in sorted(self.v1, key=lambda n: (self.worker_joins_itself(n), n)):
                 self._fds.append(os.open(os.path.join(self.v1[name], "tasks"),
                                          os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW))
         except OSError as e:
             self.close_join_fds()
             raise ContainmentUnavailable(f"cannot open the tasks file of {self.name}: {os.strerror(e.errno or 0)}") from e
         return list(self._fds)
+
+    def worker_joins_itself(self, name: str) -> bool:
+        """Whether, behind the PID-namespace wall, the worker joins this v1
+        hierarchy itself (its fds come last in join_fds) rather than the
+        wall's init: the `pids` hierarchy, so that `--pids-max N` counts
+        the tree's N tasks and not our init (with the init inside,
+        `--pids-max 1 -- true` could not fork the worker at all). A move
+        is not a fork: pids.max binds forks only (pids.rst), so the worker
+        always gets in. Not `memory`: a vfork child joining a memory cgroup
+        at its limit faults for ever on the first page it must copy (the
+        OOM killer passes over a task in vfork, in_vfork() in oom_badness,
+        mm/oom_kill.c), so the init stays in it and its few pages are
+        charged to the run (limits.notes says so)."""
+        ctrls = set(self.v1_hier[name].controllers)
+        return "pids" in ctrls and "memory" not in ctrls
+
+    def worker_joins(self) -> int:
+        """How many of join_fds (the last ones) the worker joins itself."""
+        return sum(1 for n in self.v1 if self.worker_joins_itself(n))
 
     def close_join_fds(self) -> None:
         for fd in self._fds:

@@ -107,6 +107,7 @@ class RunUsage:
     def join(self, req: Any) -> None:
         if self.cgroups is not None:
             req.join_fds = list(req.join_fds) + self.cgroups.join_fds()
+            req.worker_joins = self.cgroups.worker_joins()
 
     def close_join(self) -> None:
         if self.cgroups is not None:
@@ -126,11 +127,48 @@ class RunUsage:
             return str(self.placement["detail"]["note"])
         return None
 
+    def explain_spawn_failure(self, err: Any, container: Any) -> Any:
+        """A wall's init killed before it could start the worker, in a run
+        with --memory-max whose memory cgroup counted an OOM kill: the
+        limit was below what contain's own init needs (it sits in the run's
+        memory cgroup: _runcgroups.RunCgroups.worker_joins_itself says why),
+        said so instead of "the pid namespace init died killed by signal 9".
+        Any other error is returned as it is."""
+        from ._errors import SpawnFailed
+
+        if not (isinstance(err, SpawnFailed) and err.stage == "pid namespace init" and self.cgroups is not None
+                and self.limits is not None and self.limits.memory_max is not None):
+            return err
+        from ._accounting import final_snapshot
+
+        v2_dir = getattr(container, "dir", None) if container is not None and container.backend == "cgroup2" else None
+        kills = (final_snapshot(self.cgroups, v2_dir=v2_dir).get("oom_kills") or {}).get("value")
+        if not kills:
+            return err
+        applied = (self.cgroups.applied.get("memory_max_bytes") or {}).get("value")
+        new = SpawnFailed(f"{err.path or 'the worker'}: contain's init (pid 1 of the run's PID namespace) was "
+                          f"killed by the OOM killer before it could start the worker: --memory-max counts the "
+                          f"init's own pages (it is in the run's memory cgroup and needs about 100 KiB), and "
+                          f"{applied} bytes leave it too few; ask for more, or use --no-pidns",
+                          errno=err.errno, stage=err.stage, path=err.path)
+        new.wall_init = err.wall_init
+        return new
+
     def placement_note(self) -> str | None:
         """The record's note for a placement that could not be verified."""
         if self.placement is None or self.placement.get("observed") is not None:
             return None
         return str(self.placement["detail"]["note"])
+
+    def init_counted(self, container: Any) -> str | None:
+        """How the wall's init is counted in the limits asked, in words
+        (limits.notes), or None: --pids-max never counts it (the worker
+        joins the pids cgroup itself), --memory-max does, --cpu-max does
+        (an init that sleeps in signalfd uses next to no CPU)."""
+        if self.limits is None or self.limits.memory_max is None or getattr(container, "wall", None) is None:
+            return None
+        return ("contain's init (pid 1 of the run's PID namespace) is in the run's memory cgroup: its own pages "
+                "(about 100 KiB) count against memory_max; pids_max counts only the tree")
 
     def at_stop(self, members: list[int]) -> None:
         if self.check_locks and self.locks is None:
@@ -180,6 +218,9 @@ class RunUsage:
             facts.limits = dict(self.cgroups.limits_record(), hit=hits)
             if caveat and self.limits:
                 facts.limits["notes"] = [*facts.limits.get("notes", []), caveat]
+            counted = self.init_counted(container)
+            if counted:
+                facts.limits["notes"] = [*facts.limits.get("notes", []), counted]
             facts.cgroup_v1 = dict(self.cgroups.describe(), placement=self.placement)
         elif container is not None and container.backend == "job-object" and hasattr(container, "limits_record"):
             # The job's own read-back, `hit` from the port's limit messages.

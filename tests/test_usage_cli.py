@@ -72,7 +72,7 @@ def test_a_fork_bomb_is_stopped_by_pids_max(box):
     assert p.returncode == 124, p.stderr
     rec = box.record("b")
     assert rec["limits"]["applied"]["pids_max"]["value"] >= 24
-    assert rec["accounting"]["tasks_peak"]["value"] <= 25      # the wall's init counts as one task
+    assert rec["accounting"]["tasks_peak"]["value"] <= 24      # the tree alone: the wall's init is not in it
     assert rec["limits"]["hit"]["pids_max"]["observed"] is True
     assert rec["state"] == "REAPED" and holders(box.token) == []
 
@@ -255,4 +255,56 @@ def test_a_fast_worker_that_ran_is_never_recorded_as_a_failed_start(box, tmp_pat
         assert placement.get("observed") is None, (i, placement)
         note = placement["detail"]["note"]
         assert "not verified" in note and "{" not in note and note in (notes or []), (i, placement, notes)
+    assert holders(box.token) == []
+
+
+@pytest.mark.skipif(not _v1("pids"), reason="no v1 pids hierarchy on this host")
+def test_pids_max_counts_the_tree_and_not_contains_own_init(box, tmp_path):
+    """--pids-max counted contain's own init (pid 1 of the run's PID
+    namespace): `--pids-max 1 -- true` failed with "fork in the pid
+    namespace failed", and `--pids-max 2 -- sh -c ...` said "sh: Cannot
+    fork" when sh forked its one child. The worker joins the pids cgroup
+    itself now: N lets the tree have N tasks, and N means N."""
+    p = run_contain(box.env, "run", "--id", "one", "--pids-max", "1", "--", "true")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    rec = box.record("one")
+    assert rec["outcome"] == "exited" and rec["state"] == "REAPED", rec["evidence"]["root_exit"]
+    assert rec["accounting"]["tasks_peak"]["value"] == 1
+    side = tmp_path / "side"
+    two = f"ls / > /dev/null && echo ran > {side}"
+    p = run_contain(box.env, "run", "--id", "two", "--pids-max", "2", "--", "sh", "-c", two)
+    assert p.returncode == 0, p.stderr
+    assert side.read_text() == "ran\n"
+    assert box.record("two")["accounting"]["tasks_peak"]["value"] == 2
+    # And the limit still binds the tree: one task, and sh cannot fork ls.
+    side.unlink()
+    p = run_contain(box.env, "run", "--id", "tight", "--pids-max", "1", "--", "sh", "-c", two)
+    assert p.returncode != 0 and not side.exists(), (p.returncode, p.stderr)
+    rec = box.record("tight")
+    assert rec["outcome"] == "exited" and rec["limits"]["hit"]["pids_max"]["observed"] is True, rec["limits"]
+    assert holders(box.token) == []
+
+
+@pytest.mark.skipif(not _v1("memory"), reason="no v1 memory hierarchy on this host")
+def test_memory_max_says_it_counts_contains_own_init(box):
+    """--memory-max 1 said only "the pid namespace init died killed by
+    signal 9". The init stays in the run's memory cgroup (a vfork child
+    that joins one at its limit faults for ever, _runcgroups.py), so the
+    error says what happened and how the init is counted, and a limited
+    run's record says it in limits.notes."""
+    p = run_contain(box.env, "run", "--id", "tiny", "--memory-max", "1", "--", "true", timeout=60)
+    assert p.returncode == 125, (p.returncode, p.stderr)
+    assert "contain's init" in p.stderr and "--memory-max counts the init's own pages" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and "{" not in p.stderr, p.stderr
+    rec = box.record("tiny")
+    assert rec["outcome"] == "spawn_failed" and rec["evidence"]["root_exit"]["detail"]["stage"] == "pid namespace init"
+    assert rec["limits"]["hit"]["oom_kill"]["observed"] is True
+    p = run_contain(box.env, "run", "--id", "ok", "--memory-max", "64M", "--", "true")
+    assert p.returncode == 0, p.stderr
+    notes = box.record("ok")["limits"]["notes"]
+    assert any("contain's init" in n and "memory_max" in n for n in notes), notes
+    # Without the wall there is no init to count.
+    p = run_contain(box.env, "run", "--id", "bare", "--no-pidns", "--memory-max", "64M", "--", "true")
+    assert p.returncode == 0, p.stderr
+    assert not any("contain's init" in n for n in box.record("bare")["limits"]["notes"])
     assert holders(box.token) == []
