@@ -210,7 +210,8 @@ class RunCgroups:
                     self.notes.append("memory.memsw.limit_in_bytes absent (swapaccount off): swap use is not limited")
                 value = int(files["memory.limit_in_bytes"])
             if value is None or value > lim.memory_max or value < lim.memory_max - 65536:
-                raise ContainmentUnavailable(f"memory limit read back as {files} after writing {lim.memory_max}")
+                raise ContainmentUnavailable(f"memory limit read back as {_read_back_text(files)} after writing "
+                                             f"{lim.memory_max}")
             # The kernel rounds down to whole pages: say what holds.
             self.applied["memory_max_bytes"] = {"value": value, "via": via, "cgroup": self.cg_path(d),
                                                 "files": files}
@@ -234,7 +235,8 @@ class RunCgroups:
                          "cpu.cfs_quota_us": self._set(d, "cpu.cfs_quota_us", str(cm.quota_us))}
                 ok = (files["cpu.cfs_period_us"], files["cpu.cfs_quota_us"]) == (str(cm.period_us), str(cm.quota_us))
             if not ok:
-                raise ContainmentUnavailable(f"cpu limit read back as {files}")
+                raise ContainmentUnavailable(f"cpu limit read back as {_read_back_text(files)} after writing "
+                                             f"{cm.quota_us} {cm.period_us}")
             self.applied["cpu_max"] = {"value": cm.to_dict(), "via": via, "cgroup": self.cg_path(d), "files": files}
 
     # -- the spawn ----------------------------------------------------------
@@ -512,3 +514,8 @@ def misplaced_text(detail: dict[str, Any]) -> str:
     wrong = [f"on the v1 {name} hierarchy it is in {d.get('found') or 'no cgroup'}, not {d.get('expected')}"
              for name, d in sorted(detail.items()) if not d.get("ok")]
     return "the worker is not in its limited cgroups: " + "; ".join(wrong)
+
+
+def _read_back_text(files: dict[str, str]) -> str:
+    """What each limit file read back, in words (a message a user reads)."""
+    return ", ".join(f"{name} {value!r}" for name, value in files.items())
