@@ -211,15 +211,15 @@ def _tree(top: str) -> list[str]:
 
 
 def _mapped_files() -> list[str]:
-    """Every file mapped into this process (/proc/self/maps): the
+    """Every file mapped executable into this process (/proc/self/maps): the
     interpreter, libpython, libc, each extension module. The next
-    supervisor maps them too."""
+    supervisor runs them too. (Data a library caller maps is not code.)"""
     out: set[str] = set()
     try:
         with open("/proc/self/maps") as f:
             for line in f:
                 parts = line.split(None, 5)
-                if len(parts) == 6 and parts[5].startswith("/"):
+                if len(parts) == 6 and "x" in parts[1] and parts[5].startswith("/"):
                     path = parts[5].rstrip("\n")
                     if not path.endswith(" (deleted)"):
                         out.add(path)
