@@ -147,6 +147,65 @@ def _wait_pidfds(fds: dict[int, tuple[int, int]], found: dict[tuple[int, int], d
             waiting.discard(fd)
 
 
+def stop_v1_members(v1: Any, inside: Callable[[str], bool], deadline: float) -> list[dict[str, Any]]:
+    """Without a fork ledger: every process still in the run's own v1
+    cgroups once its v2 container was observed empty. A process is born in
+    its creator's cgroups, and a member that moved itself out of the v2
+    container (a root worker, unsealed) is most often still in them: it
+    left, and is stopped like an escaper (pinned by pidfd, found in the
+    run's v1 cgroups again after the pin, SIGKILLed, waited for). Left
+    there, it kept the run's v1 cgroups from being removed for ever
+    (issue 30). Repeats while more are found (an escaper's children)."""
+    via = "the run's own v1 cgroups (no fork ledger)"
+    found: dict[tuple[int, int], dict[str, Any]] = {}
+    fds: dict[int, tuple[int, int]] = {}
+    try:
+        while time.monotonic() < deadline:
+            members = v1.v1_members()
+            fresh = 0
+            for pid in sorted({p for pids in (members or {}).values() for p in pids}):
+                try:
+                    fd = os.pidfd_open(pid)
+                except OSError:
+                    continue                        # gone already
+                st = read_stat(pid)
+                # The pidfd pins a process; the pid must still name one of the run's.
+                if st is None or st[0] in ("Z", "X") or not v1.holds(pid):
+                    os.close(fd)
+                    continue
+                key = (pid, st[4])
+                if key in found:
+                    os.close(fd)
+                    continue
+                where = cgroup_of(pid, missing_ok=True)
+                entry: dict[str, Any] = {"pid": pid, "ppid": st[1], "identity": {"pid": pid, "start_time": st[4]},
+                                         "seen_in": where, "at": now_iso(), "via": via, "killed": False,
+                                         "gone": None}
+                if where is not None and inside(where):
+                    entry["note"] = "inside the container again after it was observed empty"
+                found[key] = entry
+                fresh += 1
+                try:
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    entry["killed"] = True
+                    fds[fd] = key
+                except ProcessLookupError:
+                    entry["gone"] = True
+                    os.close(fd)
+                except OSError as e:
+                    entry["detail"] = f"pidfd_send_signal: {os.strerror(e.errno or 0)}"
+                    os.close(fd)
+            _wait_pidfds(fds, found, deadline)
+            if not fresh:
+                break
+    finally:
+        for fd in fds:
+            os.close(fd)
+    for entry in found.values():
+        entry["alive_at_end"] = not entry["gone"] if entry["gone"] is not None else None
+    return list(found.values())
+
+
 # -- the ledger's part in one run ------------------------------------------
 
 class EscapeWatch:
@@ -174,6 +233,8 @@ class EscapeWatch:
             how = (container.seal_detail or {}).get("method", "sealed")
             w.reason = f"not watched: the run is sealed ({how}), so leaving is prevented rather than detected"
             return w
+        if v1 is not None and v1.v1:
+            w.v1 = v1        # with or without a ledger, members left there are found at the end
         if (policy_env("CONTAIN_LEDGER", env) or "on").lower() in ("0", "off", "no", "false"):
             w.reason = "fork ledger turned off (CONTAIN_LEDGER=off)"
             return w
@@ -193,8 +254,7 @@ class EscapeWatch:
         except LedgerUnavailable as e:
             w.reason = f"process connector unavailable: {e.reason}"
         w.start_ms = round((time.perf_counter() - t0) * 1000, 3)
-        if w.ledger is not None and v1 is not None and v1.v1:
-            w.v1 = v1
+        if w.ledger is not None and w.v1 is not None:
             w.ledger.holds = v1.holds
         if container.backend == "none":
             container.ledger = w.ledger
@@ -226,9 +286,17 @@ class EscapeWatch:
     def at_empty(self, container: Any, timeout: float) -> list[dict[str, Any]]:
         """The container was observed empty: stop whatever left it."""
         self.checked = True
-        if self.ledger is None or container.backend == "none":
+        if container.backend == "none":
             return []
         path = container.path
+
+        def inside(where: str) -> bool:
+            return where == path or where.startswith(path.rstrip("/") + "/")
+
+        if self.ledger is None:
+            if self.v1 is None or container.backend != "cgroup2":
+                return []
+            return stop_v1_members(self.v1, inside, time.monotonic() + min(timeout, 10.0))
         if self.v1 is not None:
             # Still in the run's own v1 cgroups while the v2 container is
             # empty: members that left it, whatever the ledger attributed.
@@ -237,10 +305,6 @@ class EscapeWatch:
                 self.ledger.failed = self.ledger.failed or "the run's own v1 cgroups could not be listed at the end"
             for pid in sorted({p for pids in (found or {}).values() for p in pids}):
                 self.ledger.track_member(pid, "in the run's own v1 cgroups after the container emptied")
-
-        def inside(where: str) -> bool:
-            return where == path or where.startswith(path.rstrip("/") + "/")
-
         return stop_escapers(self.ledger, inside, time.monotonic() + min(timeout, 10.0))
 
     def evidence(self, container: Any, terminal: bool) -> dict[str, Any]:

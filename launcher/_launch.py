@@ -152,12 +152,16 @@ def _start(run: Run) -> None:
         sp = run.container.spawn(req)
     except (SpawnFailed, ContainmentUnavailable, OSError) as e:
         err = e if isinstance(e, LauncherError) else ContainmentUnavailable(f"spawn: {e}")
+        err = run.usage.explain_spawn_failure(err, run.container)     # while its cgroups still exist
         spawn_failed(run, err)
         raise err from (None if err is e else e)
     finally:
         run.usage.close_join()
     run.pid, run.root = sp.pid, run.container.root(sp)
-    misplaced = run.usage.spawned(sp.pid)
+    misplaced = run.usage.spawned(sp.pid, getattr(sp, "pidfd", -1))
+    unverified = run.usage.placement_note()
+    if unverified is not None:
+        run.facts.notes.append(unverified)      # a worker that ran and exited: a note, not a failed start
     if misplaced is not None:
         # Limited, or not at all: a worker outside its limits is stopped, never
         # left to run as if they held.

@@ -1,6 +1,6 @@
 """The one parser of each /proc file format we read (STYLE.md, "Rooms").
 
-    /proc/<pid>/stat        stat_fields, read_stat, start_time
+    /proc/<pid>/stat        stat_fields, read_stat, start_time, stat_flags, read_exiting
     /proc/<pid>/comm        read_comm
     /proc/<pid>/status      read_nspid (the NSpid line), parse_status, read_status
     /proc/<pid>/cgroup      parse_cgroups, cgroups_of (every hierarchy), parse_cgroup, cgroup_of (v2)
@@ -142,6 +142,37 @@ def read_stat(pid: int | str) -> tuple[str, int, int, int, int] | None:
         if live is not None:
             return (live,) + fields[1:]
     return fields
+
+
+PF_EXITING = 0x4        # include/linux/sched.h: set by do_exit(), never cleared
+
+
+def stat_flags(data: bytes) -> int:
+    """The task flags (field 9, `PF_*`) of one /proc/<pid>/stat line.
+    Raises ValueError on a malformed line."""
+    rp = data.rfind(b")")
+    rest = data[rp + 2 :].split() if rp >= 0 else []
+    if len(rest) < 7:
+        raise ValueError(f"not a /proc/<pid>/stat line: {data[:80]!r}")
+    return int(rest[6])
+
+
+def read_exiting(pid: int | str) -> bool | None:
+    """Whether the process (its leader thread, the task /proc/<pid> shows)
+    has begun to exit: PF_EXITING set, a zombie, or gone. None if its stat
+    could not be read for another reason. PF_EXITING is never cleared, so
+    False read after another /proc/<pid> file means the task was not
+    exiting when that file was read either."""
+    try:
+        data = _read(f"{pid}/stat")
+    except OSError as e:
+        return True if e.errno in (errno.ENOENT, errno.ESRCH) else None
+    try:
+        fields = stat_fields(data)
+        flags = stat_flags(data)
+    except ValueError:
+        return None
+    return bool(flags & PF_EXITING) or fields[0] in ("Z", "X")
 
 
 def read_environ(pid: int | str, limit: int = 1 << 20) -> bytes:

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 from ._controllers import (DOCTOR_HINT, Route, V1Hierarchy, plan, read_file, v1_base_for, v1_hierarchies)
 from ._errors import ContainmentUnavailable
 from ._limits import Limits
-from ._procfs import cgroups_of, read_stat
+from ._procfs import cgroups_of, read_exiting
 from ._platform.cgroups import mkdir_under, remove_bases, rmdir_known, walk_dirs
 from ._names import run_name
 from ._policy import policy_env
@@ -210,7 +210,8 @@ class RunCgroups:
                     self.notes.append("memory.memsw.limit_in_bytes absent (swapaccount off): swap use is not limited")
                 value = int(files["memory.limit_in_bytes"])
             if value is None or value > lim.memory_max or value < lim.memory_max - 65536:
-                raise ContainmentUnavailable(f"memory limit read back as {files} after writing {lim.memory_max}")
+                raise ContainmentUnavailable(f"memory limit read back as {_read_back_text(files)} after writing "
+                                             f"{lim.memory_max}")
             # The kernel rounds down to whole pages: say what holds.
             self.applied["memory_max_bytes"] = {"value": value, "via": via, "cgroup": self.cg_path(d),
                                                 "files": files}
@@ -234,7 +235,8 @@ class RunCgroups:
                          "cpu.cfs_quota_us": self._set(d, "cpu.cfs_quota_us", str(cm.quota_us))}
                 ok = (files["cpu.cfs_period_us"], files["cpu.cfs_quota_us"]) == (str(cm.period_us), str(cm.quota_us))
             if not ok:
-                raise ContainmentUnavailable(f"cpu limit read back as {files}")
+                raise ContainmentUnavailable(f"cpu limit read back as {_read_back_text(files)} after writing "
+                                             f"{cm.quota_us} {cm.period_us}")
             self.applied["cpu_max"] = {"value": cm.to_dict(), "via": via, "cgroup": self.cg_path(d), "files": files}
 
     # -- the spawn ----------------------------------------------------------
@@ -257,13 +259,32 @@ class RunCgroups:
         right after it."""
         self.close_join_fds()
         try:
-            for name in sorted(self.v1):
+            for name in sorted(self.v1, key=lambda n: (self.worker_joins_itself(n), n)):
                 self._fds.append(os.open(os.path.join(self.v1[name], "tasks"),
                                          os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW))
         except OSError as e:
             self.close_join_fds()
             raise ContainmentUnavailable(f"cannot open the tasks file of {self.name}: {os.strerror(e.errno or 0)}") from e
         return list(self._fds)
+
+    def worker_joins_itself(self, name: str) -> bool:
+        """Whether, behind the PID-namespace wall, the worker joins this v1
+        hierarchy itself (its fds come last in join_fds) rather than the
+        wall's init: the `pids` hierarchy, so that `--pids-max N` counts
+        the tree's N tasks and not our init (with the init inside,
+        `--pids-max 1 -- true` could not fork the worker at all). A move
+        is not a fork: pids.max binds forks only (pids.rst), so the worker
+        always gets in. Not `memory`: a vfork child joining a memory cgroup
+        at its limit faults for ever on the first page it must copy (the
+        OOM killer passes over a task in vfork, in_vfork() in oom_badness,
+        mm/oom_kill.c), so the init stays in it and its few pages are
+        charged to the run (limits.notes says so)."""
+        ctrls = set(self.v1_hier[name].controllers)
+        return "pids" in ctrls and "memory" not in ctrls
+
+    def worker_joins(self) -> int:
+        """How many of join_fds (the last ones) the worker joins itself."""
+        return sum(1 for n in self.v1 if self.worker_joins_itself(n))
 
     def close_join_fds(self) -> None:
         for fd in self._fds:
@@ -292,31 +313,55 @@ class RunCgroups:
                 return True
         return False
 
-    def verify(self, pid: int) -> dict[str, Any]:
+    def verify(self, pid: int, pidfd: int = -1) -> dict[str, Any]:
         """Right after the spawn: /proc/<pid>/cgroup names our cgroup on every
         v1 hierarchy the run joined. Evidence-shaped: observed True (all
         placed), False (one is elsewhere: the caller must not let the run go
-        on as if limited), None (could not be read)."""
+        on as if limited), None (no statement could be read: `detail.note`
+        says why, in words). `pidfd`: the worker's, when `pid` is not our
+        unreaped child (behind the wall its parent is the init, which may
+        reap it and free the pid before we read).
+
+        A task that has begun to exit is no evidence either way: for it the
+        kernel prints `/` on every v1 hierarchy (proc_cgroup_show() in
+        kernel/cgroup/cgroup.c tests PF_EXITING; cgroup_exit() has already
+        dropped it from its css_set), so a fast worker such as `true` read
+        `/` there and was once taken for misplaced. The task's flags are read
+        after its cgroup file: PF_EXITING is never cleared, so a task not
+        exiting then was not exiting when its cgroup file was read."""
         via = f"/proc/{pid}/cgroup"
         if not self.v1:
             return {"observed": True, "via": via, "detail": {"v1": {}, "note": "no v1 cgroup to join"}}
+        unread = ""
         try:
-            where = cgroups_of(pid)
+            where: dict[str, str] | None = cgroups_of(pid)
         except OSError as e:
-            return {"observed": None, "via": via, "detail": f"not readable: {os.strerror(e.errno or 0)}"}
-        st = read_stat(pid)
-        if st is None or st[0] in ("Z", "X"):
-            # An exited task's cgroup line is no statement about placement.
-            return {"observed": None, "via": via, "detail": f"pid {pid} has exited"}
+            where, unread = None, os.strerror(e.errno or 0)
+        exiting = read_exiting(pid)
+        if pidfd >= 0 and not _unreaped(pidfd):
+            exiting, where, unread = True, None, "the worker was reaped before it could be read"
         detail: dict[str, Any] = {}
-        ok = True
+        ok = where is not None
         for name, d in sorted(self.v1.items()):
             want = self.v1_hier[name].cg_path(d)
-            got = where.get(name)
+            got = where.get(name) if where is not None else None
             inside = got is not None and (got == want or got.startswith(want.rstrip("/") + "/"))
             detail[name] = {"expected": want, "found": got, "ok": inside}
             ok = ok and inside
-        return {"observed": ok, "via": via, "detail": {"v1": detail}}
+        if ok:
+            return {"observed": True, "via": via, "detail": {"v1": detail}}
+        joined = ("what was verified: the worker's clone wrote itself into each of them before exec "
+                  "(a write that fails fails the spawn at its 'placement' stage)")
+        if exiting:
+            return {"observed": None, "via": via, "detail": {"v1": detail, "note": (
+                f"the worker's place in the run's v1 cgroups ({', '.join(sorted(self.v1))}) was not "
+                f"verified: it had already exited when {via} was read (an exiting task shows '/' "
+                f"on every v1 hierarchy); {joined}")}}
+        if where is None or exiting is None:
+            return {"observed": None, "via": via, "detail": {"v1": detail, "note": (
+                f"the worker's place in the run's v1 cgroups was not verified: {via} or its stat "
+                f"could not be read ({unread if where is None else 'stat unreadable'}); {joined}")}}
+        return {"observed": False, "via": via, "detail": {"v1": detail, "note": misplaced_text(detail)}}
 
     # -- reading and ending -------------------------------------------------
 
@@ -449,3 +494,28 @@ class RunCgroups:
                 if isinstance(r, dict) and r.get("via") == "cgroup2" and c not in routes:
                     routes[c] = Route(str(c), "v2")
         return rc
+
+
+def _unreaped(pidfd: int) -> bool:
+    """Whether a pidfd's process is not yet reaped (signal 0 reaches a
+    zombie, and fails with ESRCH only once it is reaped). Unknown (another
+    error) counts as reaped: the reads made under its pid prove nothing."""
+    from . import _signals
+
+    try:
+        _signals.pidfd_send_signal(pidfd, 0)
+    except OSError:
+        return False
+    return True
+
+
+def misplaced_text(detail: dict[str, Any]) -> str:
+    """The words for a worker found outside its run's v1 cgroups."""
+    wrong = [f"on the v1 {name} hierarchy it is in {d.get('found') or 'no cgroup'}, not {d.get('expected')}"
+             for name, d in sorted(detail.items()) if not d.get("ok")]
+    return "the worker is not in its limited cgroups: " + "; ".join(wrong)
+
+
+def _read_back_text(files: dict[str, str]) -> str:
+    """What each limit file read back, in words (a message a user reads)."""
+    return ", ".join(f"{name} {value!r}" for name, value in files.items())

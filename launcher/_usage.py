@@ -5,7 +5,8 @@
                                    hosts), limits written and read back: before the spawn
     .join(req)                     the spawn's join fds: the child writes "0" to each before
                                    exec, so the whole tree is inside from its first instruction
-    .spawned(pid)                  placement verified right after the spawn (None, or why not)
+    .spawned(pid, pidfd)           placement verified right after the spawn (None, or why not);
+                                   `placement_note()` when it could not be (the worker had exited)
     .at_stop(members)              the locks members hold when the stop begins (`locks_released`)
     .finish(facts, container)      the final snapshot, after the container was observed empty and
                                    before anything is removed; then the run's cgroups removed
@@ -106,22 +107,68 @@ class RunUsage:
     def join(self, req: Any) -> None:
         if self.cgroups is not None:
             req.join_fds = list(req.join_fds) + self.cgroups.join_fds()
+            req.worker_joins = self.cgroups.worker_joins()
 
     def close_join(self) -> None:
         if self.cgroups is not None:
             self.cgroups.close_join_fds()
 
-    def spawned(self, pid: int) -> str | None:
-        """None if the worker is in every cgroup it must be in, else why not
-        (the caller stops it: a run must not go on as if limited)."""
+    def spawned(self, pid: int, pidfd: int = -1) -> str | None:
+        """None if the worker is in every cgroup it must be in, or if that
+        could not be read (a worker that already exited: `placement_note`
+        says what was and was not verified); else why not, in words (the
+        caller stops it: a run must not go on as if limited)."""
         self.spawned_mono = time.monotonic()
         self.worker_pid = pid
         if self.cgroups is None:
             return None
-        self.placement = self.cgroups.verify(pid)
+        self.placement = self.cgroups.verify(pid, pidfd)
         if self.placement.get("observed") is False and self.limits:
-            return f"the worker is not in its limited cgroups: {self.placement.get('detail')}"
+            return str(self.placement["detail"]["note"])
         return None
+
+    def explain_spawn_failure(self, err: Any, container: Any) -> Any:
+        """A wall's init killed before it could start the worker, in a run
+        with --memory-max whose memory cgroup counted an OOM kill: the
+        limit was below what contain's own init needs (it sits in the run's
+        memory cgroup: _runcgroups.RunCgroups.worker_joins_itself says why),
+        said so instead of "the pid namespace init died killed by signal 9".
+        Any other error is returned as it is."""
+        from ._errors import SpawnFailed
+
+        if not (isinstance(err, SpawnFailed) and err.stage == "pid namespace init" and self.cgroups is not None
+                and self.limits is not None and self.limits.memory_max is not None):
+            return err
+        from ._accounting import final_snapshot
+
+        v2_dir = getattr(container, "dir", None) if container is not None and container.backend == "cgroup2" else None
+        kills = (final_snapshot(self.cgroups, v2_dir=v2_dir).get("oom_kills") or {}).get("value")
+        if not kills:
+            return err
+        applied = (self.cgroups.applied.get("memory_max_bytes") or {}).get("value")
+        new = SpawnFailed(f"{err.path or 'the worker'}: contain's init (pid 1 of the run's PID namespace) was "
+                          f"killed by the OOM killer before it could start the worker: --memory-max counts the "
+                          f"init's own pages (it is in the run's memory cgroup and needs about 100 KiB), and "
+                          f"{applied} bytes leave it too few; ask for more, or use --no-pidns",
+                          errno=err.errno, stage=err.stage, path=err.path)
+        new.wall_init = err.wall_init
+        return new
+
+    def placement_note(self) -> str | None:
+        """The record's note for a placement that could not be verified."""
+        if self.placement is None or self.placement.get("observed") is not None:
+            return None
+        return str(self.placement["detail"]["note"])
+
+    def init_counted(self, container: Any) -> str | None:
+        """How the wall's init is counted in the limits asked, in words
+        (limits.notes), or None: --pids-max never counts it (the worker
+        joins the pids cgroup itself), --memory-max does, --cpu-max does
+        (an init that sleeps in signalfd uses next to no CPU)."""
+        if self.limits is None or self.limits.memory_max is None or getattr(container, "wall", None) is None:
+            return None
+        return ("contain's init (pid 1 of the run's PID namespace) is in the run's memory cgroup: its own pages "
+                "(about 100 KiB) count against memory_max; pids_max counts only the tree")
 
     def at_stop(self, members: list[int]) -> None:
         if self.check_locks and self.locks is None:
@@ -167,7 +214,10 @@ class RunUsage:
             facts.limits = dict(self.cgroups.limits_record(), hit=hits)
             if caveat and self.limits:
                 facts.limits["notes"] = [*facts.limits.get("notes", []), caveat]
-            facts.cgroup_v1 = self.cgroups.describe()
+            counted = self.init_counted(container)
+            if counted:
+                facts.limits["notes"] = [*facts.limits.get("notes", []), counted]
+            facts.cgroup_v1 = dict(self.cgroups.describe(), placement=self.placement)
         elif container is not None and container.backend == "job-object" and hasattr(container, "limits_record"):
             # The job's own read-back, `hit` from the port's limit messages.
             job_limits = container.limits_record()

@@ -422,3 +422,36 @@ def test_ledger_table_does_not_grow_with_forks_that_are_reaped():
             p.kill()
             p.wait(10)
         kill_survivors(token)
+
+@needs_root
+def test_escaper_left_in_the_runs_v1_cgroups_is_stopped_without_a_ledger(contain_runs, tmp_path):
+    """With the ledger off, a root worker that moved only its v2 cgroup
+    (into the contain base) stayed in the run's own v1 memory and pids
+    cgroups: it lived on after the run, and those cgroups could never be
+    removed (cleanup.cgroups_v1_removed false, one leak per run). A process
+    is born in its creator's cgroups, so one still in the run's v1 cgroups
+    once the v2 container emptied left it: it is stopped and listed as an
+    escaper, and the run is still not REAPED (nothing watched the whole
+    run)."""
+    from launcher import _controllers as C
+
+    if not any(("memory" in h.controllers or "pids" in h.controllers) for h in C.v1_hierarchies()):
+        pytest.skip("no v1 memory or pids hierarchy: the run has no v1 cgroups")
+    c = contain_runs()
+    ready = tmp_path / "moved"
+    script = (f"sh -c 'echo $$ > {BASE}/cgroup.procs && echo $$ > {ready} && exec sleep 300' >/dev/null 2>&1 &\n"
+              f"while [ ! -s {ready} ]; do sleep 0.05; done\nexit 0")
+    rc = c.run(["--no-pidns", "--grace", "0.5"], ["sh", "-c", script], extra_env={"CONTAIN_LEDGER": "off"},
+               timeout=90)
+    escaper = int(ready.read_text())
+    rec = c.record()
+    left = survivors(c.token)
+    assert rc == 0, c.stderr
+    assert escaper not in left, f"the escaper {escaper} outlived the run: {rec['evidence']['escapes']}"
+    esc = rec["evidence"]["escapes"]
+    assert esc["observed"] is True, esc
+    entry = next(e for e in esc["detail"] if e["pid"] == escaper)
+    assert entry["killed"] is True and entry["gone"] is True and "v1" in entry["via"], entry
+    assert rec["cleanup"]["cgroups_v1_removed"] is True, rec["cleanup"]
+    assert rec["state"] == "EXITED", rec["state"]
+    assert left == []

@@ -7,6 +7,7 @@ nothing with the test's token is left alive. Named after the escape tried.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -336,3 +337,43 @@ def test_two_state_directories_never_claim_the_same_dynamic_uid(tmp_path):
                 os.rmdir(sealing.CLAIMS_HOST)     # made by this test's claim; kept if another's is in it
             except OSError:
                 pass
+
+
+def test_a_world_writable_module_file_in_the_package_is_not_called_sealed(contain_runs, tmp_path):
+    """The seal's "nothing the supervisor runs or reads is writable" looked
+    at directories only: with one world-writable module file in the
+    installed package the record said sealed: true, and the sealed worker
+    could append to a module the root supervisor imports lazily (after the
+    stop) and so run code as root outside every namespace. Every file of the
+    package is checked now. Here a copy of the package, as installed, with
+    one module made 0666."""
+    c = contain_runs()
+    pkg = tmp_path / "pkg"
+    shutil.copytree(os.path.join(ROOT, "launcher"), pkg / "launcher",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    os.chmod(pkg, 0o755)
+    module = pkg / "launcher" / "_stats.py"
+
+    def sealed_run(run_id: str) -> dict:
+        record = tmp_path / f"{run_id}.json"
+        env = c.env({"PYTHONPATH": str(pkg)})
+        p = subprocess.run([sys.executable, "-m", "launcher", "run", "--id", run_id, "--record", str(record),
+                            "--seal", "--", "true"], cwd=pkg, env=env, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        assert "Traceback" not in p.stderr, p.stderr
+        with open(record) as f:
+            rec = json.load(f)
+        assert rec["containment"]["seal"] is not None, rec["containment"]
+        return rec
+
+    os.chmod(module, 0o644)
+    rec = sealed_run("ok")
+    assert rec["containment"]["sealed"] is True, rec["containment"]       # the copy itself seals
+    assert "launcher package" in rec["containment"]["seal"]["checked_not_writable"]
+    os.chmod(module, 0o666)
+    rec = sealed_run("writable")
+    cont = rec["containment"]
+    assert cont["sealed"] is False, cont
+    assert str(module) in cont["sealed_reason"] and "supervisor runs or reads" in cont["sealed_reason"], cont
+    assert str(module) in cont["seal"]["writable"], cont["seal"]
+    assert rec["state"] == "REAPED"

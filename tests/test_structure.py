@@ -167,3 +167,28 @@ def test_checks_see_what_they_claim_to() -> None:
     assert "launcher._stop" in run_imports and "launcher._state" in run_imports
     assert "_cancel_grace" in _private_names(MODULES["launcher._run"])
     assert os.path.basename(str(PKG)) == "launcher"
+
+
+def test_the_seal_checks_every_module_the_package_imports_outside_itself() -> None:
+    """The seal checks the files of every module the supervisor may still
+    import after the spawn (_platform/sealing.LATER_IMPORTS): each module
+    outside the package that the package names in an import statement,
+    function-local ones included (a writable one, imported lazily at the
+    stop, would run a sealed worker's code as root)."""
+    from launcher._platform import sealing
+
+    named: set[str] = set()
+    for mod, tree in MODULES.items():
+        if mod.startswith("launcher._native.build"):
+            continue                                 # the build script: never loaded by a supervisor
+        skip = _type_checking_blocks(tree)
+        for node in ast.walk(tree):
+            if getattr(node, "lineno", None) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                named.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                named.add(node.module.split(".")[0])
+    named -= {"launcher", "__future__"}
+    missing = named - set(sealing.LATER_IMPORTS) - set(sealing.NOT_ON_THIS_PLATFORM)
+    assert not missing, f"add to sealing.LATER_IMPORTS: {sorted(missing)}"

@@ -38,9 +38,11 @@
  * - mount namespace: every mount private, then a fresh /proc (both only
  *   noted if refused: a /proc of the host's namespace still works for us,
  *   ps just shows more);
- * - joins its cgroups (join fds, as in child.c), forks the worker with the
- *   same child set-up as a plain spawn (ct_child_exec) and learns exactly
- *   whether it exec'd (ct_child_settle), then reports EXEC, passing the
+ * - joins its cgroups (join fds, as in child.c; but the run's v1 pids
+ *   cgroup is the worker's to join, so --pids-max does not count this
+ *   init), forks the
+ *   worker with the same child set-up as a plain spawn (ct_child_exec) and
+ *   learns exactly whether it exec'd (ct_child_settle), then reports EXEC, passing the
  *   worker's pidfd over the socket (and its pid as the supervisor's /proc
  *   names it, read through a /proc handle kept from before the remount), or
  *   FAILED;
@@ -330,8 +332,11 @@ static void init_run(const struct ct_spawn_args *a, const struct ct_wall_args *w
      * cgroup_threadgroup_rwsem whose first taking after a quiet spell waits
      * for an RCU grace period (5-15 ms here; _runcgroups.join_fds). Nothing
      * of the worker's runs before they are done. */
-    if (a->njoin > 0 || a->ncg_expect > 0) {
-        if ((rc = ct_child_join(a)) < 0) init_fail(sock, CT_STAGE_JOIN, -rc);
+    int worker_joins = w->worker_joins < 0 ? 0 : w->worker_joins > a->njoin ? a->njoin : w->worker_joins;
+    struct ct_spawn_args ia = *a;
+    ia.njoin = a->njoin - worker_joins;
+    if (ia.njoin > 0 || ia.ncg_expect > 0) {
+        if ((rc = ct_child_join(&ia)) < 0) init_fail(sock, CT_STAGE_JOIN, -rc);
     }
     /* The supervisor's /proc, kept until EXEC: through it the worker's pidfd
      * names the worker's pid as the supervisor sees it, which goes with
@@ -395,11 +400,18 @@ static void init_run(const struct ct_spawn_args *a, const struct ct_wall_args *w
     }
     if (sync_rd >= 0) close(sync_rd);
 
-    /* The worker: the set-up of a plain spawn, minus the placement (done
-     * here, for the whole namespace). */
+    /* The worker: the set-up of a plain spawn, minus the placement done
+     * here for the whole namespace. The run's v1 pids cgroup the worker
+     * joins itself before exec (w->worker_joins, the last join fds), so
+     * that --pids-max N counts the tree's tasks and not this init (with the
+     * init inside, --pids-max 1 could not fork the worker). Joining moves a
+     * task whatever the limit (pids.max binds forks, not migration:
+     * pids.rst). The memory cgroup stays the init's: a vfork child that
+     * joins one at its limit faults for ever (_runcgroups.worker_joins_itself). */
     struct ct_spawn_args wa = *a;
     wa.cgroup_fd = -1;
-    wa.njoin = 0;
+    wa.join_fds = a->join_fds + ia.njoin;
+    wa.njoin = worker_joins;
     wa.ncg_expect = 0;
     struct ct_report rep = {pp[1]};
     int wpidfd = -1;

@@ -52,6 +52,8 @@ struct ct_wall_args {
     const char *hide;      /* with mount_proc: a directory the worker must not reach (the state
                               directory): an empty tmpfs of the init's is mounted over it */
     int exec_init;         /* exec the init from its image where this process can (wall.c), else fork it */
+    int worker_joins;      /* the last this many of join_fds are the worker's to join, not the init's:
+                              the run's v1 pids cgroup, whose limit must not count the init */
 };
 
 struct ct_init_msg {

@@ -169,46 +169,140 @@ def release_claim(path: str | None) -> None:
             pass
 
 
-def _writable_by(st: os.stat_result, uid: int, gids: Iterable[int]) -> bool:
-    if st.st_uid == uid:
-        return bool(st.st_mode & 0o200)
-    if st.st_gid in gids:
-        return bool(st.st_mode & 0o020)
-    return bool(st.st_mode & 0o002)
-
-
 def writable_places(uid: int, gids: Iterable[int], paths: Iterable[str]) -> list[str]:
     """Which of `paths` (and the directories above them) `uid` could change:
     write the file, or replace it through a directory above it (a sticky
-    directory protects entries it does not own)."""
+    directory protects entries it does not own). Each path is looked at
+    once (a sealed run checks some 2,000)."""
     gids = set(gids)
     found: list[str] = []
     seen: set[str] = set()
+    stat_, dirname, isdir, sticky = os.stat, os.path.dirname, stat.S_ISDIR, stat.S_ISVTX
     for p in paths:
-        p = os.path.abspath(p)
-        cur = p
+        cur = p if p.startswith("/") and "/." not in p and "//" not in p else os.path.abspath(p)
+        first = True
         while cur not in seen:
             seen.add(cur)
             try:
-                st = os.stat(cur)
+                st = stat_(cur)
             except OSError:
                 break
-            sticky_dir = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
-            if _writable_by(st, uid, gids) and not (sticky_dir and cur != p):
+            mode = st.st_mode
+            if st.st_uid == uid:
+                w = mode & 0o200
+            elif st.st_gid in gids:
+                w = mode & 0o020
+            else:
+                w = mode & 0o002
+            if w and (first or not (isdir(mode) and mode & sticky)):
                 found.append(cur)
-            parent = os.path.dirname(cur)
+            parent = dirname(cur)
             if parent == cur:
                 break
-            cur = parent
+            cur, first = parent, False
     return found
 
 
+# Modules outside the launcher package that it names in an import statement
+# (often inside a function, so imported only once needed: after the spawn,
+# at the stop, for a record). tests/test_seal.py holds this list to the
+# package's import statements. Not imported here (that would cost every
+# sealed run the start-up the lazy imports save): each is found as the import
+# system would find it and its files are checked.
+LATER_IMPORTS = (
+    "_json", "_signal", "_socket", "_thread", "anyio", "argparse", "calendar", "cffi", "collections",
+    "contextlib", "ctypes", "enum", "errno", "fcntl", "gc", "grp", "hashlib", "importlib", "io",
+    "itertools", "json", "math", "numbers", "os", "pathlib", "platform", "posixpath", "pwd", "pyroute2",
+    "re", "resource", "secrets", "select", "selectors", "shlex", "shutil", "signal", "socket", "stat",
+    "struct", "subprocess", "sys", "sysconfig", "tempfile", "termios", "textwrap", "threading", "time",
+    "traceback", "types", "typing", "weakref",
+)
+# Named by the package but never loaded on Linux (its Windows backend).
+NOT_ON_THIS_PLATFORM = ("_winapi", "msvcrt")
+
+
+def _tree(top: str) -> list[str]:
+    """Every directory and file under `top` (not following links: a link is
+    checked where it points by os.stat, and its directory as a directory)."""
+    out = [top]
+    for d, dirs, files in os.walk(top):
+        out.extend(os.path.join(d, x) for x in dirs + files)
+    return out
+
+
+def _mapped_files() -> list[str]:
+    """Every file mapped executable into this process (/proc/self/maps): the
+    interpreter, libpython, libc, each extension module. The next
+    supervisor runs them too. (Data a library caller maps is not code.)"""
+    out: set[str] = set()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and "x" in parts[1] and parts[5].startswith("/"):
+                    path = parts[5].rstrip("\n")
+                    if not path.endswith(" (deleted)"):
+                        out.add(path)
+    except OSError:
+        pass
+    return sorted(out)
+
+
+def _module_files() -> list[str]:
+    """The source and cache file of every module loaded now."""
+    out: list[str] = []
+    for m in list(sys.modules.values()):
+        for attr in ("__file__", "__cached__"):
+            f = getattr(m, attr, None)
+            if isinstance(f, str) and f:
+                out.append(f)
+    return out
+
+
+def _later_files() -> list[str]:
+    """The files of LATER_IMPORTS not loaded yet, as the import system would
+    find them now (a package: every file in it), and every top-level entry
+    of each directory on the module path (a module a later import reaches
+    in its turn is most often one of those)."""
+    from importlib.machinery import PathFinder
+
+    out: list[str] = []
+    for name in LATER_IMPORTS:
+        if name in sys.modules:
+            continue
+        try:
+            spec = PathFinder.find_spec(name)       # no import: only where it would come from
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            continue
+        if spec.submodule_search_locations:
+            for loc in spec.submodule_search_locations:
+                out.extend(_tree(loc))
+        elif spec.origin and os.path.isabs(spec.origin):
+            out.append(spec.origin)
+    for d in sys.path:
+        if d and os.path.isdir(d):
+            try:
+                out.extend(os.path.join(d, x) for x in os.listdir(d))
+            except OSError:
+                continue
+    return out
+
+
 def supervisor_paths(state_dir: str | None) -> list[str]:
-    """What the supervisor runs or reads: its interpreter, the launcher
-    package, the module search path, and the state directory (the one
-    given, else where this process keeps its runs: _statedir.location)."""
+    """What the supervisor runs or reads, now or after the spawn: its
+    interpreter and every file mapped into it; every file and directory of
+    the launcher package (it imports most of its own modules lazily);
+    every module loaded, and where each module the package names would be
+    found (LATER_IMPORTS); every top-level entry of the module path and the
+    path's directories; and the state directory (the one given, else where
+    this process keeps its runs: _statedir.location). A file is as good as
+    its directories, which writable_places checks with it."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    paths = [sys.executable, here] + [p for p in sys.path if p and os.path.isdir(p)]
+    paths = [sys.executable, os.path.realpath(sys.executable)] + _tree(here)
+    paths += [p for p in sys.path if p and os.path.isdir(p)]
+    paths += _mapped_files() + _module_files() + _later_files()
     if not state_dir:
         from .._statedir import location
 
@@ -219,6 +313,11 @@ def supervisor_paths(state_dir: str | None) -> list[str]:
     if state_dir:
         paths.append(state_dir)
     return paths
+
+
+CHECKED = ("interpreter and every file mapped into the supervisor, every file and directory of the launcher "
+           "package, every module loaded and every module the package imports later (as found now; a "
+           "package: all its files), each entry of the module path, state directory")
 
 
 def check(uid: int, gids: Iterable[int], state_dir: str | None, *, wall: bool, no_new_privs: bool,
@@ -234,7 +333,7 @@ def check(uid: int, gids: Iterable[int], state_dir: str | None, *, wall: bool, n
     if not wall:
         return False, (f"no PID-namespace wall: uid {uid} could signal processes outside that share it"), detail
     writable = writable_places(uid, gids, supervisor_paths(state_dir))
-    detail["checked_not_writable"] = "interpreter, launcher package, module path, state directory"
+    detail["checked_not_writable"] = CHECKED
     if writable:
         detail["writable"] = writable[:10]
         return False, f"uid {uid} may write {writable[0]}, which the supervisor runs or reads", detail

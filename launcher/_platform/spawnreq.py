@@ -175,7 +175,7 @@ def worker_nofile() -> tuple[int, int] | None:
 class SpawnRequest:
     __slots__ = ("argv", "env", "cwd", "stdio", "new_pgroup", "new_session", "uid", "gid",
                  "groups", "drop_caps", "no_new_privs", "keep_ignored", "pass_fds", "shell", "clear_caps",
-                 "pidns", "userns", "uid_map", "gid_map", "mount_proc", "die_with_parent", "join_fds", "on_init",
+                 "pidns", "userns", "uid_map", "gid_map", "mount_proc", "die_with_parent", "join_fds", "worker_joins", "on_init",
                  "hide")
 
     def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
@@ -234,6 +234,9 @@ class SpawnRequest:
         # More cgroup.procs fds the child (or the wall's init) joins before
         # the worker's first instruction: the run's v1 cgroups (_usage.py).
         self.join_fds: list[int] = []
+        # Behind the wall: the last this many of join_fds are the worker's to
+        # join before exec, not the init's (the run's v1 pids cgroup).
+        self.worker_joins = 0
         # Behind the wall: called with the init's pid right after its clone,
         # before the init does anything for the worker (it waits for the
         # go). The run describes the init durably here, so an owner killed

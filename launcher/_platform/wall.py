@@ -292,6 +292,10 @@ def spawn_wall(req: SpawnRequest, cgroup_fd: int = -1, join_fds: Sequence[int] =
     w.die_with_parent = int(req.die_with_parent)
     w.hold = int(req.on_init is not None)
     w.exec_init = int(EXEC_INIT)
+    # The last of the request's own joins (the run's v1 `pids` cgroup:
+    # _runcgroups.RunCgroups.worker_joins_itself) are the worker's to join,
+    # not the init's, so that --pids-max counts the tree and not our init.
+    w.worker_joins = min(req.worker_joins, len(req.join_fds))
     r = ffi.new("struct ct_wall_result*")
     r.init_pidfd = r.report_fd = r.go_fd = -1
     paths = candidates(req.argv[0], req.env)
