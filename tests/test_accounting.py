@@ -468,6 +468,7 @@ def test_v1_accounting_cgroups_are_made_only_for_a_run_that_asks(cgroup_base, st
 
 @pytest.mark.skipif(os.geteuid() != 0 or _v1("cpuacct") is None,
                     reason="needs root and the cgroup v1 cpuacct hierarchy (a pidns run's own cgroup)")
+@pytest.mark.forked         # the pidns backend's probe is kept per process (pidns.available)
 def test_pidns_run_with_its_own_cgroup_counts_a_child_reaped_by_the_kernel(box, tmp_path):
     """On the `pidns` backend the init's rusage replaced the run's own
     cpuacct cgroup, and a member that ignores SIGCHLD has its children

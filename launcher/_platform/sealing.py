@@ -210,8 +210,8 @@ def writable_places(uid: int, gids: Iterable[int], paths: Iterable[str]) -> list
 # sealed run the start-up the lazy imports save): each is found as the import
 # system would find it and its files are checked.
 LATER_IMPORTS = (
-    "_json", "_signal", "_socket", "_thread", "anyio", "argparse", "calendar", "cffi", "collections",
-    "contextlib", "ctypes", "enum", "errno", "fcntl", "gc", "grp", "hashlib", "importlib", "io",
+    "_json", "_signal", "_socket", "_thread", "anyio", "argparse", "asyncio", "calendar", "cffi", "collections",
+    "contextlib", "ctypes", "enum", "errno", "fcntl", "gc", "grp", "hashlib", "heapq", "importlib", "io",
     "itertools", "json", "math", "numbers", "os", "pathlib", "platform", "posixpath", "pwd", "pyroute2",
     "re", "resource", "secrets", "select", "selectors", "shlex", "shutil", "signal", "socket", "stat",
     "struct", "subprocess", "sys", "sysconfig", "tempfile", "termios", "textwrap", "threading", "time",
