@@ -74,6 +74,7 @@ _MAX_WAIT_S = 3600.0
 _IN_WATCH = 0x2 | 0x8 | 0x80 | 0x100     # IN_MODIFY | IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE
 _IN_SELF = 0x400 | 0x800                 # IN_DELETE_SELF | IN_MOVE_SELF: cancellations/ itself went
 _IN_IGNORED = 0x8000                     # the watch is gone (its inode was removed, or unwatched)
+_IN_Q_OVERFLOW = 0x4000                  # events were dropped (wd -1): any run may have missed one
 
 
 _IN_MODIFY = 0x2                         # cgroup.events: `populated` (or `frozen`) changed
@@ -170,6 +171,13 @@ class Reactor:
                     continue
                 if fd == self._in:
                     for wd, mask in self._inbox_events():
+                        if wd == -1 or mask & _IN_Q_OVERFLOW:
+                            # The queue overflowed (a worker can flood its own
+                            # cancellations/): every run looks at its inbox and
+                            # its cgroup again, as inotify(7) advises.
+                            for key in self._entries:
+                                ready.setdefault(key, [])
+                            continue
                         owner = self._by_wd.get(wd)
                         if owner is not None:
                             ready.setdefault(id(owner.run), [])
@@ -196,6 +204,12 @@ class Reactor:
                 if owner is not None:
                     self._turn(owner, ready.get(key, []))
 
+    def _compact(self) -> None:
+        """One entry per run again: a busy run moves its deadline on every
+        turn, and the entries it left behind would wait for their time."""
+        self._deadlines = [(e.due, next(self._seq), e) for e in self._entries.values() if e.due >= 0]
+        heapq.heapify(self._deadlines)
+
     def _timeout(self) -> float:
         heap = self._deadlines
         while heap and (heap[0][0] != heap[0][2].due or self._entries.get(id(heap[0][2].run)) is not heap[0][2]):
@@ -218,6 +232,8 @@ class Reactor:
                 if due != e.due:
                     e.due = due
                     heapq.heappush(self._deadlines, (due, next(self._seq), e))
+                    if len(self._deadlines) > 2 * len(self._entries) + 64:
+                        self._compact()
                 self._sync(e)
                 return
             if run.snap.terminal or run.snap.phase == S.Phase.UNCONFIRMED:

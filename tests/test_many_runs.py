@@ -151,6 +151,64 @@ def test_a_worker_that_swaps_its_cancellations_dir_still_hears_a_cancel_from_ano
     assert _gone(token) == []
 
 
+@pytest.mark.forked
+@pytest.mark.timeout(180)
+def test_a_flooded_inotify_queue_still_lets_every_run_hear_its_cancel(cgroup_base, state_dir, env, token) -> None:
+    """One worker floods its own cancellations/ while the owner loop is
+    busy (one of its turns held for 3 s here): the shared inotify queue
+    overflows and the kernel drops events, another run's cancel among them.
+    The overflow makes every run look again (inotify(7)); before, the
+    other run's cancel went unheard for the 60 s guard."""
+    import subprocess
+    import sys
+    import threading
+
+    from conftest import ROOT
+    from launcher import _reactor
+
+    v1 = launcher.spawn(["sleep", "300"], env=env, grace=0.3)
+    v2 = launcher.spawn(["sleep", "300"], env=env, grace=0.3)
+    try:
+        time.sleep(0.3)
+        loop = _reactor.reactor()
+        stall, release = threading.Event(), threading.Event()
+        turn = loop._turn
+
+        def slow_turn(e, ready):                 # a slow turn, as a busy caller's threads make one
+            if stall.is_set() and e.run is v2._run:
+                stall.clear()
+                release.wait(90)
+            return turn(e, ready)
+
+        loop._turn = slow_turn
+        inbox = os.path.join(state_dir, "runs", v2.id, "cancellations")
+        stall.set()
+        open(os.path.join(inbox, "first"), "w").close()
+        time.sleep(0.2)
+        with open("/proc/sys/fs/inotify/max_queued_events") as f:
+            flood = int(f.read()) + 4000
+        try:
+            for i in range(flood):
+                open(os.path.join(inbox, f"f{i}"), "w").close()
+            cancel = subprocess.Popen([sys.executable, "-m", "launcher", "cancel", v1.id, "--json"],
+                                      env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)
+            asked = os.path.join(state_dir, "runs", v1.id, "cancellations", "requests.ndjson")
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not (os.path.exists(asked) and os.path.getsize(asked)):
+                time.sleep(0.05)                 # until its request is written (and its event dropped)
+        finally:
+            release.set()
+        out = cancel.communicate(timeout=60)[0]
+        assert cancel.returncode == 0, out
+        rec = v1.wait(30)        # the guard alone would take 60 s
+        assert rec.state == "REAPED" and rec.outcome == "cancelled", rec.to_dict()
+    finally:
+        v1.stop(grace=0)
+        v2.stop(grace=0)
+    assert _gone(token) == []
+
+
 def _cgroups_left(base: str) -> list[str]:
     return sorted(d for d in os.listdir(base) if os.path.isdir(os.path.join(base, d)))
 
