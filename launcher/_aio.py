@@ -151,7 +151,8 @@ def _close_fd(s: FdReceiveStream | FdSendStream) -> None:
 # -- the worker ----------------------------------------------------------------
 
 class AsyncWorker(RunHandle):
-    """A run owned by a task of this event loop. Get one from `open_worker`
+    """A run owned by the process's owner loop (Windows: a task of this
+    event loop), awaited from this event loop. Get one from `open_worker`
     or `AsyncSupervisor.spawn`. With `subprocess.PIPE`, `stdin` is an anyio
     `ByteSendStream` and `stdout`/`stderr` are `ByteReceiveStream`s."""
 
@@ -408,7 +409,7 @@ class _OpenWorker:
 def open_worker(argv: Sequence[str], *, id: str | None = None, grace: float = DEFAULT_GRACE,
                 timeout: float | None = None, backend: str = "auto", stdin: StdioSpec = None,
                 stdout: StdioSpec = None, stderr: StdioSpec = None, **options: Any) -> _OpenWorker:
-    """Start `argv` in a fresh container, owned by a task of the current
+    """Start `argv` in a fresh container, awaited from the current
     event loop (asyncio or trio, through anyio):
 
         async with launcher.open_worker(["make", "test"]) as w:
