@@ -129,18 +129,32 @@ def check_run_numbers(*, grace: Any, timeout: Any = None,
             check_optional_seconds(kill_timeout, "kill_timeout", positive=True))
 
 
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
 def parse_seconds(text: str, *, positive: bool = False) -> float:
-    """The command line's form: `text` as seconds, by the same rules.
-    Raises ValueError with the message a usage error shows after
-    "argument --NAME: "."""
+    """The command line's form: seconds (`1.5`) or a number with `s`, `m`,
+    `h` or `d` (`90s`, `1.5m`, `2h`, `1d`), as GNU `timeout` reads them,
+    by the same rules. Raises ValueError with the message a usage error
+    shows after "argument --NAME: "."""
+    t = text.strip()
+    scale = 1.0
+    if t[-1:] in _UNITS:
+        scale, t = _UNITS[t[-1]], t[:-1]
     try:
-        v = float(text)
+        v = float(t) * scale if t.strip() == t else float("x")
     except ValueError:
-        raise ValueError(f"not a number of seconds: {text!r}") from None
+        raise ValueError(f"not a number of seconds (or a number with s, m, h or d): {text!r}") from None
     problem = _problem(v, positive)
     if problem is not None:
         raise ValueError(f"must be {problem}: {text!r}")
     return v
+
+
+def parse_timeout(text: str) -> float | None:
+    """`--timeout`: as parse_seconds, and 0 means no timeout (GNU `timeout 0`)."""
+    v = parse_seconds(text)
+    return None if v == 0 else v
 
 
 def _problem(v: float, positive: bool) -> str | None:

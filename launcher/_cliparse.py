@@ -44,6 +44,18 @@ def _positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _timeout(text: str) -> float | None:
+    """--timeout: 0 means no timeout, as GNU `timeout 0` (CONTRACT.md)."""
+    import argparse
+
+    from ._args import parse_timeout
+
+    try:
+        return parse_timeout(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _argtype(parse: Any) -> Any:
     """An argparse `type=` from a parser that raises ValueError."""
     def convert(text: str) -> Any:
@@ -118,11 +130,13 @@ _ENVIRONMENT = """environment:
 # Every `contain run` option, once: both the argparse parser and the fast
 # path below are built from this table, so they cannot drift apart.
 # (flag, dest, kind, default, help); kind is "seconds" (>= 0), "positive"
-# (seconds > 0), "text", "flag", or a tuple of choices.
+# (seconds > 0), "timeout" (seconds, 0 for none), "text", "flag", or a tuple
+# of choices. Seconds take a suffix too (s, m, h, d: _args.parse_seconds).
 _RUN_OPTIONS: tuple[tuple[str, str, Any, Any, str], ...] = (
     ("--id", "id", "text", None, "run id (default: generated); a live run's id cannot be reused"),
     ("--grace", "grace", "seconds", 5.0, "seconds between SIGTERM and SIGKILL (default 5)"),
-    ("--timeout", "timeout", "positive", None, "cancel the run after this many seconds (exit 124); > 0"),
+    ("--timeout", "timeout", "timeout", None,
+     "cancel the run after this long (exit 124): seconds, or a number with s, m, h or d; 0: no timeout"),
     ("--kill-timeout", "kill_timeout", "positive", 10.0,
      "seconds to wait for the container to empty after SIGKILL (default 10); > 0"),
     ("--linger", "linger", "seconds", 0.0,
@@ -201,11 +215,12 @@ def fast_run(argv: Sequence[str]) -> SimpleNamespace | None:
             if value not in kind:
                 return None
             vals[dest] = value
-        elif kind in ("seconds", "positive"):
+        elif kind in ("seconds", "positive", "timeout"):
             try:
-                vals[dest] = _seconds_value(value, positive=kind == "positive")
+                v = _seconds_value(value, positive=kind == "positive")
             except ValueError:
                 return None
+            vals[dest] = None if kind == "timeout" and v == 0 else v
         else:
             vals[dest] = value
         i += 1
@@ -262,9 +277,10 @@ def parser() -> argparse.ArgumentParser:
         if kind == "flag":
             names = [_SHORT[flag], flag] if flag in _SHORT else [flag]
             r.add_argument(*names, dest=dest, action="store_true", help=help_text)
-        elif kind in ("seconds", "positive"):
-            r.add_argument(flag, dest=dest, type=_seconds if kind == "seconds" else _positive_seconds,
-                           default=default, metavar="SECONDS", help=help_text)
+        elif kind in ("seconds", "positive", "timeout"):
+            r.add_argument(flag, dest=dest, type={"seconds": _seconds, "positive": _positive_seconds,
+                                                  "timeout": _timeout}[kind],
+                           default=default, metavar="DURATION" if kind == "timeout" else "SECONDS", help=help_text)
         elif isinstance(kind, tuple):
             r.add_argument(flag, dest=dest, choices=kind, default=default, help=help_text)
         else:
@@ -285,12 +301,14 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--run-uid", help="refuse unless the run (for a known --op-id, the run it was applied to) has this uid")
     c.add_argument("--grace", type=_seconds, help="seconds between SIGTERM and SIGKILL")
     c.add_argument("--wait", action="store_true", help="wait for the terminal acknowledgement")
-    c.add_argument("--timeout", type=_seconds, default=None, help="with --wait: give up after this long")
+    c.add_argument("--timeout", type=_timeout, default=None, metavar="DURATION",
+                   help="with --wait: give up after this long (0: never)")
     c.add_argument("--json", action="store_true")
 
     w = sub.add_parser("wait", help="wait until a run has ended")
     w.add_argument("id", type=_run_id)
-    w.add_argument("--timeout", type=_seconds, default=None)
+    w.add_argument("--timeout", type=_timeout, default=None, metavar="DURATION",
+                   help="give up after this long (exit 1); 0: never")
     w.add_argument("--json", action="store_true")
     w.add_argument("--redispatch", action="store_true",
                    help="exit 0 only if the next attempt may start in the same workspace (redispatch_eligible)")

@@ -406,7 +406,16 @@ def cmd_wait(args: argparse.Namespace) -> int:
             print(f"  redispatch_eligible {str(layer.get('observed')).lower() if layer.get('observed') is not None else 'unknown'}"
                   f"  ({layer.get('via')})")
         return EXIT_OK if final and layer.get("observed") is True else EXIT_DID_NOT_HOLD
-    return EXIT_OK if final and record.get("state") in ("REAPED", "EXITED") else EXIT_DID_NOT_HOLD
+    if final:
+        # The status `contain run` gave or would give for the run (CONTRACT.md),
+        # as bash's `wait` and `systemd-run --wait` return the job's.
+        from ._state import record_exit_status
+
+        return record_exit_status(record)
+    if never or record.get("state") in ("UNCONFIRMED", "BREACHED") or \
+            (isinstance(rec, Unreadable) and not d.owner_alive()):
+        return EXIT_CONTAIN_FAILED        # what `contain run` would give: the stop did not hold, or it failed
+    return EXIT_DID_NOT_HOLD              # still going when --timeout ran out
 
 
 # -- gc -----------------------------------------------------------------------------

@@ -254,3 +254,35 @@ def exit_status(snap: Snapshot, exit_code: int | None, signal: int | None) -> in
     if signal is not None:
         return 128 + signal
     return exit_code if exit_code is not None else 125
+
+
+def record_exit_status(rec: dict) -> int:
+    """What `contain run` gave, or would have given, for the run of this
+    final record (`contain wait`'s status, CONTRACT.md): the worker's code,
+    128+N for its signal, 124 on --timeout, 125 when the stop did not hold
+    or contain failed; a cancel gives 143, or 128+N when it came from
+    signal N sent to `contain run` itself (which then died by it)."""
+    state, outcome = rec.get("state"), rec.get("outcome")
+    code, sig = rec.get("exit_code"), rec.get("signal")
+    code = code if isinstance(code, int) and not isinstance(code, bool) else None
+    sig = sig if isinstance(sig, int) and not isinstance(sig, bool) and 0 < sig < 128 else None
+    if outcome == "spawn_failed":
+        return code if code is not None else 125
+    if state not in ("REAPED", "EXITED"):
+        return 125
+    if outcome == "timed_out":
+        return 124
+    if outcome == "cancelled":
+        layer = (rec.get("evidence") or {}).get("cancel_requested") or {}
+        by = (layer.get("detail") or {}).get("by") if isinstance(layer.get("detail"), dict) else None
+        name = by.get("signal") if isinstance(by, dict) else None
+        if isinstance(name, str) and name.startswith("SIG"):
+            import signal
+
+            num = getattr(signal, name, None)
+            if isinstance(num, int) and 0 < num < 128:
+                return 128 + num
+        return EXIT_CANCELLED
+    if sig is not None:
+        return 128 + sig
+    return code if code is not None else 125

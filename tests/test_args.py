@@ -147,14 +147,20 @@ def test_run_numbers_checked_together():
 # -- the command line's text form ------------------------------------------------
 
 @pytest.mark.parametrize("text, positive, want", [("0", False, 0.0), ("1.5", True, 1.5), (" 2 ", False, 2.0),
-                                                  ("1e3", True, 1000.0)])
+                                                  ("1e3", True, 1000.0), ("90s", True, 90.0), ("1.5m", True, 90.0),
+                                                  ("2h", True, 7200.0), ("1d", True, 86400.0), ("0s", False, 0.0)])
 def test_parse_seconds(text, positive, want):
     assert parse_seconds(text, positive=positive) == want
 
 
 @pytest.mark.parametrize("text, positive, message", [
-    ("x", False, "not a number of seconds: 'x'"),
-    ("", False, "not a number of seconds: ''"),
+    ("x", False, "not a number of seconds (or a number with s, m, h or d): 'x'"),
+    ("", False, "not a number of seconds (or a number with s, m, h or d): ''"),
+    ("5 s", False, "not a number of seconds (or a number with s, m, h or d): '5 s'"),
+    ("m", False, "not a number of seconds (or a number with s, m, h or d): 'm'"),
+    ("5w", False, "not a number of seconds (or a number with s, m, h or d): '5w'"),
+    ("-1m", False, "must be 0 or more seconds: '-1m'"),
+    ("infh", False, "must be a finite number of seconds: 'infh'"),
     ("nan", False, "must be a finite number of seconds: 'nan'"),
     ("-inf", True, "must be a finite number of seconds: '-inf'"),
     ("-1", False, "must be 0 or more seconds: '-1'"),
@@ -165,6 +171,13 @@ def test_parse_seconds_says_what_is_wrong(text, positive, message):
     with pytest.raises(ValueError) as e:
         parse_seconds(text, positive=positive)
     assert str(e.value) == message
+
+
+def test_a_timeout_of_0_means_no_timeout_as_gnu_timeout():
+    from launcher._args import parse_timeout
+
+    assert parse_timeout("0") is None and parse_timeout("0m") is None
+    assert parse_timeout("1m") == 60.0
 
 
 def test_args_stays_off_the_heavy_imports():

@@ -62,12 +62,13 @@ def test_an_invalid_id_gives_the_same_status_for_every_command(tmp_path, command
     assert p.stderr.startswith("contain: ") and p.stderr.count("\n") <= 2, p.stderr
 
 
-@pytest.mark.parametrize("option", ["--timeout", "--kill-timeout"])
-@pytest.mark.parametrize("value", ["0", "0.0", "-0", "-1", "nan", "inf", "x"])
+@pytest.mark.parametrize("option, value", [(o, v) for o in ("--timeout", "--kill-timeout")
+                                            for v in ("-1", "nan", "inf", "x", "5w", "1 m")]
+                         + [("--kill-timeout", v) for v in ("0", "0.0", "-0", "0s")])
 def test_zero_and_unusable_timeouts_are_usage_errors(tmp_path, option, value):
-    """0 used to mean "no timeout" (--timeout) or the default 10 s
-    (--kill-timeout) without a word; now it is refused, like any value that
-    is not a positive number of seconds. Nothing runs."""
+    """--kill-timeout 0 used to mean the default 10 s without a word; now it
+    is refused, like any value that is not a duration. Nothing runs.
+    (--timeout 0 means no timeout: the next test.)"""
     marker = tmp_path / "ran"
     p = run_contain(_env(tmp_path), "run", f"{option}={value}", "--", "touch", str(marker), timeout=30)
     assert p.returncode == 2, (p.returncode, p.stderr)
@@ -94,6 +95,78 @@ def test_an_empty_path_is_refused_by_the_library_too(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match=kw.replace("_", "-")):
             launcher.run(["touch", str(marker)], **{kw: ""})
     assert not marker.exists()
+
+
+@needs_cgroup
+@pytest.mark.parametrize("value", ["0", "0s", "0.0"])
+def test_timeout_0_means_no_timeout_as_gnu_timeout(box, value):
+    """CONTRACT.md: `--timeout 0` means no timeout (it used to be a usage error)."""
+    p = run_contain(box.env, "run", "--id", "z", "--timeout", value, "--", "sh", "-c", "sleep 0.3; exit 7",
+                    timeout=60)
+    assert p.returncode == 7, p.stderr
+    rec = box.record("z")
+    assert rec["outcome"] == "exited" and rec["exit_code"] == 7, rec["outcome"]
+
+
+@needs_cgroup
+def test_durations_take_s_m_h_d_as_gnu_timeout(box):
+    """`--timeout 1m` and `--grace 5s` used to be usage errors while `gc
+    --older-than 15m` took suffixes; every duration takes them now."""
+    p = run_contain(box.env, "run", "--id", "d", "--timeout", "1m", "--grace", "5s", "--kill-timeout", "0.5m",
+                    "--linger", "0s", "--", "true", timeout=60)
+    assert p.returncode == 0, p.stderr
+    p = run_contain(box.env, "run", "--id", "t", "--timeout", "0.3s", "--grace", "0s", "--", "sleep", "30",
+                    timeout=60)
+    assert p.returncode == 124, p.stderr
+
+
+@needs_cgroup
+def test_contain_wait_exits_with_the_status_contain_run_gave(box):
+    """CONTRACT.md: `contain wait ID` exits with the status `contain run`
+    gave for the run, as bash's `wait` returns the job's (it exited 0 for
+    any run that ended)."""
+    import signal
+    import time
+
+    cases = {"three": (["sh", "-c", "exit 3"], 3), "killed": (["sh", "-c", "kill -9 $$"], 137),
+             "slow": (["--timeout", "0.3", "--grace", "0", "--", "sleep", "30"], 124)}
+    for run_id, (args, want) in cases.items():
+        cmd = ["run", "-q", "--id", run_id] + (args if "--" in args else ["--", *args])
+        p = run_contain(box.env, *cmd, timeout=60)
+        assert p.returncode == want, (run_id, p.returncode, p.stderr)
+        w = run_contain(box.env, "wait", run_id, timeout=60)
+        assert w.returncode == want, (run_id, w.returncode, w.stdout, w.stderr)
+    # Cancelled by `contain cancel`: 143, whatever the worker did.
+    sup = subprocess.Popen(contain_cmd("run", "-q", "--id", "c", "--grace", "2", "--", "sh", "-c",
+                                       "trap 'exit 0' TERM; sleep 30 & wait"), env=box.env)
+    try:
+        deadline = time.monotonic() + 30
+        while run_contain(box.env, "status", "c", timeout=30).returncode != 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert run_contain(box.env, "cancel", "c", "--wait", timeout=60).returncode == 0
+        assert sup.wait(60) == 143
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait(30)
+    assert run_contain(box.env, "wait", "c", timeout=60).returncode == 143
+    # Cancelled by SIGHUP sent to `contain run`, which then dies by it: 128+1.
+    sup = subprocess.Popen(contain_cmd("run", "-q", "--id", "h", "--grace", "0.5", "--", "sleep", "30"),
+                           env=box.env)
+    try:
+        deadline = time.monotonic() + 30
+        while run_contain(box.env, "status", "h", timeout=30).returncode != 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.3)
+        sup.send_signal(signal.SIGHUP)
+        assert sup.wait(60) == -signal.SIGHUP
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait(30)
+    assert run_contain(box.env, "wait", "h", timeout=60).returncode == 128 + signal.SIGHUP
+    assert run_contain(box.env, "wait", "nosuchrun", timeout=60).returncode == 3
+    assert holders(box.token) == []
 
 
 @needs_cgroup

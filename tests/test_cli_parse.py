@@ -44,6 +44,7 @@ def _check(argv: list[str]) -> None:
     ["run", "--backend", "none", "--timeout", "2.5", "--kill-timeout", "1", "--record", "f", "--user", "u",
      "--workspace", "w", "--", "c"],
     ["run", "--quiet", "--timeout", "0.001", "--", "c"],
+    ["run", "--timeout", "0", "--", "c"], ["run", "--timeout=0s", "--grace", "5s", "--linger", "1m", "c"],
 ])
 def test_plain_runs_take_the_fast_path_with_argparse_values(argv: list[str]) -> None:
     assert _cliparse.fast_run(argv) is not None
@@ -54,7 +55,7 @@ def test_plain_runs_take_the_fast_path_with_argparse_values(argv: list[str]) -> 
     ["run", "--help"], ["run", "-h"], ["run", "--se", "a"], ["run", "--id", "--", "x"], ["run", "--id=--", "x"],
     ["run", "--grace", "-1", "a"], ["run", "--grace", "nan", "a"], ["run", "--backend", "bogus", "a"],
     ["run", "--grace"], ["ls"], [], ["cancel", "x"],
-    ["run", "--timeout", "0", "a"], ["run", "--kill-timeout=0", "a"], ["run", "--timeout=-0", "a"],
+    ["run", "--kill-timeout=0", "a"], ["run", "--timeout=-1", "a"],
 ])
 def test_anything_unusual_is_left_to_argparse(argv: list[str]) -> None:
     assert _cliparse.fast_run(argv) is None
