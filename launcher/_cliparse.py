@@ -305,7 +305,11 @@ def parser() -> argparse.ArgumentParser:
                    help="with --wait: give up after this long (0: never)")
     c.add_argument("--json", action="store_true")
 
-    w = sub.add_parser("wait", help="wait until a run has ended")
+    w = sub.add_parser("wait", help="wait until a run has ended",
+                       description="Wait until run ID has ended. Exit status: what `contain run` gave or "
+                       "would give for it (the worker's code, 128+N, 124 on --timeout, 143 when cancelled, "
+                       "128+N when signal N to contain run cancelled it, 125 when the stop did not hold); "
+                       "1 when --timeout ran out first, 3 for no such run.")
     w.add_argument("id", type=_run_id)
     w.add_argument("--timeout", type=_timeout, default=None, metavar="DURATION",
                    help="give up after this long (exit 1); 0: never")
