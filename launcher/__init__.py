@@ -22,6 +22,9 @@ _EXPORTS = {
     "ProcessInfo": "._scan",
     "capabilities": "._doctor",
     "StopRecord": "._record",
+    "CompletedRun": "._completed",
+    "RunFailed": "._completed",
+    "RunTimedOut": "._completed",
     "CancelRecord": "._record",
     "Unknown": "._record",
     "State": "._enums",
@@ -49,6 +52,7 @@ if TYPE_CHECKING:
                           RunConflict as RunConflict, RunNotFound as RunNotFound,
                           SpawnFailed as SpawnFailed, Unsupported as Unsupported)
     from ._doctor import capabilities as capabilities
+    from ._completed import CompletedRun as CompletedRun, RunFailed as RunFailed, RunTimedOut as RunTimedOut
     from ._record import CancelRecord as CancelRecord, StopRecord as StopRecord, Unknown as Unknown
     from ._scan import ProcessInfo as ProcessInfo, scan_processes as scan_processes
     from ._enums import Effect as Effect, Outcome as Outcome, State as State

@@ -412,10 +412,10 @@ def cmd_wait(args: argparse.Namespace) -> int:
         from ._state import record_exit_status
 
         return record_exit_status(record)
-    if never or record.get("state") in ("UNCONFIRMED", "BREACHED") or \
-            (isinstance(rec, Unreadable) and not d.owner_alive()):
+    if not never and (record.get("state") in ("UNCONFIRMED", "BREACHED") or
+                      (isinstance(rec, Unreadable) and not d.owner_alive())):
         return EXIT_CONTAIN_FAILED        # what `contain run` would give: the stop did not hold, or it failed
-    return EXIT_DID_NOT_HOLD              # still going when --timeout ran out
+    return EXIT_DID_NOT_HOLD              # still going when --timeout ran out; or it never started
 
 
 # -- gc -----------------------------------------------------------------------------

@@ -4,6 +4,10 @@ from __future__ import annotations
 import errno as _errno
 import os
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 
 class LauncherError(Exception):
     """Base of every error `launcher` raises on purpose. One raised by a
@@ -15,22 +19,37 @@ class LauncherError(Exception):
     run_id: str | None = None
 
 
-class SpawnFailed(LauncherError):
-    """The worker could not be started. `exit_code` is what a shell would say."""
+class SpawnFailed(LauncherError, OSError):
+    """The worker could not be started. `exit_code` is what a shell would
+    say. Also an OSError with the errno of the failure (a missing program:
+    ENOENT, as `subprocess` raises FileNotFoundError) and the program as
+    `filename` (for an exec failure)."""
 
     def __init__(self, message: str, *, errno: int = 0, stage: str = "exec", path: str = "") -> None:
-        super().__init__(message)
+        OSError.__init__(self, errno, message)
         self.errno = errno
         self.stage = stage
         self.path = path
+        if path and stage == "exec":
+            self.filename = path
         # (init pid, PID namespace inode, reaped) of the wall it failed in, if any
         self.wall_init: tuple[int, int | None, bool] | None = None
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+    def __reduce__(self) -> Any:
+        return (_spawn_failed, (str(self.strerror), self.errno, self.stage, self.path))
 
     @property
     def exit_code(self) -> int:
         if self.stage != "exec":
             return 125
         return 127 if self.errno in (_errno.ENOENT, _errno.ENOTDIR) else 126
+
+
+def _spawn_failed(message: str, errno: int, stage: str, path: str) -> SpawnFailed:
+    return SpawnFailed(message, errno=errno, stage=stage, path=path)
 
 
 class ContainmentUnavailable(LauncherError):

@@ -131,6 +131,10 @@ class _View:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _View) and self._d == other._d
 
+    def __reduce__(self) -> Any:
+        # (pickle would look for __setstate__ through __getattr__, before _d exists)
+        return (type(self), (_plain(self._d),))
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._d!r})"
 
@@ -150,6 +154,16 @@ class StopRecord(_View):
     @property
     def terminal(self) -> bool:
         return self._d["state"] in TERMINAL_STATES
+
+    @property
+    def returncode(self) -> int | None:
+        """The worker's status as `subprocess` gives it: its exit code, or
+        -N when signal N killed it; None when neither is known (a run not
+        ended, a worker that never started)."""
+        sig, code = self._d.get("signal"), self._d.get("exit_code")
+        if isinstance(sig, int) and not isinstance(sig, bool) and sig > 0:
+            return -sig
+        return code if isinstance(code, int) and not isinstance(code, bool) else None
 
     def layer(self, name: str) -> bool | Unknown:
         """One evidence layer's observation: True or False as observed, or

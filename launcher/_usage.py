@@ -150,7 +150,7 @@ class RunUsage:
                           f"killed by the OOM killer before it could start the worker: --memory-max counts the "
                           f"init's own pages (it is in the run's memory cgroup and needs about 100 KiB), and "
                           f"{applied} bytes leave it too few; ask for more, or use --no-pidns",
-                          errno=err.errno, stage=err.stage, path=err.path)
+                          errno=err.errno or 0, stage=err.stage, path=err.path)
         new.wall_init = err.wall_init
         return new
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import selectors
+import signal as _signal
 import sys
 import threading
 import time
@@ -121,6 +122,7 @@ class Worker(RunHandle):
         self._finished = threading.Event()
         self._error: BaseException | None = None
         self._comm: tuple[dict[int, list[bytes]], memoryview] | None = None   # a communicate() under way
+        self._to_worker: list[int] = []      # send_signal()'s, sent by the owner loop's thread
         try:
             if SHARED_OWNER:
                 # One owner loop for every Worker of the process (_reactor.py),
@@ -155,6 +157,15 @@ class Worker(RunHandle):
             self._changed()
 
     def _changed(self) -> None:
+        # In the owner loop's thread (after each turn): send_signal's queue.
+        while self._to_worker:
+            sig = self._to_worker.pop(0)
+            send = getattr(self._run.root, "send_signal", None)
+            if send is not None:
+                try:
+                    send(sig)
+                except OSError:
+                    pass           # gone meanwhile: as Popen.send_signal on an ended child
         with self._cond:
             self._cond.notify_all()
 
@@ -195,6 +206,35 @@ class Worker(RunHandle):
         # The run ended before its owner read this request: the request is in
         # the inbox of an ended run, answered as any late cancel.
         return self._answer_as_ended(op)
+
+    @property
+    def returncode(self) -> int | None:
+        """As `Popen.returncode`: None until the run has ended (its stop
+        included), then the worker's exit code, or -N for signal N."""
+        return self.record().returncode if self.done() else None
+
+    def poll(self) -> int | None:
+        """As `Popen.poll()`: `returncode`, without waiting."""
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        """As `Popen.send_signal`: `sig` to the worker itself (not its
+        tree: the tree is stopped once the worker ends), by its pidfd, from
+        the owner loop's thread (which alone may close that pidfd). Nothing
+        once the worker has ended."""
+        if self.done():
+            return
+        self._to_worker.append(int(sig))
+        self._run.wake()
+
+    def terminate(self) -> None:
+        """As `Popen.terminate()`: SIGTERM to the worker."""
+        self.send_signal(_signal.SIGTERM)
+
+    def kill(self) -> None:
+        """As `Popen.kill()`: SIGKILL to the worker (the rest of its tree is
+        then stopped as after any worker exit)."""
+        self.send_signal(_signal.SIGKILL)
 
     def request_stop(self, op: str, grace: float | None) -> None:
         """A cancel's intent, written, and the owner woken; no wait for its
@@ -376,19 +416,57 @@ def abandon(run: Run) -> StopRecord | None:
 
 def run(argv: Sequence[str], *, id: str | None = None, grace: float = DEFAULT_GRACE,
         timeout: float | None = None, backend: str = "auto", stdin: StdioSpec = None,
-        stdout: StdioSpec = None, stderr: StdioSpec = None, **options: Any) -> StopRecord:
-    """Run `argv` to the end in a fresh container; return the stop record.
-    PIPE is refused here (nothing would read it): use `spawn(...)` and
-    `Worker.communicate()`."""
-    if any(s is _stdio.PIPE or (type(s) is int and s == _stdio.PIPE) for s in (stdin, stdout, stderr)):
-        raise ValueError("launcher.run returns the stop record and reads no pipe: "
-                         "use spawn(..., stdout=PIPE) and Worker.communicate()")
-    started: list[Run] = []
-    try:
-        r, _ = start_run(argv, id=id, grace=grace, timeout=timeout, backend=backend, stdin=stdin,
-                         stdout=stdout, stderr=stderr, options=options, track=started.append)
-        return r.supervise()
-    except BaseException:
-        for s in started:       # interrupted before its owner loop began: no worker runs on unowned
-            abandon(s)
-        raise
+        stdout: StdioSpec = None, stderr: StdioSpec = None, input: Any = None, capture_output: bool = False,
+        check: bool = False, text: bool | None = None, encoding: str | None = None, errors: str | None = None,
+        **options: Any) -> StopRecord:
+    """Run `argv` to the end in a fresh container; return its stop record,
+    a `CompletedRun`: the record with `args`, `returncode` (negative for a
+    signal), `stdout` and `stderr` as `subprocess.run` gives them.
+    `capture_output`, `input`, `text`/`encoding`/`errors` and PIPE mean
+    what they mean to `subprocess.run`; `check=True` raises `RunFailed`
+    (a `subprocess.CalledProcessError`) or, on `timeout`, `RunTimedOut` (a
+    `subprocess.TimeoutExpired`), each carrying the record."""
+    from ._completed import CompletedRun
+
+    if capture_output:
+        if stdout is not None or stderr is not None:
+            raise ValueError("stdout and stderr arguments may not be used with capture_output")
+        stdout = stderr = _stdio.PIPE
+    if input is not None:
+        if stdin is not None:
+            raise ValueError("stdin and input arguments may not both be used")
+        stdin = _stdio.PIPE
+    text_mode = bool(text or encoding or errors)
+    piped = any(s is _stdio.PIPE or (type(s) is int and s == _stdio.PIPE) for s in (stdin, stdout, stderr))
+    out: Any = None
+    err: Any = None
+    if piped:
+        from ._completed import encode
+
+        data = encode(input, text_mode, encoding, errors)
+        with spawn(argv, id=id, grace=grace, timeout=timeout, backend=backend, stdin=stdin, stdout=stdout,
+                   stderr=stderr, **options) as w:
+            # The run's `timeout` is the owner loop's: the tree is stopped
+            # then, and the pipes close with it.
+            out, err = w.communicate(data)
+            rec = w.wait()
+    else:
+        started: list[Run] = []
+        try:
+            r, _ = start_run(argv, id=id, grace=grace, timeout=timeout, backend=backend, stdin=stdin,
+                             stdout=stdout, stderr=stderr, options=options, track=started.append)
+            rec = r.supervise()
+        except BaseException:
+            for s in started:       # interrupted before its owner loop began: no worker runs on unowned
+                abandon(s)
+            raise
+    if text_mode:
+        from ._completed import decode
+
+        out, err = decode(out, encoding, errors), decode(err, encoding, errors)
+    result = CompletedRun(rec, list(argv), out, err)
+    if check:
+        from ._completed import check as raise_unless_ok
+
+        raise_unless_ok(result, timeout)
+    return result

@@ -63,9 +63,10 @@ def test_inherited_stdio_is_not_copied(contained: dict) -> None:
     assert target == expected          # our pipe itself, no copy in between
 
 
-def test_run_refuses_pipe(contained: dict) -> None:
-    with pytest.raises(ValueError, match="communicate"):
-        launcher.run(["true"], stdout=subprocess.PIPE)
+def test_run_reads_a_pipe_as_subprocess_run_does(contained: dict) -> None:
+    """run() refused PIPE (nothing read it); it reads it now, as subprocess.run."""
+    rec = launcher.run(["echo", "hi"], stdout=subprocess.PIPE)
+    assert rec.stdout == b"hi\n" and rec.stderr is None and rec.state == "REAPED"
 
 
 def test_bad_specs_are_refused_before_anything_starts(contained: dict) -> None:

@@ -211,7 +211,7 @@ def writable_places(uid: int, gids: Iterable[int], paths: Iterable[str]) -> list
 # system would find it and its files are checked.
 LATER_IMPORTS = (
     "_json", "_signal", "_socket", "_thread", "anyio", "argparse", "asyncio", "calendar", "cffi", "collections",
-    "contextlib", "ctypes", "enum", "errno", "fcntl", "gc", "grp", "hashlib", "heapq", "importlib", "io",
+    "contextlib", "ctypes", "enum", "errno", "fcntl", "gc", "grp", "hashlib", "heapq", "importlib", "io", "locale",
     "itertools", "json", "math", "numbers", "os", "pathlib", "platform", "posixpath", "pwd", "pyroute2",
     "re", "resource", "secrets", "select", "selectors", "shlex", "shutil", "signal", "socket", "stat",
     "struct", "subprocess", "sys", "sysconfig", "tempfile", "termios", "textwrap", "threading", "time",
