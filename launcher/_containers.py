@@ -353,8 +353,10 @@ def _attach_job(run_id: str, info: dict[str, Any]) -> AttachResult:
 
                 container = windows.Container.open(run_id, name)
             except OSError as e:
-                if getattr(e, "winerror", None) == 2:     # ERROR_FILE_NOT_FOUND
-                    container = winhost.JobGone(name)
+                if getattr(e, "winerror", None) == 2:     # ERROR_FILE_NOT_FOUND, and only that
+                    where, why = _job_namespace(name, info.get("job"))
+                    if why is None:
+                        container = winhost.JobGone(name, where)
                 else:
                     why = f"the run's job {name} could not be opened: {e}"
     if container is not None and isinstance(w, dict):
@@ -394,6 +396,40 @@ def _attach_job(run_id: str, info: dict[str, Any]) -> AttachResult:
     res.worker = dict(w, boot_id=info.get("boot_id")) if isinstance(w, dict) else None
     res.run_uid = uid
     return res
+
+
+def _job_namespace(name: str, job: Any) -> tuple[str | None, str | None]:
+    """OpenJobObjectW found no job named `name` (ERROR_FILE_NOT_FOUND). That
+    says no handle to it is left only if the name was looked up where the
+    owner made it: `Local\\` is per session, and an AppContainer's is a
+    directory of its own, so from elsewhere a live, held job reads as
+    missing. Returns (where the lookup was made, for the record; why the
+    absence proves nothing, or None). A run whose owner recorded no
+    namespace (run.json `job`, from before it was recorded) is read as
+    before, and the record says the namespace was not checked."""
+    from ._platform.winsync import in_app_container, local_directory, session_id
+
+    if not isinstance(job, dict) or job.get("name") != name or type(job.get("session")) is not int:
+        return "(the session it was made in is not recorded, so not compared)", None
+    rec: int = job["session"]
+    try:
+        here, boxed = session_id(), in_app_container()
+    except OSError as e:
+        return None, f"this process's session could not be read ({e}): its lookup of {name} proves nothing"
+    if here is None:
+        return None, f"this process's session could not be read: its lookup of {name} proves nothing"
+    if here != rec:
+        return None, (f"the job was made in session {rec} and looked up from session {here}: `Local\\` names are "
+                      f"per session, so a job of that name held in session {rec} cannot be seen from here; run "
+                      f"`contain cancel` in session {rec}")
+    if boxed is not False:
+        return None, ("this process is in an AppContainer (or its token could not say): its `Local\\` is not the "
+                      f"session's, so its lookup of {name} proves nothing")
+    directory = local_directory(rec)
+    if job.get("directory") != directory:
+        return None, (f"the job's name was made in {str(job.get('directory'))[:120]!r}, not in session {rec}'s "
+                      f"{directory}, where this process looks names up: its lookup proves nothing")
+    return f"in session {rec} ({directory}), where it was made", None
 
 
 def spawn_request(argv: list[str], opts: Options, container: Any, run_id: str,

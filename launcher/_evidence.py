@@ -161,6 +161,8 @@ class RunEvidence:
             info["cgroups_v1"] = usage.cgroups.describe()
         if c.backend in ("none", "subreaper"):
             info["pgid"] = c.pgid if c.pgid > 0 else None
+        if getattr(c, "namespace", None) is not None:
+            info["job"] = c.namespace        # Windows: where the job's name lives (_containers._attach_job)
         if getattr(run, "record_path", None):
             info["record_file"] = run.record_path
         if run.layout is not None and hasattr(c, "bind"):

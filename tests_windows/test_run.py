@@ -308,6 +308,138 @@ def test_supervisor_death_kills_the_tree_and_the_next_cancel_ends_the_run(box: B
     assert g.returncode == 0 and json.loads(g.stdout)["removed"] == ["sd"], g.stdout + g.stderr
 
 
+def _job_name_lookup(name: str) -> int:
+    """OpenJobObjectW(name) by this test itself: 0 if a job of that name
+    opened (closed again at once), else the Windows error."""
+    import ctypes
+    from ctypes import wintypes as w
+
+    k32 = ctypes.WinDLL("kernel32", use_last_error=True)
+    k32.OpenJobObjectW.restype = w.HANDLE
+    k32.OpenJobObjectW.argtypes = [w.DWORD, w.BOOL, w.LPCWSTR]
+    k32.CloseHandle.argtypes = [w.HANDLE]
+    h = k32.OpenJobObjectW(0x4, False, name)       # JOB_OBJECT_QUERY
+    if h:
+        k32.CloseHandle(h)
+        return 0
+    return ctypes.get_last_error()
+
+
+def _session() -> int:
+    import ctypes
+    from ctypes import wintypes as w
+
+    k32 = ctypes.WinDLL("kernel32", use_last_error=True)
+    sid = w.DWORD()
+    assert k32.ProcessIdToSessionId(k32.GetCurrentProcessId(), ctypes.byref(sid)), ctypes.get_last_error()
+    return int(sid.value)
+
+
+def _killed_supervisor_and_gone_name(box: Box, run_id: str) -> dict[str, Any]:
+    """`contain run` killed outright (no stop, no record), its tree gone by
+    the census, and the job's name gone by this test's own lookup (Wine
+    unlinks a name only when the object is destroyed, a moment after the
+    last member died). Returns run.json."""
+    run = box.start("run", "--id", run_id, "--", *child("pair", box.dir, run_id))
+    try:
+        tree = {**_census.wait_marks(box.dir, run_id, 1), **_census.wait_marks(box.dir, f"{run_id}-gc", 1)}
+        assert len(tree) == 2
+    finally:
+        run.kill()                   # TerminateProcess: no stop, no record
+        run.communicate(timeout=LONG)
+    assert _census.wait_gone(tree) == []
+    info = load(os.path.join(box.state, "runs", run_id, "run.json"))
+    name = info["cgroup"]
+    deadline = time.monotonic() + 30
+    while (err := _job_name_lookup(name)) == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert err == 2, f"{name}: OpenJobObjectW still {err} (0: it opens) 30 s after its tree died"
+    return info
+
+
+def test_job_name_missing_from_another_session_is_not_read_as_no_handle_left(box: Box) -> None:
+    """`Local\\` is per session: from a session other than the one the job
+    was made in, the run's name is another name, so its absence says
+    nothing (the job may be alive and held in its own session). The owner
+    records its session and the name's object directory in run.json; an
+    adopter elsewhere leaves the run UNCONFIRMED with both sessions named,
+    not final: nothing signalled, gc keeps it. Simulated by run.json saying
+    the job was made in another session (Wine runs one session; a second
+    logon is not made here). Before: EXITED, final, the cancel exiting 0,
+    whatever the session."""
+    info = _killed_supervisor_and_gone_name(box, "xs")
+    here = _session()
+    other = here + 7
+    recorded = dict(info.get("job") or {})
+    info["job"] = dict(recorded, session=other)
+    with open(os.path.join(box.state, "runs", "xs", "run.json"), "w") as f:
+        json.dump(info, f)
+    c = box.contain("cancel", "xs", "--op-id", "after", "--json")
+    ack = json.loads(c.stdout)
+    assert c.returncode == 1 and ack["state"] == "UNCONFIRMED", (ack, c.stderr)
+    rec = box.record("xs")
+    ev = rec["evidence"]
+    assert ev["container_empty"]["observed"] is None and ev["descendants_exit"]["observed"] is None
+    assert f"made in session {other} and looked up from session {here}" in json.dumps(rec), json.dumps(rec, indent=1)
+    assert ev["signal_sent"]["observed"] is not True, ev["signal_sent"]
+    g = box.contain("gc", "--json")
+    assert g.returncode == 0 and json.loads(g.stdout)["removed"] == [], g.stdout + g.stderr
+    # What the owner recorded: the name, its session, the directory it lives in.
+    assert recorded["name"] == info["cgroup"] and recorded["session"] == here, recorded
+    assert recorded["directory"] == ("\\BaseNamedObjects" if here == 0 else f"\\Sessions\\{here}\\BaseNamedObjects")
+    assert recorded["app_container"] is False, recorded
+    # Put back as the owner wrote it, the same cancel finishes the run as
+    # before: no name in its own session, EXITED, the session named.
+    info["job"] = recorded
+    with open(os.path.join(box.state, "runs", "xs", "run.json"), "w") as f:
+        json.dump(info, f)
+    c = box.contain("cancel", "xs", "--op-id", "again", "--wait", "--json")
+    ack = json.loads(c.stdout)
+    assert c.returncode == 0 and ack["state"] == "EXITED", (ack, c.stderr)
+    empty = box.record("xs")["evidence"]["container_empty"]
+    assert empty["observed"] is None and f"in session {here}" in empty["detail"], empty
+
+
+def test_job_name_that_cannot_be_opened_is_never_read_as_empty(box: Box) -> None:
+    """Only ERROR_FILE_NOT_FOUND reads as "no such job": a job of the run's
+    name that this user may not open (here a squatter's, made after the
+    run's job was gone, with a descriptor granting nobody anything: access
+    denied) leaves the run UNCONFIRMED with the error, nothing signalled.
+    (This held before too: a guard for the new reading of a missing name.)"""
+    import ctypes
+    from ctypes import wintypes as w
+
+    info = _killed_supervisor_and_gone_name(box, "ad")
+    k32 = ctypes.WinDLL("kernel32", use_last_error=True)
+    adv = ctypes.WinDLL("advapi32", use_last_error=True)
+
+    class SA(ctypes.Structure):
+        _fields_ = [("nLength", w.DWORD), ("lpSecurityDescriptor", ctypes.c_void_p), ("bInheritHandle", w.BOOL)]
+
+    sd = ctypes.c_void_p()
+    adv.ConvertStringSecurityDescriptorToSecurityDescriptorW.argtypes = [
+        w.LPCWSTR, w.DWORD, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    assert adv.ConvertStringSecurityDescriptorToSecurityDescriptorW("D:P", 1, ctypes.byref(sd), None)
+    sa = SA(ctypes.sizeof(SA), sd, False)
+    k32.CreateJobObjectW.restype = w.HANDLE
+    k32.CreateJobObjectW.argtypes = [ctypes.POINTER(SA), w.LPCWSTR]
+    k32.CloseHandle.argtypes = [w.HANDLE]
+    squat = k32.CreateJobObjectW(ctypes.byref(sa), info["cgroup"])
+    assert squat, ctypes.get_last_error()
+    try:
+        err = _job_name_lookup(info["cgroup"])
+        if err != 5:
+            pytest.skip(f"an empty DACL did not deny this token the job here (OpenJobObjectW: {err})")
+        c = box.contain("cancel", "ad", "--op-id", "after", "--json")
+        ack = json.loads(c.stdout)
+        assert c.returncode == 1 and ack["state"] == "UNCONFIRMED", (ack, c.stderr)
+        rec = box.record("ad")
+        assert rec["state"] == "UNCONFIRMED" and rec["evidence"]["container_empty"]["observed"] is None, rec
+        assert "could not be opened" in json.dumps(rec), json.dumps(rec, indent=1)
+    finally:
+        k32.CloseHandle(squat)
+
+
 def test_worker_holding_a_stolen_job_handle_outlives_contain_and_cancel_reaps_it(box: Box) -> None:
     """The worker opens `contain` (its parent, the same user) with
     PROCESS_DUP_HANDLE and keeps a copy of the job handle, so the job

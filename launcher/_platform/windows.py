@@ -100,6 +100,8 @@ class Container:
         self.job_limits: JobLimits | None = None   # the limits written and read back (winlimits.py)
         self._worker_times: dict[str, int] | None = None
         self._wait: Any = None
+        # Where the job's name lives (session, object directory), for run.json.
+        self.namespace: dict[str, Any] | None = None
 
     @classmethod
     def create(cls, run_id: str, limits: Limits | None = None, uid: str | None = None) -> "Container":
@@ -148,7 +150,25 @@ class Container:
         c.job_limits = applied
         c._wait = ffi.new("struct ct_job_wait_result*")
         c.guard = c._probe()
+        if name:
+            c.namespace = c._namespace()
         return c
+
+    def _namespace(self) -> dict[str, Any]:
+        """Where the job's name lives, for an adopter that finds no job of
+        that name (_containers._attach_job): the session this process runs
+        in, the object directory the name resolved to, and whether this is
+        an AppContainer (whose `Local\\` is a directory of its own)."""
+        from .winsync import in_app_container, object_directory, session_id
+
+        out: dict[str, Any] = {"name": self.name, "session": None, "directory": None, "app_container": None}
+        for key, read in (("session", session_id), ("directory", lambda: object_directory(self.job)),
+                          ("app_container", in_app_container)):
+            try:
+                out[key] = read()
+            except OSError:
+                pass
+        return out
 
     @classmethod
     def open(cls, run_id: str, name: str) -> "Container":

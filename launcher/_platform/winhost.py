@@ -268,11 +268,16 @@ class JobGone(Orphaned):
 
     empty_via = "OpenJobObjectW by the job's name"
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, where: str | None = None) -> None:
+        # `where`: the namespace the lookup was made in, checked against the
+        # one the owner recorded (_containers._job_namespace); None for a run
+        # whose owner recorded none.
         super().__init__(path, (
-            f"no job named {path} exists any more: no handle to it is left anywhere (a name lives as long as "
-            "a handle does), so KILL_ON_JOB_CLOSE terminated every process in it when the last one closed; an "
-            "empty job that nobody holds cannot be queried, so ActiveProcesses == 0 was not observed"))
+            f"no job named {path} exists any more{' ' + where if where else ''}: no handle to it is left "
+            "anywhere (a name lives as long as a handle does), so KILL_ON_JOB_CLOSE began terminating every "
+            "process in it when the last one closed; but the processes hold the job by reference, not by "
+            "handle, so the name's absence does not prove them gone, and a job nobody holds cannot be queried: "
+            "ActiveProcesses == 0 was not observed"))
         self.gone_detail = self.reason
 
     def populated(self) -> bool:

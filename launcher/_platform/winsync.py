@@ -90,6 +90,83 @@ def job_name(run_uid: str) -> str:
     return f"Local\\contain-{_part(run_uid, 'run uid')}-job"
 
 
+def session_id() -> int | None:
+    """This process's terminal-services session (ProcessIdToSessionId), or
+    None if it cannot be read. `Local\\` names live in the session's own
+    object directory, so a name looked up from another session is another
+    name."""
+    if sys.platform != "win32":
+        raise ContainmentUnavailable("sessions: Windows only")
+    import ctypes
+    from ctypes import wintypes
+
+    k32 = ctypes.WinDLL("kernel32", use_last_error=True)
+    sid = wintypes.DWORD()
+    if not k32.ProcessIdToSessionId(k32.GetCurrentProcessId(), ctypes.byref(sid)):
+        return None
+    return int(sid.value)
+
+
+def local_directory(session: int) -> str:
+    """The object directory `Local\\` names of a session's ordinary (not
+    AppContainer) processes resolve to."""
+    return "\\BaseNamedObjects" if session == 0 else f"\\Sessions\\{session}\\BaseNamedObjects"
+
+
+def object_directory(handle: int) -> str | None:
+    """The object directory a named kernel object's name lives in, read
+    from its handle (NtQueryObject ObjectNameInformation), e.g.
+    `\\Sessions\\1\\BaseNamedObjects`; None if it cannot be read."""
+    if sys.platform != "win32":
+        raise ContainmentUnavailable("object names: Windows only")
+    import ctypes
+    from ctypes import wintypes
+
+    nt = ctypes.WinDLL("ntdll")
+    nt.NtQueryObject.argtypes = [wintypes.HANDLE, ctypes.c_int, ctypes.c_void_p, wintypes.ULONG,
+                                 ctypes.POINTER(wintypes.ULONG)]
+    nt.NtQueryObject.restype = ctypes.c_long
+    buf = ctypes.create_string_buffer(4096)
+    got = wintypes.ULONG()
+    if nt.NtQueryObject(handle, 1, buf, len(buf), ctypes.byref(got)) != 0:   # ObjectNameInformation
+        return None
+    # OBJECT_NAME_INFORMATION: a UNICODE_STRING (USHORT Length, USHORT
+    # MaximumLength, padding, PWSTR Buffer) whose buffer follows it.
+    length = int.from_bytes(buf.raw[0:2], "little")
+    ptr = int.from_bytes(buf.raw[8:16], "little")
+    if not length or not ptr:
+        return None
+    name = ctypes.wstring_at(ptr, length // 2)
+    return name.rsplit("\\", 1)[0] if "\\" in name else None
+
+
+def in_app_container() -> bool | None:
+    """Whether this process's token is an AppContainer's (whose `Local\\` is
+    a directory of its own); None if the token cannot say."""
+    if sys.platform != "win32":
+        raise ContainmentUnavailable("tokens: Windows only")
+    import ctypes
+    from ctypes import wintypes
+
+    k32 = ctypes.WinDLL("kernel32", use_last_error=True)
+    adv = ctypes.WinDLL("advapi32", use_last_error=True)
+    k32.GetCurrentProcess.restype = wintypes.HANDLE
+    k32.CloseHandle.argtypes = [wintypes.HANDLE]
+    adv.OpenProcessToken.argtypes = [wintypes.HANDLE, wintypes.DWORD, ctypes.POINTER(wintypes.HANDLE)]
+    adv.GetTokenInformation.argtypes = [wintypes.HANDLE, ctypes.c_int, ctypes.c_void_p, wintypes.DWORD,
+                                        ctypes.POINTER(wintypes.DWORD)]
+    tok = wintypes.HANDLE()
+    if not adv.OpenProcessToken(k32.GetCurrentProcess(), 0x0008, ctypes.byref(tok)):   # TOKEN_QUERY
+        return None
+    try:
+        val, ret = wintypes.DWORD(), wintypes.DWORD()
+        if not adv.GetTokenInformation(tok, 29, ctypes.byref(val), 4, ctypes.byref(ret)):   # TokenIsAppContainer
+            return None
+        return bool(val.value)
+    finally:
+        k32.CloseHandle(tok)
+
+
 def waiter_event_name(token: str) -> str:
     """The event one waiting process (`contain wait`, `cancel --wait`)
     listens on, named by the token file it puts in the run's `waiters\\`
