@@ -919,7 +919,7 @@ def test_symlinked_run_files_are_not_followed(tmp_path):
 # -- numbers --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args", [
-    ["run", "--timeout", "0", "--", "true"], ["run", "--kill-timeout", "0", "--", "true"],
+    ["run", "--timeout", "-1", "--", "true"], ["run", "--kill-timeout", "0", "--", "true"],
     ["run", "--grace", "inf", "--", "true"], ["cancel", "x", "--grace", "1e999"],
     ["wait", "x", "--timeout", "nan"], ["gc", "--older-than", "soon"], ["gc", "--keep", "-1"],
     ["ls", "--since", "yesterday-ish"], ["ls", "--state", "SLEEPING"],

@@ -641,7 +641,7 @@ def test_a_missing_cgroup_base_is_made_for_the_run_and_removed_after_it(box):
 # -- time bounds ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("args", [
-    ("--timeout", "0"), ("--kill-timeout", "0"), ("--timeout", "nan"), ("--grace", "inf"),
+    ("--timeout", "1w"), ("--kill-timeout", "0"), ("--timeout", "nan"), ("--grace", "inf"),
     ("--timeout", "-1"), ("--linger", "nan"), ("--linger", "-1"), ("--kill-timeout", "inf"),
 ])
 def test_time_bounds_contain_cannot_honour_are_usage_errors(box, args):
