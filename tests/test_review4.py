@@ -371,8 +371,11 @@ def test_newline_and_escape_in_argv_cannot_forge_ls_rows_or_reach_the_terminal(b
 
 
 _FIFOS_FOR_RUN_FILES = r"""
-import os
+import os, time
 d = os.environ["CONTAIN_RUN_DIR"]
+deadline = time.monotonic() + 20     # the first record is written a moment after the spawn
+while time.monotonic() < deadline and not all(os.path.exists(os.path.join(d, n)) for n in ("run.json", "record.json")):
+    time.sleep(0.05)
 for name in ("run.json", "record.json"):
     os.unlink(os.path.join(d, name))
     os.mkfifo(os.path.join(d, name), 0o600)
