@@ -243,46 +243,39 @@ def exit_status(snap: Snapshot, exit_code: int | None, signal: int | None) -> in
     worker did: a worker that traps SIGTERM and exits 0 must not read as a
     success. (One cancelled by a signal to `contain` dies by that signal:
     the CLI's business, _sigproxy.py.)"""
-    if snap.outcome == Outcome.SPAWN_FAILED:
-        return exit_code if exit_code is not None else 125
-    if snap.phase in (Phase.UNCONFIRMED, Phase.BREACHED):
-        return 125        # the stop did not hold: that comes before why it was stopped (a timeout)
-    if snap.outcome == Outcome.TIMED_OUT:
-        return 124
-    if snap.outcome == Outcome.CANCELLED:
-        return EXIT_CANCELLED
-    if signal is not None:
-        return 128 + signal
-    return exit_code if exit_code is not None else 125
+    return _status(snap.phase not in (Phase.UNCONFIRMED, Phase.BREACHED), snap.outcome, exit_code, signal)
 
 
 def record_exit_status(rec: dict) -> int:
     """What `contain run` gave, or would have given, for the run of this
-    final record (`contain wait`'s status, CONTRACT.md): the worker's code,
-    128+N for its signal, 124 on --timeout, 125 when the stop did not hold
-    or contain failed; a cancel gives 143, or 128+N when it came from
-    signal N sent to `contain run` itself (which then died by it)."""
-    state, outcome = rec.get("state"), rec.get("outcome")
+    final record (`contain wait`'s status, CONTRACT.md): as exit_status,
+    and 128+N for a cancel that came from signal N sent to `contain run`
+    itself (which then died by it)."""
     code, sig = rec.get("exit_code"), rec.get("signal")
     code = code if isinstance(code, int) and not isinstance(code, bool) else None
     sig = sig if isinstance(sig, int) and not isinstance(sig, bool) and 0 < sig < 128 else None
-    if outcome == "spawn_failed":
-        return code if code is not None else 125
-    if state not in ("REAPED", "EXITED"):
-        return 125
-    if outcome == "timed_out":
-        return 124
-    if outcome == "cancelled":
-        layer = (rec.get("evidence") or {}).get("cancel_requested") or {}
-        by = (layer.get("detail") or {}).get("by") if isinstance(layer.get("detail"), dict) else None
-        name = by.get("signal") if isinstance(by, dict) else None
-        if isinstance(name, str) and name.startswith("SIG"):
-            import signal
+    by_signal = None
+    layer = (rec.get("evidence") or {}).get("cancel_requested") or {}
+    by = (layer.get("detail") or {}).get("by") if isinstance(layer.get("detail"), dict) else None
+    name = by.get("signal") if isinstance(by, dict) else None
+    if isinstance(name, str) and name.startswith("SIG"):
+        import signal
 
-            num = getattr(signal, name, None)
-            if isinstance(num, int) and 0 < num < 128:
-                return 128 + num
-        return EXIT_CANCELLED
-    if sig is not None:
-        return 128 + sig
-    return code if code is not None else 125
+        num = getattr(signal, name, None)
+        by_signal = num if isinstance(num, int) and 0 < num < 128 else None
+    return _status(rec.get("state") in ("REAPED", "EXITED"), rec.get("outcome"), code, sig, by_signal)
+
+
+def _status(held: bool, outcome: str | None, exit_code: int | None, signal: int | None,
+            by_signal: int | None = None) -> int:
+    if outcome == Outcome.SPAWN_FAILED:
+        return exit_code if exit_code is not None else 125
+    if not held:
+        return 125        # the stop did not hold: that comes before why it was stopped (a timeout)
+    if outcome == Outcome.TIMED_OUT:
+        return 124
+    if outcome == Outcome.CANCELLED:
+        return 128 + by_signal if by_signal else EXIT_CANCELLED
+    if signal is not None:
+        return 128 + signal
+    return exit_code if exit_code is not None else 125
