@@ -84,18 +84,8 @@ def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float
                     entry["detail"] = why
                 found[key] = entry
                 fresh += 1
-                if fd < 0:
-                    continue
-                try:
-                    signal.pidfd_send_signal(fd, signal.SIGKILL)
-                    entry["killed"] = True
-                    fds[fd] = key
-                except ProcessLookupError:
-                    entry["gone"] = True
-                    os.close(fd)
-                except OSError as e:
-                    entry["detail"] = f"pidfd_send_signal: {os.strerror(e.errno or 0)}"
-                    os.close(fd)
+                if fd >= 0:
+                    _kill(fd, key, entry, fds)
             _wait_pidfds(fds, found, deadline)
             # Done only after a pass that found no one new while nothing of
             # the tree forked: a chain whose members fork and exit faster
@@ -130,6 +120,21 @@ def stop_escapers(ledger: Ledger, inside: Callable[[str], bool], deadline: float
     for entry in found.values():
         entry["alive_at_end"] = not entry["gone"] if entry["gone"] is not None else None
     return list(found.values())
+
+
+def _kill(fd: int, key: Any, entry: dict[str, Any], fds: dict[int, Any]) -> None:
+    """SIGKILL by the pidfd `fd` (pinned and verified by the caller), said in
+    `entry`; the pidfd is kept in `fds` to wait on, or closed."""
+    try:
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        entry["killed"] = True
+        fds[fd] = key
+    except ProcessLookupError:
+        entry["gone"] = True
+        os.close(fd)
+    except OSError as e:
+        entry["detail"] = f"pidfd_send_signal: {os.strerror(e.errno or 0)}"
+        os.close(fd)
 
 
 def _wait_pidfds(fds: dict[int, tuple[int, int]], found: dict[tuple[int, int], dict[str, Any]],
@@ -185,16 +190,7 @@ def stop_v1_members(v1: Any, inside: Callable[[str], bool], deadline: float) -> 
                     entry["note"] = "inside the container again after it was observed empty"
                 found[key] = entry
                 fresh += 1
-                try:
-                    signal.pidfd_send_signal(fd, signal.SIGKILL)
-                    entry["killed"] = True
-                    fds[fd] = key
-                except ProcessLookupError:
-                    entry["gone"] = True
-                    os.close(fd)
-                except OSError as e:
-                    entry["detail"] = f"pidfd_send_signal: {os.strerror(e.errno or 0)}"
-                    os.close(fd)
+                _kill(fd, key, entry, fds)
             _wait_pidfds(fds, found, deadline)
             if not fresh:
                 break
