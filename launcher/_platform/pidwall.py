@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .spawnreq import SpawnRequest, Spawned
 
 from .._record import now_iso
-from .posixwait import Init, WallRoot
+from .posixwait import Init, WallRoot, kernel_keeps_exit_status
 
 PROOF = "the PID namespace's init was reaped (the kernel reaps it only after every other member is gone)"
 UNLEAVABLE = "a PID-namespace wall: no process can leave it, whatever its privileges"
@@ -105,6 +105,12 @@ class PidWall:
                 "counted_in": own_pidns()}
 
     def root(self, sp: Spawned) -> WallRoot:
+        """The worker as the owner watches it. Where the kernel keeps a
+        reaped process's status for its pidfd, the init's socket is closed
+        here (Init.quiet): a live walled run then holds two descriptors,
+        the init's pidfd and the worker's."""
+        if sp.pidfd >= 0 and not self.init.adopted and kernel_keeps_exit_status():
+            self.init.quiet()
         return WallRoot(self.init, sp.pid, sp.pidfd)
 
     def sources(self) -> list[tuple[int, int]]:

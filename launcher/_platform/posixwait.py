@@ -27,6 +27,36 @@ _PIDFD_INFO_SIZE = 72
 _PIDFD_GET_INFO = (3 << 30) | (_PIDFD_INFO_SIZE << 16) | (0xFF << 8) | 11
 _EXIT_VIA = "pidfd + PIDFD_GET_INFO(PIDFD_INFO_EXIT): the kernel's record of its exit"
 
+# Whether this kernel keeps a reaped process's exit status for the holders
+# of its pidfd (PIDFD_INFO_EXIT, Linux 6.15). Read from the release once: a
+# kernel older than that, or one whose release cannot be read, keeps the
+# wall's report socket open for the worker's status (the safe direction);
+# one that names 6.15 or later but turns out to keep nothing (a worker
+# reaped with no status on its pidfd) sets it False for the process.
+_exit_info: bool | None = None
+
+
+def kernel_keeps_exit_status() -> bool:
+    global _exit_info
+    if _exit_info is None:
+        try:
+            major, minor = (int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+            _exit_info = (major, minor) >= (6, 15)
+        except (ValueError, OSError):
+            _exit_info = False
+    return _exit_info
+
+
+def _no_exit_status_here() -> None:
+    global _exit_info
+    _exit_info = False
+
+# How long a worker seen exited (its pidfd readable) may wait for its init
+# to reap it before the kernel has its status (PIDFD_INFO_EXIT is kept at
+# the reaping, not the exit): the init reaps at once on SIGCHLD, so this
+# is only ever waited out by an init that cannot run (frozen, stopped).
+_REAP_WAIT_S = 0.005
+
 
 def pidfd_exit_status(pidfd: int) -> int | None:
     """The wait status of a reaped process, from its pidfd; None while it is
@@ -280,6 +310,16 @@ class Init:
         except ProcessLookupError:
             pass
 
+    def quiet(self) -> None:
+        """Stop listening to the init once the worker runs: what it says
+        afterwards (the worker's status, forwarding, its CPU time) is the
+        kernel's to tell, through the worker's pidfd (PIDFD_INFO_EXIT) and
+        our own reaping of the init (wait4's rusage), so its socket is one
+        descriptor per live run that buys nothing (issue 27: at most two
+        per run). What it sent up to now is taken in first."""
+        self.pump()
+        self._close_report()
+
     def _close_report(self) -> None:
         if self.report_fd >= 0:
             os.close(self.report_fd)
@@ -301,12 +341,20 @@ class WallRoot:
         self.pid = pid
         self.pidfd = pidfd
         self._ended = False
+        self._unwatched = False     # seen exited, not reaped within _REAP_WAIT_S: left to the init's pidfd
 
-    def source(self) -> None:
-        return None            # the container waits on the init's pidfd and socket
+    def source(self) -> tuple[int, int] | None:
+        """While the init's socket is open, the container waits on it (the
+        init reports the worker's exit after reaping it). Once the init is
+        quiet (Init.quiet), the worker's own pidfd is what wakes us."""
+        if self._ended or self._unwatched or self.init.report_fd >= 0 or self.pidfd < 0:
+            return None
+        return (self.pidfd, select.POLLIN)
 
     def _status(self) -> RootExit | None:
         kernel = pidfd_exit_status(self.pidfd) if self.pidfd >= 0 else None
+        if kernel is None and self.init.report_fd < 0 and self.pidfd >= 0 and self._exited():
+            kernel = self._await_reaping()
         if kernel is not None:
             self._end()
             return exit_of(kernel, f"the init reaped the worker; {_EXIT_VIA}")
@@ -315,6 +363,26 @@ class WallRoot:
             self._end()
             return exit_of(st, "the PID namespace's init reaped the worker (its wait status, on the init's socket)")
         return None
+
+    def _await_reaping(self) -> int | None:
+        """The worker has exited (its pidfd polls readable) and the init,
+        no longer heard, has not reaped it yet: the kernel keeps the status
+        at the reaping. Wait for it a moment; past that the pidfd is no
+        longer watched (it would poll readable for ever) and the init's own
+        end, or the owner's guard, brings the next look."""
+        deadline = time.monotonic() + _REAP_WAIT_S
+        while True:
+            got = pidfd_exit_status(self.pidfd)
+            if got is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(0.0002)
+        if got is None:
+            self._unwatched = True
+            if self.init.reaped():
+                # Every member is gone (the worker with them) and still no
+                # status: this kernel keeps none, whatever its release says.
+                _no_exit_status_here()
+        return got
 
     def _exited(self) -> bool:
         """Whether the kernel says the worker exited (its pidfd polls
@@ -345,7 +413,9 @@ class WallRoot:
             self._end()
             return RootExit(None, None, None, evidence(
                 True, "the PID namespace's init was reaped (every member is gone)",
-                "exit status unknown: the init ended before it reported the worker's"))
+                "exit status unknown: the init ended before it reported the worker's" if self.init.report_fd >= 0
+                or self.init.worker_status is not None or not self._unwatched
+                else "exit status unknown: the kernel kept none on the worker's pidfd"))
         return None
 
     def send_signal(self, sig: int) -> bool:
