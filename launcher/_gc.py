@@ -35,6 +35,7 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any
 
+from . import _ownerslots
 from . import _safefs as F
 from ._ofdlock import lock_held
 from ._names import valid_id
@@ -126,11 +127,26 @@ def _status(st: StateDir, e: Entry, now: float) -> str:
         return "unreadable"
     try:
         try:
-            lock = os.open("owner.lock", F.O_READ, dir_fd=fd)
-        except FileNotFoundError:
-            lock = -1
+            named = _ownerslots.read_link(fd)
         except OSError:
             return "unreadable"
+        if named is None:
+            return "unreadable"
+        lock = -1
+        if named is not False:
+            held = _ownerslots.held(st, *named)
+            if held is None:
+                return "unreadable"
+            if held:
+                return "live"
+            lock = -2           # a slot, free: the owner is gone
+        else:
+            try:
+                lock = os.open("owner.lock", F.O_READ, dir_fd=fd)
+            except FileNotFoundError:
+                lock = -1
+            except OSError:
+                return "unreadable"
         if lock >= 0:
             try:
                 if lock_held(lock):
@@ -153,7 +169,7 @@ def _status(st: StateDir, e: Entry, now: float) -> str:
                 # but the cgroups it made before it was killed may be left.
                 # A run appears with its owner lock held (RunDir.claim): a
                 # free one means its supervisor is gone, not still starting.
-                if lock < 0 and now - e.mtime <= CLAIM_STALE_S:
+                if lock == -1 and now - e.mtime <= CLAIM_STALE_S:
                     return "live"
                 from . import _tags                     # rare: not loaded for every claim's prune
                 from ._strays import claimed_uid
@@ -278,6 +294,7 @@ def gc(st: StateDir, *, older_than: float | None = None, keep: int | None = None
         else:
             chosen.append(e)
     _remove(st, chosen, now, result)
+    _ownerslots.sweep(st, now)
     return result
 
 
@@ -310,6 +327,7 @@ def auto_prune(st: StateDir, keep: int, count: int | None) -> GcResult:
                 result.removed.append(e.name)
         except OSError:
             result.failed.append(e.name)
+    _ownerslots.sweep(st, now)       # the owners files of processes gone (one per `contain run`)
     return result
 
 

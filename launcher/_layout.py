@@ -6,7 +6,10 @@ what happened to it, or cancel it after a reconnect.
     <state>/runs/<id>/record.json                 the stop record (atomic)
     <state>/runs/<id>/summary.json                what `ls` shows of it, and which record.json it
                                                   was made from (a hint, read only while it names it)
-    <state>/runs/<id>/owner.lock                  OFD write lock held by the owner for its lifetime
+    <state>/runs/<id>/owner                       symlink naming the owner's slot, "<file>:<k>": an OFD
+                                                  write lock on byte k of <state>/owners/<file>, held by
+                                                  the owner for its lifetime (_ownerslots; a run
+                                                  directory of the old layout has owner.lock instead)
     <state>/runs/<id>/cancellations/requests.ndjson   one line per cancel request (the inbox)
     <state>/runs/<id>/cancellations/wake          FIFO the owner reads; a requester pokes it
     <state>/runs/<id>/waiters/<pid>-<hex>         one FIFO per waiting process; the owner pokes
@@ -46,11 +49,10 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any
 
-from . import _fifos, _gc, _requests
+from . import _fifos, _gc, _ownerslots, _requests
 from . import _safefs as F
 from ._errors import RunConflict
 from ._jsonenc import dumps
-from ._ofdlock import take_lock
 from ._record import now_iso
 from ._requests import InboxRead, op_filename
 from ._rundir import RunDirBase, check_id
@@ -164,13 +166,9 @@ class RunDir(RunDirBase):
             fd = F.open_private_dir(st.runs_fd, tmp, os.path.join(st.path, "runs", tmp), owners=st.owners)
             os.fchmod(fd, RUN_DIR_MODE)
             self._hold(fd)
-            lock = os.open("owner.lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                           FILE_MODE, dir_fd=fd)
-            os.fchmod(lock, FILE_MODE)
-            if not take_lock(lock):
-                os.close(lock)
-                raise RunConflict(f"run {self.id}: the owner lock of a new directory is taken")
-            self._own(lock)
+            name, k = _ownerslots.claim(st)
+            self._own_slot((st.path, name, k))
+            os.symlink(_ownerslots.target(name, k), _ownerslots.LINK, dir_fd=fd)
             if info is not None:
                 F.replace_file(fd, "run.json", encode(info), self.file("run.json"), mode=FILE_MODE)
             try:

@@ -2,13 +2,18 @@
 fds), and owning it (the OFD owner lock). What is in it is _layout's
 (RunDir, built on this), _requests' and _fifos'.
 
-Every use opens through the verified state directory (_statedir) unless the
-object owns the run (claim, take_ownership): then it holds the directory
-fds until release(). The owner lock is an OFD lock (fcntl F_OFD_SETLK);
-observers ask with F_OFD_GETLK on a read-only descriptor and take nothing,
-so they can neither block the owner nor make a live run look orphaned
-(with flock, a reader's LOCK_SH made a concurrent adopter fail and a claim
-lose its lock).
+Every use opens through the verified state directory (_statedir). An object
+that owns the run (claim, take_ownership) holds no descriptor of it: it
+keeps the directory's identity (device, inode) and opens it again through
+a state directory its process holds open (one per state directory, not per
+run: a live run holds at most two descriptors, issue 27), refusing what is
+not the very directory it owns. The owner lock is an OFD lock (fcntl F_OFD_SETLK):
+one byte of the owning process's owners file, named by the run's `owner`
+link (_ownerslots: no descriptor per run), or, in a run directory of the
+old layout, the whole of its own `owner.lock`. Observers ask with
+F_OFD_GETLK on a read-only descriptor and take nothing, so they can
+neither block the owner nor make a live run look orphaned (with flock, a
+reader's LOCK_SH made a concurrent adopter fail and a claim lose its lock).
 """
 from __future__ import annotations
 
@@ -18,13 +23,14 @@ import stat
 import _thread
 TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
 if TYPE_CHECKING:
-    from typing import Iterator, TypeVar
+    from typing import Iterator, Literal, TypeVar
 
     D = TypeVar("D", bound="RunDirBase")
 
+from . import _ownerslots as slots
 from . import _safefs as F
 from ._errors import RunNotFound
-from ._ofdlock import drop_lock, lock_held, take_lock
+from ._ofdlock import Locks, drop_lock, lock_held, locked_at, take_lock
 from ._names import valid_id
 from ._safefs import UnsafePath
 from ._statedir import FILE_MODE, RUN_DIR_MODE, StateDir, location
@@ -57,7 +63,9 @@ _OWNED: dict[int, "RunDirBase"] = {}
 
 
 def _forget_owned_in_child() -> None:
+    slots.forget_in_child()
     for d in list(_OWNED.values()):
+        d._slot = None
         reinit = getattr(d._mu, "_at_fork_reinit", None)
         if reinit is not None:
             reinit()              # held by a thread that is not in the child
@@ -86,8 +94,10 @@ class RunDirBase:
         self.requests = self.cancellations + "/requests.ndjson"
         self._state = _state
         self._mu = _thread.RLock()
-        self._lock_fd = -1
-        self._fd = -1           # held while owning
+        self._lock_fd = -1      # owner.lock (the old layout, adopted)
+        self._slot: tuple[str, str, int] | None = None    # (state path, owners file, slot) while owning
+        self._fd = -1           # held for a batch of reads (opened())
+        self._ino: tuple[int, int] | None = None     # the directory's identity while owning
 
     def __repr__(self) -> str:
         return f"RunDir({self.path!r})"
@@ -120,7 +130,7 @@ class RunDirBase:
                 # ... and a run whose worker removed its cancellations/ (one
                 # that can write the run directory) is still a run, not "no
                 # such run": its cancel makes the directory again.
-                if not _any_of(fd, ("run.json", "owner.lock", "record.json")):
+                if not _any_of(fd, ("run.json", slots.LINK, "owner.lock", "record.json")):
                     raise RunNotFound(f"no run {run_id!r} in {os.path.join(st.path, 'runs')}") from None
             finally:
                 os.close(fd)
@@ -147,6 +157,8 @@ class RunDirBase:
 
     def _open_fd(self, write: bool) -> int:
         """A new fd of this run's directory, verified. Caller closes it."""
+        if self._ino is not None:
+            return self._reopen()
         runs_root = os.path.dirname(self.path)
         if os.path.basename(runs_root) != "runs" or not valid_id(self.id):
             raise UnsafePath(self.path, "is not a run directory (<state>/runs/<id>)")
@@ -155,6 +167,28 @@ class RunDirBase:
             return F.open_private_dir(st.runs_fd, self.id, self.path, owners=st.owners)
         with StateDir.open(os.path.dirname(runs_root), write=write) as st2:
             return F.open_private_dir(st2.runs_fd, self.id, self.path, owners=st2.owners)
+
+    def _reopen(self) -> int:
+        """The directory this object owns, opened again: through the state
+        directory its process holds, and only if it is the very directory
+        (device, inode) claimed or adopted. Raises UnsafePath when the path
+        names another one now (a member that can write the state directory
+        moved it), StateDirError, OSError."""
+        want = self._ino
+        for fresh in (False, True):
+            st = _held_state(self.state_path(), fresh)
+            try:
+                fd = os.open(self.id, F.O_DIR, dir_fd=st.runs_fd)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise F.dir_error(e, self.path, st.runs_fd, self.id) from None
+            s = os.fstat(fd)
+            if (s.st_dev, s.st_ino) == want:
+                return fd
+            os.close(fd)
+        raise UnsafePath(self.path, "is no longer the run directory this process owns (moved or replaced)",
+                         errno.ESTALE)
 
     def dir_fd(self, write: bool = False) -> int:
         """An fd of the run directory that the caller closes: a dup of the
@@ -177,10 +211,13 @@ class RunDirBase:
         it also follows the path when a worker that can write the run
         directory removed or replaced cancellations/ (requesters write to
         the path), made anew if missing."""
-        with self._mu:
-            if self._fd >= 0 and self._lock_fd >= 0:
-                return F.open_private_dir(self._fd, "cancellations", self.cancellations,
+        if self._ino is not None:
+            fd = self._reopen()
+            try:
+                return F.open_private_dir(fd, "cancellations", self.cancellations,
                                           owners=(os.geteuid(),), create_mode=RUN_DIR_MODE)
+            finally:
+                os.close(fd)
         fd = self.dir_fd(write)
         try:
             return F.open_private_dir(fd, "cancellations", self.cancellations, owners=(os.geteuid(), 0)
@@ -190,13 +227,14 @@ class RunDirBase:
             os.close(fd)
 
     def _hold(self, fd: int) -> None:
-        """Keep `fd` (the run directory) for the owner's lifetime, its
-        cancellations/ made (opened again when used: cancellations_fd)."""
+        """Own `fd`'s directory (the run directory) for the owner's
+        lifetime: its identity kept (opened again when used: _reopen), its
+        cancellations/ made (cancellations_fd)."""
+        s = os.fstat(fd)
         with self._mu:
-            if self._fd < 0:
-                self._fd = os.dup(fd)
-            os.close(F.open_private_dir(self._fd, "cancellations", self.cancellations,
-                                        owners=(os.geteuid(),), create_mode=RUN_DIR_MODE))
+            self._ino = (s.st_dev, s.st_ino)
+        os.close(F.open_private_dir(fd, "cancellations", self.cancellations,
+                                    owners=(os.geteuid(),), create_mode=RUN_DIR_MODE))
 
     def opened(self) -> "_Opened":
         """`with d.opened():` opens the directory once (verified) for a batch
@@ -217,17 +255,37 @@ class RunDirBase:
 
     def _give_back(self, fd: int) -> None:
         with self._mu:
-            if self._fd == fd and self._lock_fd < 0:
+            if self._fd == fd:
                 self._fd = -1
                 os.close(fd)
+
+    def _owning(self) -> bool:
+        return self._lock_fd >= 0 or self._slot is not None
+
+    def state_path(self) -> str:
+        return os.path.dirname(os.path.dirname(self.path))
+
+    def _state_dir(self, write: bool) -> StateDir:
+        return StateDir.open(self.state_path(), write=write)
 
     def take_ownership(self) -> bool:
         """Hold the owner lock. False if a live owner holds it."""
         with self._mu:
-            if self._lock_fd >= 0:
+            if self._owning():
                 return True
         fd = self.dir_fd(write=True)
         try:
+            named = slots.read_link(fd)
+            if named is None:
+                raise UnsafePath(self.file(slots.LINK), "does not name an owner slot")
+            if named is not False:
+                name, k = named
+                with self._state_dir(write=True) as st:
+                    if not slots.take(st, name, k):
+                        return False
+                    self._own_slot((st.path, name, k))
+                self._hold(fd)
+                return True
             try:
                 lock = os.open("owner.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                                FILE_MODE, dir_fd=fd)
@@ -249,10 +307,19 @@ class RunDirBase:
             self._lock_fd = lock
             _OWNED[id(self)] = self
 
+    def _own_slot(self, slot: tuple[str, str, int]) -> None:
+        with self._mu:
+            self._slot = slot
+            _OWNED[id(self)] = self
+
     def release(self) -> None:
         """Give up ownership: the lock, the journal, the held directories."""
         with self._mu:
             _OWNED.pop(id(self), None)
+            self._ino = None
+            if self._slot is not None:
+                slot, self._slot = self._slot, None
+                slots.drop(*slot)
             for name in ("_lock_fd", "_fd"):
                 fd = getattr(self, name)
                 if fd >= 0:
@@ -272,12 +339,30 @@ class RunDirBase:
         when that cannot be told (e.g. the directory is not readable by
         this user). Takes no lock (F_OFD_GETLK)."""
         with self._mu:
-            if self._lock_fd >= 0:
+            if self._owning():
                 return True
         try:
             fd = self.dir_fd()
         except (OSError, UnsafePath):
             return None
+        try:
+            named = slots.read_link(fd)
+        except OSError:
+            os.close(fd)
+            return None
+        if named is None:
+            os.close(fd)
+            return None
+        if named is not False:
+            os.close(fd)
+            st = self._state
+            if st is not None and st.fd >= 0:
+                return slots.held(st, *named)
+            try:
+                with self._state_dir(write=False) as st2:
+                    return slots.held(st2, *named)
+            except (OSError, UnsafePath):
+                return None
         try:
             lock = os.open("owner.lock", F.O_READ, dir_fd=fd)
         except FileNotFoundError:
@@ -311,14 +396,26 @@ class RunDirBase:
                 if own:
                     os.close(fd)
 
-    def owner_among(self, locked: frozenset[tuple[int, int, int]]) -> bool | None:
-        """owner() for a listing: whether the owner lock is among the files
+    def owner_among(self, locked: Locks) -> bool | None:
+        """owner() for a listing: whether the owner lock is among the locks
         `locked` names (_ofdlock.write_locked, read once for every run):
-        one lstat (stat_file) where owner() opens the lock; nothing at all
-        when no OFD write lock is held anywhere. None when that cannot be
-        told."""
+        a readlink and an lstat where owner() opens the lock; nothing at
+        all when no OFD write lock is held anywhere. None when that cannot
+        be told."""
         if not locked:
             return False
+        try:
+            named = self._read_owner_link()
+        except (OSError, UnsafePath):
+            return None
+        if named is None:
+            return None
+        if named is not False:
+            st0 = self._state
+            if st0 is None or st0.fd < 0:
+                return self.owner()
+            key = slots.file_key(st0, named[0])
+            return key is not None and locked_at(locked, key, named[1])
         try:
             st = self.stat_file("owner.lock")
         except (OSError, UnsafePath):
@@ -327,7 +424,18 @@ class RunDirBase:
             return False
         if not stat.S_ISREG(st.st_mode):
             return None
-        return (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in locked
+        return locked_at(locked, (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino), 0)
+
+    def _read_owner_link(self) -> tuple[str, int] | None | Literal[False]:
+        with self._mu:
+            fd, own = self._fd, False
+            if fd < 0:
+                fd, own = self._open_fd(False), True
+            try:
+                return slots.read_link(fd)
+            finally:
+                if own:
+                    os.close(fd)
 
     def owner_alive(self) -> bool:
         """Whether some process holds the owner lock right now. When that
@@ -355,6 +463,31 @@ class RunDirBase:
             return None
         finally:
             os.close(fd)
+
+
+# The state directories this process owns runs in, held open (verified when
+# opened) so that an owned run directory is opened again without a
+# descriptor of its own: one per state directory, for the process's life.
+_HELD: dict[str, StateDir] = {}
+_held_mu = _thread.allocate_lock()
+
+
+def _held_state(path: str, fresh: bool) -> StateDir:
+    """The held StateDir of `path`; `fresh`: verified anew (the path was
+    replaced, or the run directory not found through the old one). An old
+    one is never closed: another thread may be opening through it."""
+    with _held_mu:
+        old = _HELD.get(path)
+        if old is not None and not fresh:
+            return old
+        st = StateDir.open(path, write=True)
+        if old is not None:
+            a, b = os.fstat(old.fd), os.fstat(st.fd)
+            if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):
+                st.close()            # the same directory: keep the one already held
+                return old
+        _HELD[path] = st
+        return st
 
 
 class _Opened:

@@ -19,6 +19,7 @@ from ._layout import RunDir, Summary
 from ._record import LAYERS
 from ._runfiles import TERMINAL, RunInfo, Unreadable, iso_epoch
 from ._safefs import UnsafePath
+from ._ofdlock import Locks
 
 UNREADABLE = "UNREADABLE"
 ID_WIDTH = 24               # `ls` truncates longer ids (`--no-trunc` shows them whole)
@@ -109,7 +110,7 @@ def usage_now(info: RunInfo) -> dict[str, Any] | None:
 
 def live_view(d: RunDir, *, live: bool = True, summary: bool = False,
               owner_of_ended: bool = True,
-              locked: frozenset[tuple[int, int, int]] | None = None) -> dict[str, Any]:
+              locked: Locks | None = None) -> dict[str, Any]:
     """What a reader can tell from the layout alone, plus (with `live`) the
     run's cgroup as it is now. `state` is the record's, or UNREADABLE with
     `unreadable` saying why; `owner_alive` is True, False or None (cannot
@@ -140,7 +141,7 @@ def why(e: BaseException) -> str:
 
 def fill_view(d: RunDir, view: dict[str, Any], live: bool, summary: bool = False,
               owner_of_ended: bool = True,
-              locked: frozenset[tuple[int, int, int]] | None = None) -> dict[str, Any]:
+              locked: Locks | None = None) -> dict[str, Any]:
     rec = d.load_record(summary=summary)
     if isinstance(rec, dict):
         view.update(run_uid=rec.get("run_uid"), state=rec["state"], outcome=rec.get("outcome"),
