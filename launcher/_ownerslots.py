@@ -2,8 +2,11 @@
 per run (issue 27: a live run holds at most two; an owner lock of its own
 was one of them).
 
-    <state>/owners/<pid>-<hex>    one per owning process, 0600; byte 0 locked for the
-                                  process's life, byte k for the run it gave slot k
+    <state>/owners/<pid>-<start>-<hex>
+                                  one per owning process, 0600 (its pid and start time,
+                                  /proc/PID/stat field 22, name it for a janitor that
+                                  waits on its pidfd); byte 0 locked for the process's
+                                  life, byte k for the run it gave slot k
     <state>/runs/<id>/owner       a symlink whose target names the run's slot,
                                   "<file>:<k>" (read with readlink, never followed)
 
@@ -40,6 +43,7 @@ if TYPE_CHECKING:
 
 from . import _safefs as F
 from ._ofdlock import drop_lock, lock_held, take_lock
+from ._procfs import read_stat
 
 DIR = "owners"
 LINK = "owner"
@@ -101,6 +105,16 @@ def read_link(run_fd: int) -> tuple[str, int] | None | Literal[False]:
     return parse(text)
 
 
+def owner_of(name: str) -> tuple[int, int] | None:
+    """(pid, start time) of the process that made owners file `name`, as
+    its name says (untrusted: check it against /proc before relying on
+    it); None for a name that does not say."""
+    parts = name.split("-")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
+        return None
+    return int(parts[0]), int(parts[1])
+
+
 def _owners_dir(st: "StateDir", create: bool) -> int:
     return F.open_private_dir(st.fd, DIR, os.path.join(st.path, DIR), owners=st.owners,
                               create_mode=_DIR_MODE if create else None)
@@ -111,7 +125,8 @@ def _new_file(st: "StateDir") -> _File:
     name (so sweep() never takes a live process's file for a dead one's)."""
     dfd = _owners_dir(st, create=True)
     try:
-        name = f"{os.getpid()}-{os.urandom(6).hex()}"
+        me = read_stat("self")
+        name = f"{os.getpid()}-{me[4] if me else 0}-{os.urandom(6).hex()}"
         tmp = _NEW + name
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, _MODE, dir_fd=dfd)
         try:
