@@ -167,20 +167,26 @@ class AsyncWorker(RunHandle):
         self.stdout: FdReceiveStream | None = FdReceiveStream(parent[1]) if parent[1] is not None else None
         self.stderr: FdReceiveStream | None = FdReceiveStream(parent[2]) if parent[2] is not None else None
         self._soon = _threadsafe_soon()
+        self._to_worker: list[int] = []          # send_signal()'s, sent by the owner loop's thread
 
     def _start_owner(self, tg: anyio.abc.TaskGroup) -> None:
         """Hand the run to its owner loop: the process's one loop on Linux
         (claimed first, as a Worker's: a claimed run is owned, or abandon()
         could not stop it), a task of `tg` on Windows."""
+        self._run.on_change = self._changed_in_owner
         if not SHARED_OWNER:
             tg.start_soon(self._own, name=f"contain-{self._run.id}")
             return
         loop = reactor()
-        self._run.on_change = lambda: self._soon(self._tell_changed)
         if claim(self._run):
             loop.own(self._run, self._owner_done)
         else:
             self._owner_done(None)        # abandon() owns it (the start was interrupted)
+
+    def _changed_in_owner(self) -> None:
+        """In the owner loop's thread, after each turn of the run."""
+        self._send_queued()
+        self._soon(self._tell_changed)
 
     def _owner_done(self, error: BaseException | None) -> None:
         """In the owner loop's thread: the run's last record is written."""
@@ -378,7 +384,7 @@ class _OpenWorker:
             run, st = start_run(self._argv, id=kw.pop("id"), grace=kw.pop("grace"), timeout=kw.pop("timeout"),
                                 backend=kw.pop("backend"), stdin=kw.pop("stdin"), stdout=kw.pop("stdout"),
                                 stderr=kw.pop("stderr"), options=kw, track=started.append,
-                                shared=SHARED_OWNER)
+                                shared=SHARED_OWNER, api="launcher.open_worker")
             w = AsyncWorker(run, st)
             tg = anyio.create_task_group()
             await tg.__aenter__()
@@ -456,7 +462,7 @@ class AsyncSupervisor:
             run, st = start_run(argv, id=o.pop("id"), grace=o.pop("grace"), timeout=o.pop("timeout"),
                                 backend=o.pop("backend"), stdin=o.pop("stdin"), stdout=o.pop("stdout"),
                                 stderr=o.pop("stderr"), options=o, track=started.append,
-                                shared=SHARED_OWNER)
+                                shared=SHARED_OWNER, api="launcher.AsyncSupervisor.spawn")
             w = AsyncWorker(run, st)
         except BaseException:
             for r in started:       # started, but neither listed nor owned yet: stopped here

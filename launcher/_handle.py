@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from . import _signals as signal
 from ._cancel import cancel
 from ._errors import RunNotFound
 from ._record import CancelRecord, StopRecord, now_iso
@@ -14,7 +15,61 @@ from ._fdbudget import reserve
 
 
 class RunHandle:
+    """`subprocess.Popen`'s manners too: `args`, `returncode`, `poll()`,
+    `send_signal()`, `terminate()`, `kill()` (the async worker's the same,
+    as anyio's Process has them)."""
+
     _run: Run
+    _to_worker: list[int]
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def args(self) -> list[str]:
+        """The command, as `Popen.args`."""
+        return list(self._run.argv)
+
+    @property
+    def returncode(self) -> int | None:
+        """As `Popen.returncode`: None until the run has ended (its stop
+        included), then the worker's exit code, or -N for signal N."""
+        return self.record().returncode if self.done() else None
+
+    def poll(self) -> int | None:
+        """As `Popen.poll()`: `returncode`, without waiting."""
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        """As `Popen.send_signal`: `sig` to the worker itself (not its
+        tree: the tree is stopped once the worker ends), by its pidfd, from
+        the owner loop's thread (which alone may close that pidfd). Nothing
+        once the worker has ended."""
+        if self.done():
+            return
+        self._to_worker.append(int(sig))
+        self._run.wake()
+
+    def terminate(self) -> None:
+        """As `Popen.terminate()`: SIGTERM to the worker."""
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """As `Popen.kill()`: SIGKILL to the worker (the rest of its tree is
+        then stopped as after any worker exit)."""
+        self.send_signal(signal.SIGKILL)
+
+    def _send_queued(self) -> None:
+        """In the owner loop's thread (after each turn): send_signal's queue."""
+        q = self._to_worker
+        while q:
+            sig = q.pop(0)
+            send = getattr(self._run.root, "send_signal", None)
+            if send is not None:
+                try:
+                    send(sig)
+                except OSError:
+                    pass           # gone meanwhile: as Popen.send_signal on an ended child
 
     @property
     def id(self) -> str:

@@ -138,6 +138,16 @@ class _View:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._d!r})"
 
+    def __dir__(self) -> list[str]:
+        """The fields too (they are attributes): what a REPL completes."""
+        return sorted(set(object.__dir__(self)) | {k for k in self._d if isinstance(k, str) and k.isidentifier()})
+
+    def _short(self, *names: str) -> str:
+        """`Type(a=..., b=...)` of the fields named that are present: a
+        record's whole JSON (about 9 KB) is to_dict()'s, not repr's."""
+        got = ", ".join(f"{n}={self._d[n]!r}" for n in names if self._d.get(n) is not None)
+        return f"{type(self).__name__}({got})"
+
 
 class StopRecord(_View):
     """The persisted stop record of one run (CONTRACT.md, "The stop record").
@@ -146,6 +156,9 @@ class StopRecord(_View):
     Fields are attributes; `to_dict()` gives the JSON object."""
 
     __slots__ = ()
+
+    def __repr__(self) -> str:
+        return self._short("run_id", "state", "outcome", "exit_code", "signal")
 
     @property
     def state(self) -> str:
@@ -183,3 +196,6 @@ class CancelRecord(_View):
     """The acknowledgement of one cancel operation (`cancellations/<op>.json`)."""
 
     __slots__ = ()
+
+    def __repr__(self) -> str:
+        return self._short("run_id", "op_id", "effect", "state")

@@ -67,7 +67,8 @@ class Supervisor:
                  "stdin": None, "stdout": None, "stderr": None, **self._defaults, **kw}
             run, st = start_run(argv, id=o.pop("id"), grace=o.pop("grace"), timeout=o.pop("timeout"),
                                 backend=o.pop("backend"), stdin=o.pop("stdin"), stdout=o.pop("stdout"),
-                                stderr=o.pop("stderr"), options=o, track=self._track, shared=SHARED_OWNER)
+                                stderr=o.pop("stderr"), options=o, track=self._track, shared=SHARED_OWNER,
+                                api="launcher.Supervisor.spawn")
             w = Worker(run, st)
             with self._lock:
                 self._workers[id(run)] = w

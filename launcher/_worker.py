@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import os
 import selectors
-import signal as _signal
 import sys
 import threading
 import time
@@ -61,7 +60,7 @@ def claim(run: Run) -> bool:
 def start_run(argv: Sequence[str], *, id: str | None, grace: float, timeout: float | None, backend: str,
               stdin: StdioSpec, stdout: StdioSpec, stderr: StdioSpec,
               options: dict[str, Any], track: Callable[[Run], None] | None = None,
-              shared: bool = False) -> tuple[Run, _stdio.Stdio]:
+              shared: bool = False, api: str = "launcher.spawn") -> tuple[Run, _stdio.Stdio]:
     """Claim, contain and spawn. The caller's copies of the child's stdio
     ends are closed before this returns, whatever happens. `track` sees the
     Run before it starts, so an owner interrupted mid-spawn can still stop it.
@@ -70,18 +69,31 @@ def start_run(argv: Sequence[str], *, id: str | None, grace: float, timeout: flo
         raise ValueError("give stdin/stdout/stderr or stdio, not both")
     with spawning():     # before anything starts: ResourceExhausted (EMFILE) at the descriptor limit
         return _start_run(argv, id=id, grace=grace, timeout=timeout, backend=backend, stdin=stdin, stdout=stdout,
-                          stderr=stderr, options=options, track=track, shared=shared)
+                          stderr=stderr, options=options, track=track, shared=shared, api=api)
+
+
+def _named(e: TypeError, api: str) -> TypeError:
+    """A keyword the options do not take, said by the public function the
+    caller called (not the private class that checks it)."""
+    msg = str(e)
+    if msg.startswith("Options.__init__() "):
+        return TypeError(f"{api}() {msg[len('Options.__init__() '):]} (see help({api}))")
+    return e
 
 
 def _start_run(argv: Sequence[str], *, id: str | None, grace: float, timeout: float | None, backend: str,
                stdin: StdioSpec, stdout: StdioSpec, stderr: StdioSpec, options: dict[str, Any],
-               track: Callable[[Run], None] | None, shared: bool) -> tuple[Run, _stdio.Stdio]:
+               track: Callable[[Run], None] | None, shared: bool, api: str) -> tuple[Run, _stdio.Stdio]:
+    try:
+        opts = Options(grace=grace, timeout=timeout, backend=backend, **options)
+    except TypeError as e:
+        raise _named(e, api) from None
     st = _stdio.resolve(stdin, stdout, stderr)
     run: Run | None = None
     try:
         if "stdio" not in options:
-            options = dict(options, stdio=st.child)
-        run = Run(argv, id=id, options=Options(grace=grace, timeout=timeout, backend=backend, **options))
+            opts.stdio = st.child
+        run = Run(argv, id=id, options=opts)
         run.shared_wake = shared
         run.end_hooks.append(end_hook)
         if track is not None:
@@ -158,14 +170,7 @@ class Worker(RunHandle):
 
     def _changed(self) -> None:
         # In the owner loop's thread (after each turn): send_signal's queue.
-        while self._to_worker:
-            sig = self._to_worker.pop(0)
-            send = getattr(self._run.root, "send_signal", None)
-            if send is not None:
-                try:
-                    send(sig)
-                except OSError:
-                    pass           # gone meanwhile: as Popen.send_signal on an ended child
+        self._send_queued()
         with self._cond:
             self._cond.notify_all()
 
@@ -206,35 +211,6 @@ class Worker(RunHandle):
         # The run ended before its owner read this request: the request is in
         # the inbox of an ended run, answered as any late cancel.
         return self._answer_as_ended(op)
-
-    @property
-    def returncode(self) -> int | None:
-        """As `Popen.returncode`: None until the run has ended (its stop
-        included), then the worker's exit code, or -N for signal N."""
-        return self.record().returncode if self.done() else None
-
-    def poll(self) -> int | None:
-        """As `Popen.poll()`: `returncode`, without waiting."""
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        """As `Popen.send_signal`: `sig` to the worker itself (not its
-        tree: the tree is stopped once the worker ends), by its pidfd, from
-        the owner loop's thread (which alone may close that pidfd). Nothing
-        once the worker has ended."""
-        if self.done():
-            return
-        self._to_worker.append(int(sig))
-        self._run.wake()
-
-    def terminate(self) -> None:
-        """As `Popen.terminate()`: SIGTERM to the worker."""
-        self.send_signal(_signal.SIGTERM)
-
-    def kill(self) -> None:
-        """As `Popen.kill()`: SIGKILL to the worker (the rest of its tree is
-        then stopped as after any worker exit)."""
-        self.send_signal(_signal.SIGKILL)
 
     def request_stop(self, op: str, grace: float | None) -> None:
         """A cancel's intent, written, and the owner woken; no wait for its
@@ -454,7 +430,8 @@ def run(argv: Sequence[str], *, id: str | None = None, grace: float = DEFAULT_GR
         started: list[Run] = []
         try:
             r, _ = start_run(argv, id=id, grace=grace, timeout=timeout, backend=backend, stdin=stdin,
-                             stdout=stdout, stderr=stderr, options=options, track=started.append)
+                             stdout=stdout, stderr=stderr, options=options, track=started.append,
+                             api="launcher.run")
             rec = r.supervise()
         except BaseException:
             for s in started:       # interrupted before its owner loop began: no worker runs on unowned

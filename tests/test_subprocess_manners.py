@@ -15,6 +15,7 @@ import signal
 import subprocess
 import time
 
+import anyio
 import pytest
 
 import launcher
@@ -102,3 +103,50 @@ def test_capture_output_refuses_stdout_as_subprocess_does(state_dir):
         launcher.run(["true"], capture_output=True, stdout=subprocess.DEVNULL)
     with pytest.raises(ValueError, match="input"):
         launcher.run(["true"], input=b"x", stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.anyio
+async def test_async_worker_has_popens_manners_too(cgroup_base, state_dir, env, token, anyio_backend):
+    """As anyio's Process: `args`, `returncode`, `poll()`, `send_signal()`,
+    `terminate()`, `kill()`. Before, an AsyncWorker had none of them."""
+    argv = ["sh", "-c", "trap 'exit 42' USR1; sleep 300 & wait"]
+    async with launcher.open_worker(argv, env=env, grace=0.3) as w:
+        assert w.args == argv and w.poll() is None and w.returncode is None
+        await anyio.sleep(0.3)
+        w.send_signal(signal.SIGUSR1)
+        rec = await w.wait()
+        assert w.poll() == 42 and w.returncode == 42 and rec.state == "REAPED"
+    for how, want in (("terminate", -signal.SIGTERM), ("kill", -signal.SIGKILL)):
+        async with launcher.AsyncSupervisor(env=env, grace=0.3) as sup:
+            w = await sup.spawn(["sleep", "300"])
+            getattr(w, how)()
+            await w.wait()
+            assert w.returncode == want, (how, w.record().to_dict())
+            w.kill()                                          # after the end: nothing, as Popen
+    assert wait_gone(token, 10) == []
+
+
+def test_an_unknown_keyword_names_the_function_called(state_dir):
+    """Before: "Options.__init__() got an unexpected keyword argument", a
+    private class the caller never named."""
+    with pytest.raises(TypeError, match=r"^launcher\.run\(\) got an unexpected keyword argument 'shell'"):
+        launcher.run(["true"], shell=True)
+    with pytest.raises(TypeError, match=r"^launcher\.spawn\(\) got an unexpected keyword argument 'bufsize'"):
+        launcher.spawn(["true"], bufsize=1)
+    with launcher.Supervisor() as sup:
+        with pytest.raises(TypeError, match=r"^launcher\.Supervisor\.spawn\(\) got an unexpected keyword"):
+            sup.spawn(["true"], shell=True)
+
+
+def test_records_have_a_short_repr_and_their_fields_in_dir(cgroup_base, state_dir, env):
+    """Before: repr of a record was its whole JSON (about 9 KB) and dir()
+    showed none of its fields."""
+    w = launcher.spawn(["sh", "-c", "exit 3"], env=env)
+    rec = w.wait(30)
+    assert len(repr(rec)) < 200 and "state='REAPED'" in repr(rec) and "exit_code=3" in repr(rec)
+    for field in ("state", "outcome", "exit_code", "evidence", "timings", "run_id"):
+        assert field in dir(rec)
+    w2 = launcher.spawn(["sleep", "300"], env=env, grace=0.3)
+    ack = w2.cancel()
+    assert len(repr(ack)) < 200 and "effect=" in repr(ack)
+    w2.wait(30)
