@@ -246,6 +246,9 @@ def next_steps(caps: dict[str, Any]) -> list[str]:
     most useful first. Only advice this user can follow: nothing here tells
     a non-root user to use --seal, which is refused for them."""
     steps: list[str] = []
+    sd = caps.get("state_dir") or {}
+    if sd.get("usable") is False:
+        steps.append(f"the state directory: {sd.get('error')}: {sd.get('fix')}")
     root = caps["euid"] == 0
     cg = caps["cgroup2"]
     by = {m["mode"]: m for m in caps["modes"]}

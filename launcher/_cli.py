@@ -35,6 +35,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd is None:
             parser().print_help(sys.stderr)
             return EXIT_USAGE
+        if args.cmd not in ("doctor",):
+            from ._statedir import setting_problem
+
+            problem = setting_problem()
+            if problem is not None:
+                _say(problem)
+                return EXIT_USAGE
         from ._safefs import UnsafePath
 
         try:
@@ -73,6 +80,9 @@ def console() -> None:
     if callable(signal.getsignal(signal.SIGINT)) or signal.getsignal(signal.SIGINT) == signal.SIG_DFL:
         signal.signal(signal.SIGINT, _interrupt)
     out_closed = _hold_closed_stdio()
+    from . import _statedir
+
+    _statedir.warn_with = lambda msg: _say(f"warning: {msg}")
     for stream in (sys.stdout, sys.stderr):
         # A run's argv in an ASCII locale (PYTHONIOENCODING=ascii, LC_ALL=C
         # on an old Python): escaped, never a UnicodeEncodeError traceback.

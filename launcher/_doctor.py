@@ -263,6 +263,29 @@ def _wall() -> dict[str, Any]:
     return {"ok": True} if problem is None else {"ok": False, "error": problem}
 
 
+def _state_dir() -> dict[str, Any]:
+    """Where this user's runs go, whether that can be used, and what to do
+    if not (issue 31: doctor said "possible" while every run failed 125 for
+    want of a state directory). Nothing is created."""
+    from ._statedir import ENV, StateDir, StateDirError, location
+
+    how = f"{ENV}" if policy_env(ENV) else "the default for this user"
+    try:
+        path = location()
+    except (ValueError, StateDirError) as e:
+        return {"path": None, "how": how, "usable": False, "error": str(e),
+                "fix": f"set {ENV} to an absolute path of a directory of your own (0700)"}
+    try:
+        StateDir.open(path, write=True).close()
+    except FileNotFoundError:
+        return {"path": path, "how": how, "usable": True, "exists": False,
+                "detail": "does not exist yet: the first run makes it (private, 0700; root's 0755)"}
+    except StateDirError as e:
+        return {"path": path, "how": how, "usable": False, "error": str(e),
+                "fix": f"set {ENV} to an absolute path of a directory of your own (0700)"}
+    return {"path": path, "how": how, "usable": True, "exists": True}
+
+
 def capabilities() -> dict[str, Any]:
     """What `contain doctor` reports (also `launcher.capabilities()`)."""
     if sys.platform == "win32":
@@ -281,6 +304,7 @@ def capabilities() -> dict[str, Any]:
                       "refused_with": errno.errorcode.get(c3, str(c3)) if c3 else None,
                       "how": "clone3(NULL, 0): the kernel answers EINVAL, a filter its own errno first"}
     caps["subreaper"] = _subreaper(asked)
+    caps["state_dir"] = _state_dir()
     cg = _cgroup2()
     caps["cgroup2"] = cg
     base = cg.get("base") if cg.get("usable") else None
@@ -304,6 +328,7 @@ def capabilities() -> dict[str, Any]:
     broken_base = bool(policy_env("CONTAIN_CGROUP_BASE")) and not (cg.get("usable") and base)
     strongest = next((m for m in caps["modes"] if m["available"] and m["strongest_state"] == "REAPED"), None)
     caps["strongest_mode"] = strongest["mode"] if strongest else None
-    caps["containment_possible"] = not broken_base and bool(caps["spawn"].get("ok")) and strongest is not None
+    caps["containment_possible"] = (not broken_base and bool(caps["spawn"].get("ok")) and strongest is not None
+                                    and caps["state_dir"]["usable"] is not False)
     caps["next_steps"] = next_steps(caps)
     return caps

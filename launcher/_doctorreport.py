@@ -30,6 +30,16 @@ def render(caps: dict[str, Any]) -> str:
         lines.extend(_wrap(text, f"  {name:<26} ", " " * 29))
 
     lines.extend(_container_section(caps))
+    sd = caps.get("state_dir")
+    if sd is not None:
+        lines.append("state directory")
+        row("path", f"{sd.get('path') or '(none)'} ({sd.get('how')})")
+        if sd.get("usable"):
+            row("usable", "yes" + (f": {sd['detail']}" if sd.get("detail") else ""))
+        else:
+            wrapped("usable", f"NO: {sd.get('error')}")
+            wrapped("fix", str(sd.get("fix")))
+        lines.append("")
     lines.append("cgroup v2")
     if not cg.get("mounts"):
         row("mount", "none")
@@ -119,6 +129,8 @@ def render(caps: dict[str, Any]) -> str:
         lines.append("containment: possible" + (f" (strongest here: {strongest})" if strongest else ""))
     elif caps.get("spawn") is not None and not caps["spawn"].get("ok"):
         lines.append("containment: IMPOSSIBLE here (nothing can be spawned)")
+    elif (caps.get("state_dir") or {}).get("usable") is False:
+        lines.append("containment: IMPOSSIBLE as set up (no usable state directory: every run exits 125)")
     else:
         lines.append("containment: IMPOSSIBLE here (only degraded mode, which never proves REAPED)")
     steps = caps.get("next_steps") or next_steps(caps)   # (a caps dict made by hand)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import stat
 
 from ._args import check_env, check_path, check_run_numbers, check_seconds
 
@@ -73,6 +74,15 @@ class Options:
         for flag, path in (("--stats-json", stats_json), ("--workspace", workspace)):
             if path is not None and not str(path):
                 raise ValueError(f"{flag} is an empty path")
+        if workspace is not None:
+            # Said now: a missing workspace was accepted and failed only at
+            # `wait --redispatch`, long after the run (issue 31).
+            try:
+                is_dir = stat.S_ISDIR(os.stat(workspace).st_mode)
+            except OSError as e:
+                raise ValueError(f"--workspace {os.fsdecode(workspace)}: {e.strerror or e}") from None
+            if not is_dir:
+                raise ValueError(f"--workspace {os.fsdecode(workspace)}: not a directory")
         self.check_locks = check_locks
         self.stats_json = stats_json
         # Peak memory and tasks where they need cgroups of the run's own

@@ -36,6 +36,9 @@ import errno
 import os
 import stat
 import time
+TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run path
+if TYPE_CHECKING:
+    from typing import Callable
 
 from . import _safefs as F
 from ._policy import elevated as elevated, policy_env as policy_env
@@ -55,7 +58,11 @@ class StateDirError(UnsafePath):
 
 def location(env: dict[str, str] | os._Environ[str] = os.environ) -> str:
     """The state directory's path (see the module docstring). Raises
-    StateDirError when this user has none."""
+    StateDirError when this user has none, ValueError when CONTAIN_STATE_DIR
+    is set but empty or relative (setting_problem)."""
+    problem = setting_problem(env)
+    if problem is not None:
+        raise ValueError(problem)
     explicit = policy_env(ENV, env)
     if explicit:
         return os.path.abspath(explicit)
@@ -76,6 +83,21 @@ def location(env: dict[str, str] | os._Environ[str] = os.environ) -> str:
         if home and os.path.isabs(home) and _owned_dir(home, euid) is None:
             return os.path.join(home, ".local", "state", "contain")
     return f"/tmp/contain-{euid}"
+
+
+def setting_problem(env: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
+    """Why CONTAIN_STATE_DIR cannot be used as set, or None. An empty one
+    fell back to the shared default (root's /run/contain) and a relative
+    one resolved against whatever directory the command ran in, made 0755
+    there (issue 31): both are a mistake to say, not to guess around."""
+    if elevated() or ENV not in env:
+        return None
+    v = env[ENV]
+    if not v:
+        return f"{ENV} is set but empty: set it to an absolute path, or unset it for the default"
+    if not os.path.isabs(v):
+        return f"{ENV}={v!r} is a relative path: set it to an absolute path"
+    return None
 
 
 def _owned_dir(path: str, euid: int) -> str | None:
@@ -110,9 +132,28 @@ CLAIM_WAIT_S = 10.0
 def keep_runs(env: dict[str, str] | os._Environ[str] = os.environ) -> int:
     """CONTAIN_KEEP_RUNS (a count >= 0; 0: no automatic bound), else KEEP_RUNS."""
     v = policy_env("CONTAIN_KEEP_RUNS", env)
-    if v is not None and v.isascii() and v.isdigit() and len(v) <= 9:
+    if v is None:
+        return KEEP_RUNS
+    if v.isascii() and v.isdigit() and len(v) <= 9:
         return int(v)
+    if v not in _warned:
+        # Said once, not ignored without a word (issue 31): a typo here
+        # would keep every run for ever or none at all.
+        _warned.add(v)
+        msg = f"CONTAIN_KEEP_RUNS={v!r} is not a count (an integer >= 0): ignored, at most {KEEP_RUNS} runs are kept"
+        if warn_with is not None:
+            warn_with(msg)
+        else:
+            import warnings
+
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
     return KEEP_RUNS
+
+
+_warned: set[str] = set()
+# The `contain` command says warnings as its other lines ("contain: ..."),
+# not as Python's warnings module would (file and line of the library).
+warn_with: Callable[[str], None] | None = None
 
 
 class StateDir:

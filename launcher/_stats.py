@@ -94,13 +94,19 @@ def _open_stats(path: str, *, create: bool) -> int | None:
     parent, name = os.path.split(path)
     if not name:
         raise OSError(21, "is a directory")
-    from ._recordfile import fd_named
+    from ._recordfile import prepare
 
-    if fd_named(path) is not None:
-        # /dev/fd/N is a link (refused below when N is open) or, when N is
-        # not open, a name in /proc/self/fd, where no file can be made:
-        # said before the run, not after it.
-        raise OSError(22, "names a descriptor, not a regular file")
+    # What --record writes in place, --stats-json does too (issue 31): our
+    # own stdout or stderr however named (/dev/stderr, /dev/fd/N of ours),
+    # and a device or FIFO of root's or ours (/dev/null, a named pipe a
+    # collector reads), checked and opened as _recordfile.prepare does them.
+    # A regular file (or none yet) is appended to below.
+    target = prepare(path)
+    try:
+        if target.kind == "stream":
+            return os.dup(target.fileno())
+    finally:
+        target.close()
     # The directories above: a symlink there is followed only when it
     # belongs to root or to us, as in --record (another user's would choose
     # the directory root appends in).
@@ -131,13 +137,25 @@ def _open_stats(path: str, *, create: bool) -> int | None:
     return fd
 
 
+# A stream (a FIFO, a device, our stdout) opened by check_stats is kept for
+# the run's line: a FIFO's reader sees end-of-file once its last writer
+# closes, so a check that closed it sent the collector away before the line.
+_HELD: dict[str, int] = {}
+
+
 def check_stats(path: str) -> None:
     """Before the run: whether append_stats could write `path`, creating
     nothing (a run that cannot keep its stats line is refused up front, as
     --record is). Raises OSError."""
+    if path in _HELD:
+        return
     fd = _open_stats(path, create=False)
-    if fd is not None:
+    if fd is None:
+        return
+    if stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
+    else:
+        _HELD[path] = fd
 
 
 def append_stats(path: str, line: str) -> None:
@@ -145,7 +163,9 @@ def append_stats(path: str, line: str) -> None:
     lines from concurrent runs do not interleave inside a line on a local
     file system), creating the file 0644 (_open_stats says what is refused).
     Raises OSError, which the caller reports (stderr and the exit status)."""
-    fd = _open_stats(path, create=True)
+    fd = _HELD.pop(path, None)
+    if fd is None:
+        fd = _open_stats(path, create=True)
     assert fd is not None
     try:
         os.set_blocking(fd, True)

@@ -252,6 +252,7 @@ def _choose_base(env: dict[str, str] | os._Environ[str]) -> tuple[Hierarchy, str
         for h in hs:
             if explicit == h.mount or explicit.startswith(h.mount.rstrip("/") + "/"):
                 return h, os.path.normpath(explicit), "explicit"
+        _not_elsewhere(explicit)
         return hs[0], hs[0].fs_path(explicit), "explicit"
     own = cgroup_of("self") or "/"
     h = next((x for x in hs if own == x.root or own.startswith(x.root.rstrip("/") + "/")), hs[0])
@@ -263,6 +264,29 @@ def _choose_base(env: dict[str, str] | os._Environ[str]) -> tuple[Hierarchy, str
         # cgroup above it, for the second run of a process and for an adopter.
         path = os.path.dirname(path)
     return h, path, "own"
+
+
+def _not_elsewhere(explicit: str) -> None:
+    """A CONTAIN_CGROUP_BASE outside every cgroup2 mount is taken as a
+    cgroup path inside the first hierarchy (`/ci/contain`): but one that
+    names a place on another file system (a cgroup v1 hierarchy such as
+    /sys/fs/cgroup/memory/x, or a directory that exists) was meant as that
+    place, and silently became a nested v2 cgroup of the same name (issue
+    31). Refused, with what it is."""
+    best = None
+    for m in mounts():
+        if explicit == m.point or explicit.startswith(m.point.rstrip("/") + "/"):
+            if best is None or len(m.point) >= len(best.point):
+                best = m
+    if best is None:
+        return
+    if best.fstype == "cgroup":
+        ctl = ",".join(o for o in best.super_options if o not in ("rw", "ro")) or "named"
+        raise ContainmentUnavailable(f"CONTAIN_CGROUP_BASE {explicit} is on a cgroup v1 hierarchy ({ctl} at "
+                                     f"{best.point}); it must name a cgroup2 directory")
+    if os.path.lexists(explicit) or best.point != "/":
+        raise ContainmentUnavailable(f"CONTAIN_CGROUP_BASE {explicit} is on {best.fstype} at {best.point}, "
+                                     "not on a cgroup2 mount")
 
 
 def expected_base(env: dict[str, str] | os._Environ[str] = os.environ) -> str | None:

@@ -215,7 +215,7 @@ LATER_IMPORTS = (
     "itertools", "json", "math", "numbers", "os", "pathlib", "platform", "posixpath", "pwd", "pyroute2",
     "re", "resource", "secrets", "select", "selectors", "shlex", "shutil", "signal", "socket", "stat",
     "struct", "subprocess", "sys", "sysconfig", "tempfile", "termios", "textwrap", "threading", "time",
-    "traceback", "types", "typing", "weakref",
+    "traceback", "types", "typing", "warnings", "weakref",
 )
 # Named by the package but never loaded on Linux (its Windows backend).
 NOT_ON_THIS_PLATFORM = ("_winapi", "msvcrt")
