@@ -373,8 +373,11 @@ def _summarise(run: Any, rec: dict[str, Any], record_path: str | None, *, verbos
     """`-v`: one line on how the run ended. Without it, the same line on a
     terminal when leftovers of the tree had to be stopped (the worker's own
     output never says that)."""
-    from ._summary import stopped_leftovers, summary
+    from ._summary import oom_line, stopped_leftovers, summary
 
+    oom = oom_line(rec)
+    if oom is not None:
+        _say(oom)
     if not verbose and not (stopped_leftovers(rec) and _stderr_is_tty()):
         return
     paths = [os.path.join(run.layout.path, "record.json")] if run.layout is not None else []

@@ -150,7 +150,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         state = v["state"] + (" (not final)" if v.get("not_final") else " (orphaned)" if v["orphaned"] else "")
         members = "-" if v["members"] is None else str(v["members"])
         cpu = "-" if not isinstance(v["cpu_usec"], int) else f"{v['cpu_usec'] / 1e6:.2f}s"
-        mem = ((v.get("usage") or {}).get("memory_bytes") or {}).get("value")
+        # Live: memory now; ended: its peak, where the run measured it.
+        mem = ((v.get("usage") or {}).get("memory_bytes") or {}).get("value") or v.get("memory_peak_bytes")
         what = (f"({printable(v['unreadable'])})" if v["unreadable"] else command(v["argv"]))
         rows.append((v["id"] if width is None else cut(v["id"], width), state, v["outcome"] or "-",
                      exit_text(v), age(v["started_at"], now), members, cpu, size(mem) if mem is not None else "-",

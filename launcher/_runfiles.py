@@ -253,7 +253,21 @@ def record_summary(rec: dict[str, Any], st: Any) -> dict[str, Any]:
     for key in SUMMARY_FIELDS:
         if key in rec:
             out[key] = rec[key]
+    peak = memory_peak(rec)
+    if peak is not None:
+        out["memory_peak_bytes"] = peak
     return out
+
+
+def memory_peak(rec: dict[str, Any]) -> int | None:
+    """The run's peak memory as its record (or summary.json) gives it, or
+    None where it was not measured (`ls` shows it for ended runs)."""
+    v = rec.get("memory_peak_bytes")
+    if v is None:
+        acct = rec.get("accounting")
+        m = acct.get("memory_peak_bytes") if isinstance(acct, dict) else None
+        v = m.get("value") if isinstance(m, dict) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
 def parse_record(obj: Any, expect_id: str | None = None, *, summary: bool = False) -> dict[str, Any]:

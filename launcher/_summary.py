@@ -6,6 +6,8 @@ output (which it never touches).
                              and where to look (`--quiet` hides it)
     stopped_leftovers(rec)   whether the stop had to signal something after
                              the worker exited on its own
+    oom_line(rec)            the OOM killer acted in the run: said always,
+                             not only with -v (the worker's output rarely says it)
     summary(rec, paths)      one line: how the run ended, what was stopped
                              (how many, which), what lingered, the state, and
                              where the record is (`-v`; and on a terminal
@@ -37,8 +39,20 @@ def _steps(rec: dict[str, Any]) -> list[dict[str, Any]]:
     return [s for s in steps if isinstance(s, dict)] if isinstance(steps, list) else []
 
 
+def _stopped_something(step: dict[str, Any]) -> bool:
+    """A step that was sent and found something to stop: one whose census
+    saw no process (the wall's init alone, about to go) stopped nothing,
+    and saying "stopped 0 leftover processes" after every trivial run on a
+    terminal was noise (issue 31). A census that could not be taken counts."""
+    if not step.get("observed"):
+        return False
+    d = step.get("detail")
+    seen = d.get("seen") if isinstance(d, dict) else None
+    return not (isinstance(seen, dict) and seen.get("count") == 0)
+
+
 def stopped_leftovers(rec: dict[str, Any]) -> bool:
-    return rec.get("outcome") in ("exited", "signaled") and any(s.get("observed") for s in _steps(rec))
+    return rec.get("outcome") in ("exited", "signaled") and any(_stopped_something(s) for s in _steps(rec))
 
 
 def _signame(n: Any) -> str:
@@ -71,13 +85,29 @@ def _processes(seen: Any) -> str:
     return f"{n} process{'es' if n != 1 else ''}" + (f" ({shown})" if shown else "")
 
 
+def oom_line(rec: dict[str, Any]) -> str | None:
+    """One line when the record counted OOM kills in the run, else None."""
+    hit = ((rec.get("limits") or {}).get("hit") or {}).get("oom_kill")
+    if not isinstance(hit, dict) or hit.get("observed") is not True:
+        return None
+    d = hit.get("detail")
+    n = d.get("count") if isinstance(d, dict) else None
+    who = (f"{n} process{'es' if n != 1 else ''}" if isinstance(n, int) and n > 0 else "a process")
+    applied = ((rec.get("limits") or {}).get("applied") or {}).get("memory_max_bytes")
+    limit = applied.get("value") if isinstance(applied, dict) else None
+    cause = (rec.get("signal_cause") or {}).get("cause")
+    worker = "; the worker was one of them (SIGKILL)" if cause == "oom_kill" else ""
+    return (f"run {rec.get('run_id')}: the kernel's OOM killer killed {who} in the run"
+            + (f" (--memory-max {limit} bytes)" if isinstance(limit, int) else "") + worker)
+
+
 def summary(rec: dict[str, Any], paths: Sequence[str]) -> str:
     parts = [f"run {rec.get('run_id')}: {_how(rec)}"]
     lg = rec.get("linger")
     if isinstance(lg, dict):
         parts.append(f"{_processes(lg.get('seen'))} lingered {lg.get('lingered_s')} s of {lg.get('asked_s')} "
                      f"({'left on their own' if lg.get('ended_by') == 'emptied' else 'then stopped'})")
-    steps = [s for s in _steps(rec) if s.get("observed")]
+    steps = [s for s in _steps(rec) if _stopped_something(s)]
     if steps:
         d = steps[0].get("detail")
         first: dict[str, Any] = d if isinstance(d, dict) else {}

@@ -17,7 +17,7 @@ from typing import Any
 
 from ._layout import RunDir, Summary
 from ._record import LAYERS
-from ._runfiles import TERMINAL, RunInfo, Unreadable, iso_epoch
+from ._runfiles import TERMINAL, RunInfo, Unreadable, iso_epoch, memory_peak
 from ._safefs import UnsafePath
 from ._ofdlock import Locks
 
@@ -151,6 +151,7 @@ def fill_view(d: RunDir, view: dict[str, Any], live: bool, summary: bool = False
         view["started_at"] = timings.get("spawned_at")
         view["ended_at"] = timings.get("ended_at")
         view["cpu_usec"] = (rec.get("cpu") or {}).get("usage_usec") if isinstance(rec.get("cpu"), dict) else None
+        view["memory_peak_bytes"] = memory_peak(rec)
         if rec["state"] in TERMINAL:
             if owner_of_ended:
                 view["owner_alive"] = d.owner()
@@ -301,7 +302,8 @@ def layers(evidence: dict[str, Any]) -> list[str]:
 def empty_view(d: RunDir) -> dict[str, Any]:
     return {"id": d.id, "run_uid": None, "state": UNREADABLE, "outcome": None, "exit_code": None, "signal": None,
             "orphaned": False, "owner_alive": None, "pid": None, "started_at": None, "ended_at": None,
-            "argv": None, "members": None, "cpu_usec": None, "usage": None, "unreadable": None}
+            "argv": None, "members": None, "cpu_usec": None, "memory_peak_bytes": None, "usage": None,
+            "unreadable": None}
 
 
 # -- cancel, wait -----------------------------------------------------------------
@@ -413,7 +415,9 @@ def cancel_did_not_hold(run_id: str, ack: dict[str, Any], *, wait: bool, timeout
     if effect == "unknown":
         return f"run {run_id}: cancel {op}: no answer" + (f" ({ack['detail']})" if ack.get("detail") else "")
     if state == "UNCONFIRMED":
-        return f"run {run_id}: the stop did not hold: UNCONFIRMED; `contain cancel {run_id}` repeats the kill"
+        # Not "run `contain cancel`": the user has just run it (issue 31).
+        return (f"run {run_id}: the stop did not hold: UNCONFIRMED (the container was not observed empty); "
+                f"`contain status {run_id}` shows what is left in it and why")
     if state == "BREACHED":
         return f"run {run_id}: BREACHED: a process left the container and is not proven gone"
     if wait and effect == "cancel_requested" and state != "EXITED":

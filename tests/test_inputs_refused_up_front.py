@@ -123,3 +123,76 @@ def test_doctor_names_the_state_directory_and_what_to_do(tmp_path):
     os.chmod(tmp_path, 0o700)
     p = run_contain(_env(tmp_path), "doctor", timeout=120)
     assert "state directory" in p.stdout and str(tmp_path / "state") in p.stdout
+
+
+# -- what contain run says (issue 31, item 5) ------------------------------------
+
+def _run_with_tty_stderr(env: dict[str, str], *argv: str) -> tuple[int, str]:
+    import pty
+
+    master, slave = pty.openpty()
+    try:
+        p = subprocess.run(contain_cmd("run", *argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=slave, timeout=60)
+        os.close(slave)
+        slave = -1
+        out = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out += chunk
+        return p.returncode, out.decode(errors="replace")
+    finally:
+        if slave >= 0:
+            os.close(slave)
+        os.close(master)
+
+
+@needs_cgroup
+def test_the_stop_line_comes_only_when_something_was_stopped(tmp_path, cgroup_base):
+    """Before: on a terminal most trivial runs said "stopped 0 leftover
+    processes with SIGTERM" (the stop signalled the wall's init alone)."""
+    env = _env(tmp_path)
+    for _ in range(8):
+        rc, err = _run_with_tty_stderr(env, "--", "true")
+        assert rc == 0 and err.strip() == "", err
+    rc, err = _run_with_tty_stderr(env, "--grace", "0.5", "--", "sh", "-c", "sleep 30 & exit 0")
+    assert rc == 0 and "stopped 1 leftover process (sleep)" in err, err
+
+
+@needs_cgroup
+def test_an_oom_kill_is_named_on_stderr_without_verbose(tmp_path, cgroup_base):
+    p = run_contain(_env(tmp_path), "run", "--memory-max", "32M", "--", "python3", "-c",
+                    "x = bytearray(256 * 1024 * 1024)")
+    if p.returncode == 125:
+        pytest.skip(f"no memory limit on this host: {p.stderr.strip()}")
+    assert p.returncode == 128 + 9, p.stderr
+    assert "OOM killer killed" in p.stderr and "the worker was one of them" in p.stderr, p.stderr
+
+
+def test_cancel_wait_of_an_unconfirmed_run_does_not_advise_the_command_just_run():
+    from launcher._views import cancel_did_not_hold
+
+    why = cancel_did_not_hold("r1", {"effect": "cancel_requested", "state": "UNCONFIRMED", "op_id": "o"},
+                              wait=True, timeout=None)
+    assert why is not None and "UNCONFIRMED" in why and "contain cancel" not in why and "contain status r1" in why
+
+
+@needs_cgroup
+def test_ls_shows_the_peak_memory_of_ended_runs_where_measured(tmp_path, cgroup_base):
+    env = _env(tmp_path)
+    p = run_contain(env, "run", "--id", "measured", "--accounting", "--", "python3", "-c",
+                    "x = bytearray(40 * 1024 * 1024)")
+    assert p.returncode == 0, p.stderr
+    views = json.loads(run_contain(env, "ls", "--json").stdout)
+    v = next(x for x in views if x["id"] == "measured")
+    if v["memory_peak_bytes"] is None:
+        pytest.skip("this host measures no peak memory for a run")
+    assert v["memory_peak_bytes"] >= 40 * 1024 * 1024
+    table = run_contain(env, "ls", "--all").stdout
+    row = next(line for line in table.splitlines() if line.startswith("measured"))
+    assert "MiB" in row, table
