@@ -269,7 +269,9 @@ def parser() -> argparse.ArgumentParser:
                        "Exit status: the worker's own, 128+N for signal N, 124 on --timeout, 143 when "
                        "cancelled by `contain cancel`, 125 if contain failed (or the stop was not "
                        "confirmed), 126/127 if CMD cannot run, 2 for a usage error; a run cancelled by "
-                       "SIGINT, SIGTERM, SIGHUP or SIGQUIT ends with contain dying by that signal. "
+                       "SIGINT, SIGTERM, SIGHUP or SIGQUIT ends with contain dying by that signal (the stop "
+                       "sends the tree that signal first; members that ignore SIGINT or SIGQUIT, such as a "
+                       "shell's `&` jobs, get SIGTERM at once instead of waiting out the grace). "
                        "Other signals that would kill contain (SIGUSR1, SIGUSR2, SIGALRM, SIGRTMIN+n, ...) "
                        "are forwarded to the worker; one it dies of gives 128+N.",
                        epilog=_ENVIRONMENT, formatter_class=_formatter())

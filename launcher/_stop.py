@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from ._escapes import EscapeWatch
 
 from . import _state as S
+from ._deaf import DEAF_PRONE, term_the_deaf
 from ._identity import ProcessIdentity
 from ._signals import signal_name
 from ._procfs import read_comm
@@ -209,6 +210,13 @@ class StopSequence:
             # Object with no member on our console): the step is not observed.
             sent = detail.get("sent", True) if isinstance(detail, dict) else True
             self.facts.signal_step("term", sent, via, dict(detail, signal=name, seen=seen))
+            if sent and self.signum in DEAF_PRONE:
+                # Members that ignore it (a shell's `&` jobs) would wait out
+                # the grace: told with SIGTERM now (_deaf.py).
+                deaf = term_the_deaf(self.container, self.signum)
+                if deaf is not None:
+                    self.facts.signal_step("term", True, f"SIGTERM+SIGCONT by pidfd to {deaf['count']} member(s) "
+                                           f"that ignore {name}", deaf)
             return bool(sent)
         except OSError as e:
             via = getattr(self.container, "term_via", None) or f"{name} by pidfd"

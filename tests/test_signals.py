@@ -708,3 +708,57 @@ def test_a_worker_that_exits_before_its_init_reports_it_is_noticed_at_once(box):
     late = [lg for lg in lingers if lg["seen"]["count"] < 1 or lg["lingered_s"] < 0.3]
     assert not late, late
     assert holders(box.token) == []
+
+
+@pytest.mark.parametrize("backend", ["auto", "cgroup2"])
+def test_ctrl_c_of_a_script_with_background_jobs_does_not_wait_the_grace(box, backend):
+    """A shell starts its `&` jobs with SIGINT ignored: they never react to
+    the Ctrl-C the stop sends first. Before, the stop waited the whole grace
+    (5 s by default) for them; now a member that ignores SIGINT gets SIGTERM
+    at once (issue 31). Through a real pty, as a user's Ctrl-C."""
+    env = dict(box.env, CONTAIN_BACKEND=backend)
+    argv = contain_cmd("run", "--id", f"cc-{backend}", "--grace", "60", "--",
+                       "bash", "-c", "sleep 300 & sleep 301 & wait")
+    pid, master = pty.fork()
+    if pid == 0:                                   # the child: contain, on the pty, foreground
+        try:
+            os.execvpe(argv[0], argv, env)
+        finally:
+            os._exit(127)
+    try:
+        deadline = time.monotonic() + 30
+        while len(holders(box.token)) < 3:          # bash and its two sleeps
+            assert time.monotonic() < deadline, "the workload did not start"
+            time.sleep(0.05)
+        sleeps = [p for p in holders(box.token) if _comm(p) == "sleep"]
+        assert sleeps and all(_ignores_sigint(p) for p in sleeps), "bash left SIGINT ignored in its & jobs"
+        os.write(master, b"\x03")                   # Ctrl-C: SIGINT to the foreground process group
+        _, status = os.waitpid(pid, 0)
+        pid = -1
+    finally:
+        if pid > 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(master)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGINT
+    rec = box.record(f"cc-{backend}")
+    assert rec["state"] == "REAPED", rec["state"]
+    kinds = [s["kind"] for s in steps(rec)]
+    assert "kill" not in kinds, f"the stop needed SIGKILL after the grace: {kinds}"
+    assert holders(box.token) == []
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _ignores_sigint(pid: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("SigIgn:"):
+                return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+    return False
