@@ -150,3 +150,46 @@ def test_records_have_a_short_repr_and_their_fields_in_dir(cgroup_base, state_di
     ack = w2.cancel()
     assert len(repr(ack)) < 200 and "effect=" in repr(ack)
     w2.wait(30)
+
+
+def _same_script(run, popen) -> list:
+    """One small script, written once against subprocess's names; run with
+    subprocess itself and with launcher, the results must be the same."""
+    out: list = []
+    r = run(["sh", "-c", "cat; echo err >&2; exit 3"], input="hi\n", capture_output=True, text=True)
+    out.append(("run", r.returncode, r.stdout, r.stderr))
+    r = run(["sh", "-c", "printf '\\x00\\xff'"], capture_output=True)
+    out.append(("bytes", r.returncode, r.stdout, r.stderr))
+    try:
+        run(["sh", "-c", "echo no >&2; exit 4"], check=True, capture_output=True)
+    except subprocess.CalledProcessError as e:
+        out.append(("check", e.returncode, e.stderr))
+    try:
+        run(["sleep", "30"], timeout=0.5, check=True)
+    except subprocess.TimeoutExpired as e:
+        out.append(("timeout", round(e.timeout, 1)))
+    try:
+        run(["/nonexistent/program"])
+    except OSError as e:
+        out.append(("missing", e.errno))
+    p = popen(["sh", "-c", "trap 'exit 42' USR1; while :; do sleep 0.05; done"])
+    out.append(("poll", p.poll()))
+    time.sleep(0.3)
+    p.send_signal(signal.SIGUSR1)
+    p.wait(30)
+    out.append(("signalled", p.returncode, p.poll()))
+    p = popen(["sleep", "30"])
+    p.terminate()
+    p.wait(30)
+    out.append(("terminate", p.returncode))
+    return out
+
+
+def test_the_same_script_against_subprocess_and_launcher(cgroup_base, state_dir, env, token):
+    """The issue's compatibility check: what a subprocess user writes works
+    unchanged with launcher and gives the same results."""
+    want = _same_script(subprocess.run, subprocess.Popen)
+    got = _same_script(lambda a, **k: launcher.run(a, env=env, grace=0.3, **k),
+                       lambda a: launcher.spawn(a, env=env, grace=0.3))
+    assert got == want
+    assert wait_gone(token, 10) == []
