@@ -63,6 +63,8 @@ _OWNED: dict[int, "RunDirBase"] = {}
 
 
 def _forget_owned_in_child() -> None:
+    global _held_mu
+    _held_mu = _thread.allocate_lock()      # another thread may have held it at the fork
     slots.forget_in_child()
     for d in list(_OWNED.values()):
         d._slot = None

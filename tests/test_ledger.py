@@ -338,6 +338,7 @@ def _race_runs(exe: str, env: dict[str, str], token: str, runs: int, out: str) -
 
 
 @needs_root
+@pytest.mark.timeout(360)        # its own bound is 300 s for the 30 runs (under load, more than the default 120)
 @pytest.mark.parametrize("creator", ["stays", "leaves_first"])
 def test_clone_parent_child_of_an_orphan_racing_its_parents_exit_is_never_reaped(box, tmp_path, creator):
     """Without the wall (library `pidns=False`), under a subreaper that is
