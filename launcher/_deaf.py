@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 
 from . import _signals as signal
 
-# Signals a shell leaves ignored in its background jobs.
-DEAF_PRONE = (signal.SIGINT, signal.SIGQUIT)
+# Signals a shell leaves ignored in its background jobs (Windows has no
+# SIGQUIT, and no shell there ignores anything in its jobs: nothing to do).
+DEAF_PRONE = (signal.SIGINT, signal.SIGQUIT) if hasattr(signal, "SIGQUIT") else ()
 
 
 def _ignores(pid: int, signum: int) -> bool:
