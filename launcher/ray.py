@@ -76,11 +76,21 @@ def _this_node() -> str:
     return str(ray.get_runtime_context().get_node_id())
 
 
-def _node_entry(node_id: str) -> dict[str, Any] | None:
-    for n in ray.nodes():
-        if n.get("NodeID") == node_id:
-            return dict(n)
-    return None
+_SOCKETS: dict[str, str] = {}
+
+
+def _raylet_socket(node_id: str) -> str:
+    """The node's raylet socket path, as Ray fixed it when the node started
+    (asked of the GCS once per process and node: ray.nodes() lists every
+    node, too much to ask per task on a large cluster)."""
+    known = _SOCKETS.get(node_id)
+    if known is None:
+        for n in ray.nodes():
+            if n.get("NodeID") == node_id:
+                known = _SOCKETS[node_id] = str(n.get("RayletSocketName") or "")
+    if known is None:
+        raise RuntimeError(f"Ray node {node_id} is not in ray.nodes(): its state directory cannot be told")
+    return known
 
 
 def node_state_dir(node_id: str | None = None, *, raylet_socket: str | None = None) -> str:
@@ -92,8 +102,7 @@ def node_state_dir(node_id: str | None = None, *, raylet_socket: str | None = No
     node lives, and run() and the node's janitor agree."""
     node_id = node_id or _this_node()
     if raylet_socket is None:
-        entry = _node_entry(node_id)
-        raylet_socket = str(entry.get("RayletSocketName") or "") if entry is not None else ""
+        raylet_socket = _raylet_socket(node_id)
     base = location()
     if os.path.basename(raylet_socket) in ("", "raylet"):
         return base
@@ -133,9 +142,9 @@ def run(argv: Sequence[str], *, grace: float = DEFAULT_GRACE, timeout: float | N
     text_mode = bool(text or encoding or errors)
     data = encode(input, text_mode, encoding, errors)
     piped = any(s == subprocess.PIPE for s in (stdin, stdout, stderr) if type(s) is int)
-    w = launcher.spawn(argv, grace=grace, timeout=timeout, stdin=stdin, stdout=stdout, stderr=stderr, **options)
     out: Any = None
     err: Any = None
+    w = launcher.spawn(argv, grace=grace, timeout=timeout, stdin=stdin, stdout=stdout, stderr=stderr, **options)
     try:
         if piped:
             out, err = _communicate(w, data)
