@@ -3,8 +3,8 @@
     python benchmarks/bench_ray.py [--rounds N] [--argv CMD...] [--json PATH]
 
 On a local one-node Ray cluster (`ray.init()`), one task at a time (submit,
-`ray.get`), three kinds of task, interleaved in rounds of BATCH tasks each
-so that load from the rest of the machine falls on all of them alike:
+`ray.get`), four kinds of task, one of each in turn, so that load from the
+rest of the machine falls on all of them alike:
 
     empty        a task that returns at once (Ray's own cost per task)
     plain        subprocess.run(argv) in the task
@@ -51,7 +51,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=10, help="rounds of %d tasks per kind (default 10)" % BATCH)
+    ap.add_argument("--rounds", type=int, default=10, help="tasks per kind / %d (default 10)" % BATCH)
     ap.add_argument("--json", help="write the numbers here")
     ap.add_argument("argv", nargs="*", default=["/bin/true"], help="the command (default /bin/true)")
     args = ap.parse_args()
@@ -113,13 +113,12 @@ def main() -> int:
                 ray.get(make())
         task: dict[str, list[float]] = {k: [] for k in kinds}
         inner: dict[str, list[float]] = {k: [] for k in kinds}
-        for _ in range(args.rounds):
-            for k, make in kinds.items():
-                for _ in range(BATCH):
-                    t = time.perf_counter()
-                    took = ray.get(make())
-                    task[k].append(time.perf_counter() - t)
-                    inner[k].append(took)
+        for _ in range(args.rounds * BATCH):
+            for k, make in kinds.items():     # one task of each kind in turn: a load spike falls on all alike
+                t = time.perf_counter()
+                took = ray.get(make())
+                task[k].append(time.perf_counter() - t)
+                inner[k].append(took)
     finally:
         ray.shutdown()
         load_after = _loadavg()
@@ -136,7 +135,7 @@ def main() -> int:
 
     out: dict[str, Any] = {"argv": args.argv, "die_with_owner": dwo, "tasks_per_kind": len(task["plain"]),
                            "loadavg_before": load_before, "loadavg_after": load_after, "kinds": {}}
-    print(f"argv {args.argv}, {len(task['plain'])} tasks per kind, one at a time, interleaved; "
+    print(f"argv {args.argv}, {len(task['plain'])} tasks per kind, one at a time, kinds in turn; "
           f"die_with_owner {'on' if dwo else 'OFF (not in this engine yet)'}")
     print(f"load average before {load_before}, after {load_after}")
     print(f"{'kind':10} {'task median':>12} {'p10':>8} {'p90':>8} {'command median':>15}  (ms)")
