@@ -17,7 +17,7 @@ process hits: so what a stop needs is reserved before a spawn is accepted.
   its process, may.
 
 How many runs a limit allows: about (limit - 64) / the descriptors a live
-run holds (2 for a run behind the wall, docs/api.md).
+run holds (1 for a run behind the wall, docs/api.md).
 """
 from __future__ import annotations
 

@@ -18,13 +18,14 @@ from _proc import wait_gone
 from conftest import pids_with_token
 
 N = 500
-# A walled run holds the wall's init pidfd and the worker's pidfd: its owner
-# lock is a byte of the process's one owners file, its run directory is
-# opened again through the process's held state directory, and the init's
-# report socket is closed once the worker runs (the kernel keeps the
-# worker's status for its pidfd: Linux 6.15; before that the socket stays).
+# A live walled run holds the worker's pidfd: its owner lock is a byte of
+# the process's one owners file, its run directory is opened again through
+# the process's held state directory, the init's report socket is closed
+# once the worker runs and the init's pidfd rests till the worker ends
+# (the kernel keeps the worker's status for its pidfd: Linux 6.15; before
+# that the socket and the init's pidfd stay: 3).
 _KERNEL = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
-FDS_PER_WALLED_RUN = 2 if _KERNEL >= (6, 15) else 3
+FDS_PER_WALLED_RUN = 1 if _KERNEL >= (6, 15) else 3
 # Open for a moment while the count is taken (the event loop's, a turn's file).
 TRANSIENT_FDS = 8
 

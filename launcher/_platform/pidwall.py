@@ -88,7 +88,8 @@ class PidWall:
         """The wall of a spawn, named as the spawn read its init right after
         the clone (our unreaped child then: its pid named no other process,
         and an init already gone has no ns links left)."""
-        w = cls(Init(sp.init_pid, sp.init_pidfd, sp.report_fd, sp.events), userns, sp.init_ns)
+        w = cls(Init(sp.init_pid, sp.init_pidfd, sp.report_fd, sp.events, start_time=sp.init_start), userns,
+                sp.init_ns)
         w.init_identity = ({"pid": sp.init_pid, "start_time": sp.init_start} if sp.init_start is not None
                            else w.init.identity())
         return w
@@ -107,10 +108,12 @@ class PidWall:
     def root(self, sp: Spawned) -> WallRoot:
         """The worker as the owner watches it. Where the kernel keeps a
         reaped process's status for its pidfd, the init's socket is closed
-        here (Init.quiet): a live walled run then holds two descriptors,
-        the init's pidfd and the worker's."""
+        here (Init.quiet), and the init's pidfd rests till the worker ends
+        (Init.rest): a live walled run then holds one descriptor, the
+        worker's pidfd."""
         if sp.pidfd >= 0 and not self.init.adopted and kernel_keeps_exit_status():
             self.init.quiet()
+            self.init.rest()     # and its pidfd, till the worker ends: one descriptor per live run
         return WallRoot(self.init, sp.pid, sp.pidfd)
 
     def sources(self) -> list[tuple[int, int]]:

@@ -4,6 +4,7 @@ owner's wake-ups (`Wakeups`) and the wait itself (`wait_ready`).
 """
 from __future__ import annotations
 
+import errno
 import os
 import select
 from .. import _signals as signal
@@ -211,11 +212,13 @@ class Init:
     status, notes, CPU time) is its word only; emptiness never rests on it."""
 
     def __init__(self, pid: int, pidfd: int, report_fd: int, events: Sequence[InitEvent] = (), *,
-                 adopted: bool = False) -> None:
+                 adopted: bool = False, start_time: int | None = None) -> None:
         self.pid = pid
         self.pidfd = pidfd
         self.report_fd = report_fd
         self.adopted = adopted
+        self.start_time = start_time          # read right after the clone (our unreaped child then)
+        self.dormant = False                  # its pidfd closed while the worker runs (rest, wake)
         self.worker_status: int | None = None
         self.reported_empty: InitEmpty | None = None
         self.notes: list[str] = []
@@ -275,6 +278,10 @@ class Init:
         """Whether the init is gone (and so every member of the namespace)."""
         if self.reaped_at is not None:
             return True
+        if self.dormant and not self.wake():
+            return False
+        if self.reaped_at is not None:
+            return True
         if self.pidfd < 0:
             return False
         p = select.poll()
@@ -301,7 +308,12 @@ class Init:
         return True
 
     def signal(self, sig: int) -> None:
-        """Raises ProcessLookupError once the init is gone."""
+        """Raises ProcessLookupError once the init is gone, OSError when it
+        cannot be pinned now (no descriptor)."""
+        if self.dormant and not self.wake():
+            raise OSError(errno.EMFILE, "the init's pidfd could not be opened again")
+        if self.reaped_at is not None and self.pidfd < 0:
+            raise ProcessLookupError(self.pid)
         signal.pidfd_send_signal(self.pidfd, sig)
 
     def kill(self) -> None:
@@ -309,6 +321,50 @@ class Init:
             self.signal(signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+    def rest(self) -> None:
+        """Close the init's pidfd while the worker runs: the worker's pidfd
+        is what wakes the owner then (the init cannot end before the worker
+        does: its death ends every member), so a live walled run holds one
+        descriptor (issue 27). The init stays our unreaped child, so its pid
+        names no other process until we reap it; wake() pins it again,
+        checking its start time all the same (another waiter of this
+        process may have reaped it)."""
+        if self.adopted or self.start_time is None or self.pidfd < 0 or self.reaped_at is not None:
+            return
+        os.close(self.pidfd)
+        self.pidfd = -1
+        self.dormant = True
+
+    def wake(self) -> bool:
+        """Pin the init by pidfd again (before a signal, or once the worker
+        ended and emptiness is what the owner waits for). False when no
+        descriptor could be had for it now (it stays dormant: asked again
+        at the next look); True otherwise, the init pinned or found gone
+        (reaped by another waiter of this process: then the namespace was
+        empty, which the kernel's reaping order proves)."""
+        if not self.dormant:
+            return True
+        try:
+            fd = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            self._gone_elsewhere()
+            return True
+        except OSError:
+            return False
+        st = read_stat(self.pid)
+        if st is None or st[4] != self.start_time:
+            os.close(fd)
+            self._gone_elsewhere()
+            return True
+        self.pidfd, self.dormant = fd, False
+        return True
+
+    def _gone_elsewhere(self) -> None:
+        self.dormant = False
+        if self.reaped_at is None:
+            self.reaped_at = time.time()
+            self.notes.append("the init was reaped by another waiter of this process")
 
     def quiet(self) -> None:
         """Stop listening to the init once the worker runs: what it says
@@ -404,7 +460,9 @@ class WallRoot:
         got = self._status()
         if got is not None:
             return got
-        if self.init.reaped():
+        # A resting init (Init.rest) cannot have ended while the worker's
+        # pidfd says it lives: asked only once the worker is seen gone.
+        if (not self.init.dormant or self._exited()) and self.init.reaped():
             # reaped() read the socket once more: the init may have said
             # EXIT and exited between the look above and this one.
             got = self._status()
@@ -427,6 +485,7 @@ class WallRoot:
     def _end(self) -> None:
         self._ended = True
         self.close()
+        self.init.wake()        # the owner now waits for the init's end: the namespace empty
 
     def close(self) -> None:
         if self.pidfd >= 0:
