@@ -57,7 +57,13 @@ each per configuration, all created and removed here. Children raise their
 RLIMIT_NOFILE soft limit to the hard one, and as root the hard one too when
 N needs it. An N that pid_max cannot hold (a walled run is at least 2 pids:
 the wall's init and the worker; a thread is a pid too) is skipped with the
-reason, as is one whose projection from a smaller N passes --budget.
+reason, as is one whose projection from a smaller N passes --budget. One
+whose descriptors the hard RLIMIT_NOFILE cannot hold, where this process
+cannot raise it (root without CAP_SYS_RESOURCE, as on some VMs), is run to
+the library's refusal instead: the most runs one process holds at that
+limit ("started ... of N"; its ratios are per worker started). Spawning
+is also timed over the first and the last tenth of each loop: whether a
+spawn slows down as the live runs grow, within one trial.
 Whatever happens (an error, a hung child, Ctrl-C), every process started
 here is killed by pid (identity and token re-checked through a pidfd), every
 run cgroup is killed through our own base's cgroup.kill and removed, and the
@@ -147,6 +153,18 @@ def _loadavg() -> float | None:
         return C.loadavg()
     except OSError:
         return None
+
+
+def _tenths(t0: float, marks: list[float]) -> dict[str, float] | None:
+    """Milliseconds a spawn over the first and the last tenth of the spawn
+    loop: whether spawning slows down as the live runs grow (within one
+    trial, so under the same neighbours, unlike a ratio across N)."""
+    k = len(marks) // 10
+    if k < 1:
+        return None
+    first = marks[k - 1] - t0
+    last = marks[-1] - marks[-k - 1]
+    return {"first": round(1000 * first / k, 3), "last": round(1000 * last / k, 3)}
 
 
 def _per_worker(before: dict[str, int | None], live: dict[str, int | None], k: int) -> dict[str, float | None]:
@@ -523,6 +541,7 @@ async def _measure(m: _Mode, spec: dict[str, Any], rep: Report) -> None:
     before = _snapshot()
     rep.put("spawning", before=before, load_start=_loadavg())
     ws: list[Any] = []
+    marks: list[float] = []
     t0 = time.perf_counter()
     try:
         for i in range(n):
@@ -534,6 +553,7 @@ async def _measure(m: _Mode, spec: dict[str, Any], rep: Report) -> None:
                 rep.d["notes"].append(f"spawning stopped at {i}: over the budget of {spec['budget']:g} s")
                 break
             ws.append(await m.spawn())
+            marks.append(time.perf_counter())
     except Exception as e:
         rep.d["spawn_error"] = _describe(e, len(ws))
     spawn_s = time.perf_counter() - t0
@@ -541,7 +561,7 @@ async def _measure(m: _Mode, spec: dict[str, Any], rep: Report) -> None:
     live = _snapshot()
     k = max(1, len(ws))
     rep.put("cancelling", started=len(ws), spawn_s=spawn_s, live=live,
-            per_worker=_per_worker(before, live, k))
+            per_worker=_per_worker(before, live, k), spawn_tenths_ms=_tenths(t0, marks))
     t1 = time.perf_counter()
     via, cancel_errors = await m.cancel_all(ws)
     timeouts, wait_errors = await m.wait_all(ws, spec["wait_timeout"])
@@ -840,6 +860,8 @@ def _aggregate(trials: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "mode": ts[0]["mode"], "n": ts[0]["n"], "repeats": len(ts),
             "started": [t.get("started") for t in ts],
             "spawn_s": _median([t["spawn_s"] for t in ok]),
+            "spawn_first_tenth_ms": _median([t["spawn_tenths_ms"]["first"] for t in ok if t.get("spawn_tenths_ms")]),
+            "spawn_last_tenth_ms": _median([t["spawn_tenths_ms"]["last"] for t in ok if t.get("spawn_tenths_ms")]),
             "cancel_s": _median([t["cancel_s"] for t in ts if "cancel_s" in t]),
             "fds_per_worker": _median([p["fds"] for p in per if p.get("fds") is not None]),
             "threads_per_worker": _median([p["threads"] for p in per if p.get("threads") is not None]),
@@ -950,6 +972,9 @@ def table(res: dict[str, Any]) -> str:
             k = _median_started(a)
             if k is not None and k < n:
                 lines.append(f"  {'':<20} started {k:g} of {n} (ratios per worker started)")
+            if a.get("spawn_first_tenth_ms") is not None:
+                lines.append(f"  {'':<20} ms a spawn: {_fmt(a['spawn_first_tenth_ms'])} over the first tenth, "
+                             f"{_fmt(a['spawn_last_tenth_ms'])} over the last")
             for e in a["spawn_errors"][:1]:
                 lines.append(f"  {'':<20} spawn refused at {e.get('at')}: {e['type']} "
                              f"{e.get('errno_name') or ''} {e['message'][:100]}")
