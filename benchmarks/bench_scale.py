@@ -57,7 +57,13 @@ each per configuration, all created and removed here. Children raise their
 RLIMIT_NOFILE soft limit to the hard one, and as root the hard one too when
 N needs it. An N that pid_max cannot hold (a walled run is at least 2 pids:
 the wall's init and the worker; a thread is a pid too) is skipped with the
-reason, as is one whose projection from a smaller N passes --budget.
+reason, as is one whose projection from a smaller N passes --budget. One
+whose descriptors the hard RLIMIT_NOFILE cannot hold, where this process
+cannot raise it (root without CAP_SYS_RESOURCE, as on some VMs), is run to
+the library's refusal instead: the most runs one process holds at that
+limit ("started ... of N"; its ratios are per worker started). Spawning
+is also timed over the first and the last tenth of each loop: whether a
+spawn slows down as the live runs grow, within one trial.
 Whatever happens (an error, a hung child, Ctrl-C), every process started
 here is killed by pid (identity and token re-checked through a pidfd), every
 run cgroup is killed through our own base's cgroup.kill and removed, and the
@@ -147,6 +153,18 @@ def _loadavg() -> float | None:
         return C.loadavg()
     except OSError:
         return None
+
+
+def _tenths(t0: float, marks: list[float]) -> dict[str, float] | None:
+    """Milliseconds a spawn over the first and the last tenth of the spawn
+    loop: whether spawning slows down as the live runs grow (within one
+    trial, so under the same neighbours, unlike a ratio across N)."""
+    k = len(marks) // 10
+    if k < 1:
+        return None
+    first = marks[k - 1] - t0
+    last = marks[-1] - marks[-k - 1]
+    return {"first": round(1000 * first / k, 3), "last": round(1000 * last / k, 3)}
 
 
 def _per_worker(before: dict[str, int | None], live: dict[str, int | None], k: int) -> dict[str, float | None]:
@@ -523,6 +541,7 @@ async def _measure(m: _Mode, spec: dict[str, Any], rep: Report) -> None:
     before = _snapshot()
     rep.put("spawning", before=before, load_start=_loadavg())
     ws: list[Any] = []
+    marks: list[float] = []
     t0 = time.perf_counter()
     try:
         for i in range(n):
@@ -534,6 +553,7 @@ async def _measure(m: _Mode, spec: dict[str, Any], rep: Report) -> None:
                 rep.d["notes"].append(f"spawning stopped at {i}: over the budget of {spec['budget']:g} s")
                 break
             ws.append(await m.spawn())
+            marks.append(time.perf_counter())
     except Exception as e:
         rep.d["spawn_error"] = _describe(e, len(ws))
     spawn_s = time.perf_counter() - t0
@@ -541,7 +561,7 @@ async def _measure(m: _Mode, spec: dict[str, Any], rep: Report) -> None:
     live = _snapshot()
     k = max(1, len(ws))
     rep.put("cancelling", started=len(ws), spawn_s=spawn_s, live=live,
-            per_worker=_per_worker(before, live, k))
+            per_worker=_per_worker(before, live, k), spawn_tenths_ms=_tenths(t0, marks))
     t1 = time.perf_counter()
     via, cancel_errors = await m.cancel_all(ws)
     timeouts, wait_errors = await m.wait_all(ws, spec["wait_timeout"])
@@ -840,6 +860,8 @@ def _aggregate(trials: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "mode": ts[0]["mode"], "n": ts[0]["n"], "repeats": len(ts),
             "started": [t.get("started") for t in ts],
             "spawn_s": _median([t["spawn_s"] for t in ok]),
+            "spawn_first_tenth_ms": _median([t["spawn_tenths_ms"]["first"] for t in ok if t.get("spawn_tenths_ms")]),
+            "spawn_last_tenth_ms": _median([t["spawn_tenths_ms"]["last"] for t in ok if t.get("spawn_tenths_ms")]),
             "cancel_s": _median([t["cancel_s"] for t in ts if "cancel_s" in t]),
             "fds_per_worker": _median([p["fds"] for p in per if p.get("fds") is not None]),
             "threads_per_worker": _median([p["threads"] for p in per if p.get("threads") is not None]),
@@ -864,9 +886,20 @@ def _aggregate(trials: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         for name, base in (("vs_popen", pop), ("vs_asyncio_subprocess", aio)):
             if base is None or a["mode"] in BASELINES or (base is aio and a["mode"] == "sync"):
                 continue
-            a[f"spawn_{name}"] = _ratio(a["spawn_s"], base["spawn_s"])
-            a[f"cancel_{name}"] = _ratio(a["cancel_s"], base["cancel_s"])
+            # Per worker started: a mode capped by the descriptor limit
+            # started fewer than N (the same where both started N).
+            k, kb = _median_started(a), _median_started(base)
+            a[f"spawn_{name}"] = _ratio(_per(a["spawn_s"], k), _per(base["spawn_s"], kb))
+            a[f"cancel_{name}"] = _ratio(_per(a["cancel_s"], k), _per(base["cancel_s"], kb))
     return out
+
+
+def _median_started(a: dict[str, Any]) -> float | None:
+    return _median([x for x in a["started"] if x])
+
+
+def _per(t: float | None, k: float | None) -> float | None:
+    return t / k if t is not None and k else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -936,6 +969,12 @@ def table(res: dict[str, Any]) -> str:
                 f"{_fmt(a.get('spawn_vs_popen')):>7} {_fmt(a['cancel_s'], 3):>9} "
                 f"{_fmt(a.get('cancel_vs_popen')):>7} {_fmt(a.get('cancel_vs_asyncio_subprocess')):>6}  "
                 f"{_states_str(a['states'])}; {left}")
+            k = _median_started(a)
+            if k is not None and k < n:
+                lines.append(f"  {'':<20} started {k:g} of {n} (ratios per worker started)")
+            if a.get("spawn_first_tenth_ms") is not None:
+                lines.append(f"  {'':<20} ms a spawn: {_fmt(a['spawn_first_tenth_ms'])} over the first tenth, "
+                             f"{_fmt(a['spawn_last_tenth_ms'])} over the last")
             for e in a["spawn_errors"][:1]:
                 lines.append(f"  {'':<20} spawn refused at {e.get('at')}: {e['type']} "
                              f"{e.get('errno_name') or ''} {e['message'][:100]}")
@@ -945,6 +984,8 @@ def table(res: dict[str, Any]) -> str:
         why = res.get("skipped", {}).get(str(n))
         for m, reason in (why or {}).items():
             lines.append(f"  {m:<20} skipped: {reason}")
+        for m, reason in (res.get("capped", {}).get(str(n)) or {}).items():
+            lines.append(f"  {m:<20} capped: {reason}")
     if res.get("targets"):
         lines.append(f"\n## issue 27 targets at N = {TARGET_N}")
         for t in res["targets"]:
@@ -1022,9 +1063,12 @@ def plot(res: dict[str, Any], path: str) -> str:
 
 
 def _plan(mode: str, n: int, measured: dict[str, dict[str, Any]], machine: dict[str, Any],
-          budget: float, nofile: dict[str, Any]) -> str | None:
+          budget: float, nofile: dict[str, Any], capped: dict[str, str] | None = None) -> str | None:
     """Why N of this mode is not run here, or None. Projections are from the
-    largest smaller N of this mode measured in this run."""
+    largest smaller N of this mode measured in this run. An N whose
+    descriptors the hard RLIMIT_NOFILE cannot hold (and that this process
+    could not raise) is run anyway, to the library's refusal: the most runs
+    one process holds here, at the limit; why goes in `capped`."""
     pid_max = machine["pid_max"]
     with open("/proc/sys/kernel/threads-max") as f:
         cap = min(pid_max, int(f.read()))
@@ -1038,15 +1082,19 @@ def _plan(mode: str, n: int, measured: dict[str, dict[str, Any]], machine: dict[
     if smaller:
         a = max(smaller, key=lambda a: a["n"])
         hard = nofile["after"][1]
+        fit = n
         if a["fds_per_worker"] and 64 + a["fds_per_worker"] * n > hard:
             why = f", raising it: {nofile['hard_not_raised']}" if "hard_not_raised" in nofile else ""
-            return (f"{a['fds_per_worker']:g} descriptors a worker (measured at N={a['n']}) x {n} > "
-                    f"RLIMIT_NOFILE hard limit {hard}{why}")
-        need = now + a["host_tasks_per_worker"] * n
+            fit = max(1, int((hard - 64) / a["fds_per_worker"]))
+            if capped is not None:
+                capped[mode] = (f"{a['fds_per_worker']:g} descriptors a worker (measured at N={a['n']}) x {n} > "
+                                f"RLIMIT_NOFILE hard limit {hard}{why}: spawned until the library refused "
+                                f"(about {fit})")
+        need = now + a["host_tasks_per_worker"] * fit
         if need > PID_SHARE * cap:
             return (f"{a['host_tasks_per_worker']:.2f} host tasks a worker (measured at N={a['n']}) x {n} + "
                     f"{now} = {need:.0f} tasks, over {PID_SHARE:.0%} of pid_max {pid_max} (a shared host)")
-        t = ((a["spawn_s"] or 0) + (a["cancel_s"] or 0)) * n / a["n"]
+        t = ((a["spawn_s"] or 0) + (a["cancel_s"] or 0)) * fit / a["n"]
         if t > budget:
             return f"projected {t:.0f} s from N={a['n']} (linear), over --budget {budget:.0f} s"
     return None
@@ -1075,7 +1123,8 @@ def run(ns: tuple[int, ...] = (100, 1000), modes: tuple[str, ...] = DEFAULT_MODE
     res: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": _commit(), "machine": machine, "ns": list(ns), "modes": list(modes), "repeats": repeats,
-        "argv": ARGV, "load_start": C.loadavg(), "trials": [], "skipped": {}, "rlimit": [], "notes": []}
+        "argv": ARGV, "load_start": C.loadavg(), "trials": [], "skipped": {}, "capped": {}, "rlimit": [],
+        "notes": []}
     if os.geteuid() != 0:
         res["notes"].append("not root: no private cgroup base, and the hard RLIMIT_NOFILE cannot be raised; "
                             "runs go where the library puts them")
@@ -1091,7 +1140,12 @@ def run(ns: tuple[int, ...] = (100, 1000), modes: tuple[str, ...] = DEFAULT_MODE
     try:
         for n in ns:
             agg = _aggregate(res["trials"])
-            skipped = {m: why for m in modes if (why := _plan(m, n, agg, machine, budget, nofile))}
+            capped: dict[str, str] = {}
+            skipped = {m: why for m in modes if (why := _plan(m, n, agg, machine, budget, nofile, capped))}
+            if capped:
+                res["capped"][str(n)] = capped
+                for m, why in capped.items():
+                    progress(f"N={n} {m}: {why}")
             if skipped:
                 res["skipped"][str(n)] = skipped
                 for m, why in skipped.items():

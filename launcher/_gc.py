@@ -67,7 +67,7 @@ class Entry:
 class GcResult:
     """What a pass did: names removed, and how many runs it left and why."""
 
-    __slots__ = ("removed", "kept", "live", "unreadable", "failed")
+    __slots__ = ("removed", "kept", "live", "unreadable", "failed", "left")
 
     def __init__(self) -> None:
         self.removed: list[str] = []
@@ -75,6 +75,7 @@ class GcResult:
         self.live = 0
         self.unreadable = 0
         self.failed: list[str] = []
+        self.left: int | None = None      # (auto_prune) directories counted in runs/ after the pass
 
     def to_dict(self) -> dict[str, Any]:
         return {"removed": self.removed, "kept": self.kept, "live": self.live, "unreadable": self.unreadable,
@@ -308,6 +309,7 @@ def auto_prune(st: StateDir, keep: int, count: int | None) -> GcResult:
     result = GcResult()
     all_entries = entries(st)
     excess = len(all_entries) - keep
+    result.left = len(all_entries)
     if excess <= 0:
         return result
     all_entries.sort(key=lambda x: x.mtime)
@@ -328,6 +330,7 @@ def auto_prune(st: StateDir, keep: int, count: int | None) -> GcResult:
         except OSError:
             result.failed.append(e.name)
     _ownerslots.sweep(st, now)       # the owners files of processes gone (one per `contain run`)
+    result.left = len(all_entries) - len(result.removed)
     return result
 
 
@@ -379,24 +382,46 @@ def move_aside(st: StateDir, run_id: str, uid: str | None) -> None:
     raise RunConflict(f"run id {run_id!r}: its ended directory cannot be moved aside")
 
 
+# runs/ (st_dev, st_ino) -> how many directories the last pass of this
+# process had to leave there, when that was more than it was asked to keep
+# (they were live). A hint only: a pass it saves would have removed nothing.
+_left_live: dict[tuple[int, int], int] = {}
+
+
 def maybe_prune(st: StateDir) -> None:
     """The automatic retention bound, checked at every claim (which holds
     the claim lock) for the cost of one fstat: a directory's link count is
     2 + its subdirectories on tmpfs, ext4 and xfs (btrfs says 1: there, one
-    claim in 64 looks). Retention never fails a run."""
+    claim in 64 looks). Retention never fails a run.
+
+    A pass reads every directory it cannot remove. When more than `keep`
+    runs are live, a pass at every claim read them all each time: spawning
+    2,000 runs in one process took 82 s against 10.7 s for 1,000 (spawn-all
+    quadratic, docs/performance.md). So after a pass that had to leave
+    `left` > `keep`, the next one waits until the count grew by PRUNE_SLACK
+    or an eighth of `left`, whichever is more: about twenty passes on the
+    way to 10,000 live runs, and the bound is then that many over the runs
+    that were live."""
     keep = keep_runs()
     if keep <= 0:
         return
     try:
-        nlink = os.fstat(st.runs_fd).st_nlink
+        sb = os.fstat(st.runs_fd)
     except OSError:
         return
+    nlink = sb.st_nlink
+    key = (sb.st_dev, sb.st_ino)
+    left = _left_live.get(key, 0)
     if nlink >= 2:
-        if nlink - 2 <= keep + PRUNE_SLACK:
+        if nlink - 2 <= max(keep, left) + max(PRUNE_SLACK, left // 8):
             return
     elif os.urandom(1)[0] >= 4:
         return
     try:
-        auto_prune(st, keep, nlink - 2 if nlink >= 2 else None)
+        result = auto_prune(st, keep, nlink - 2 if nlink >= 2 else None)
     except (OSError, ValueError):
-        pass
+        return
+    if result.left is not None and result.left > keep:
+        _left_live[key] = result.left
+    else:
+        _left_live.pop(key, None)

@@ -145,6 +145,62 @@ def test_automatic_bound_keeps_at_most_keep_runs(tmp_path):
     assert len(names(sd2)) == n
 
 
+_LIVE_CLAIMS = """
+import os, sys
+sys.path.insert(0, {root!r})
+from launcher import _gc
+from launcher._layout import RunDir
+sd, live, more = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+passes = []
+real = _gc.auto_prune
+def counted(*a, **k):
+    r = real(*a, **k)
+    passes.append(r.left)
+    return r
+_gc.auto_prune = counted
+held = []
+for i in range(live):
+    d = RunDir.claim("l%04d" % i, sd)
+    d.write_run({{"run_id": "l%04d" % i, "run_uid": "0123456789abcdef", "argv": ["sleep"]}})
+    held.append(d)
+print(len(passes))
+for d in held:
+    d.write_record({{"run_id": d.id, "run_uid": "0123456789abcdef", "state": "REAPED", "outcome": "exited"}},
+                   durable=False)
+    d.release()
+for i in range(more):
+    d = RunDir.claim("m%04d" % i, sd)
+    d.write_run({{"run_id": "m%04d" % i, "run_uid": "0123456789abcdef", "argv": ["true"]}})
+    d.write_record({{"run_id": "m%04d" % i, "run_uid": "0123456789abcdef", "state": "REAPED",
+                     "outcome": "exited"}}, durable=False)
+    d.release()
+print(len(passes))
+"""
+
+
+def test_automatic_bound_with_many_live_runs_does_not_read_them_at_every_claim(tmp_path):
+    """More live runs than the bound keeps (one process with thousands of
+    workers): a pass can remove none of them, and one at every claim read
+    every run directory each time (spawn-all quadratic). Passes are spaced
+    out then; once the runs have ended the bound still brings the count
+    down."""
+    from launcher._statedir import PRUNE_SLACK
+
+    sd = str(tmp_path / "state")
+    keep, live = 5, 300
+    more = max(PRUNE_SLACK, live // 8) + 20
+    p = subprocess.run([sys.executable, "-c", _LIVE_CLAIMS.format(root=ROOT), sd, str(live), str(more)],
+                       env=dict(os.environ, CONTAIN_KEEP_RUNS=str(keep)), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    while_live, total = (int(x) for x in p.stdout.split())
+    assert while_live <= 3, f"{while_live} passes while {live} runs were live (one a claim was {live - keep - PRUNE_SLACK})"
+    assert total > while_live, "no pass once the live runs had ended"
+    left = names(sd)
+    assert len(left) <= keep + PRUNE_SLACK, len(left)
+    assert not any(x.startswith(".gc-") for x in left)
+
+
 @pytest.mark.parametrize("text,seconds", [("90", 90), ("90s", 90), ("15m", 900), ("2h", 7200), ("7d", 604800),
                                           ("2w", 1209600), ("1d12h", 129600), ("0.5h", 1800)])
 def test_durations(text, seconds):
