@@ -1,4 +1,4 @@
-"""The commands other than `run`: ls, status, cancel, wait, gc, doctor.
+"""The commands other than `run`: ls, status, cancel, wait, gc, janitor, doctor.
 
 Readers never trust the run directory: every file comes through the typed
 parsers (_runfiles, via RunDir.load_*), a file that does not parse makes the

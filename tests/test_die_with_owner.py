@@ -51,14 +51,23 @@ def test_sigkilled_contain_run_with_die_with_owner_leaves_nothing_alive(box):
             proc.wait(10)
 
 
-def test_library_process_exiting_without_wait_leaves_nothing_alive(box):
-    code = textwrap.dedent("""
-        import os, sys, launcher
-        w = launcher.spawn(["sh", "-c", %r], id="lib", die_with_owner=True)
+SPAWNS = {
+    # launcher.spawn, the init exec'd from its image (the default where it can be)
+    "spawn": 'w = launcher.spawn(["sh", "-c", %r], id="lib", die_with_owner=True)',
+    # a Supervisor's default, the init forked from this process (wall.c's other path)
+    "supervisor-forked-init": ('from launcher._platform import wall; wall.EXEC_INIT = False\n'
+                               's = launcher.Supervisor(die_with_owner=True)\n'
+                               'w = s.spawn(["sh", "-c", %r], id="lib")'),
+}
+
+
+@pytest.mark.parametrize("how", sorted(SPAWNS))
+def test_library_process_exiting_without_wait_leaves_nothing_alive(box, how):
+    code = "import os, sys, launcher\n" + SPAWNS[how] % TREE + textwrap.dedent("""
         print("up", flush=True)
         sys.stdin.readline()
         os._exit(0)
-    """ % TREE)
+    """)
     proc = subprocess.Popen([sys.executable, "-c", code], env=box.env, cwd=ROOT, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
