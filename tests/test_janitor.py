@@ -124,3 +124,12 @@ def test_janitor_finishes_an_orphan_of_the_old_owner_lock_layout_on_its_full_pas
     assert p.stdout.startswith("r REAPED"), p.stdout
     assert wait_gone(box.token, 5.0) == []
     assert box.record("r")["state"] == "REAPED"
+
+
+def test_janitor_keep_applies_retention_as_gc_does(box):
+    for rid in ("a", "b", "c"):
+        assert run_contain(box.env, "run", "--id", rid, "--", "true").returncode == 0
+    p = run_contain(box.env, "janitor", "--once", "--keep", "1")
+    assert p.returncode == 0 and p.stdout == "", (p.stdout, p.stderr)
+    left = sorted(os.listdir(os.path.join(box.state_dir, "runs")))
+    assert [n for n in left if not n.startswith(".")] == ["c"], left

@@ -59,7 +59,13 @@
  *   signal), so the init has to filter it itself. SIGKILL from a member is
  *   dropped by the kernel (sig_task_ignored: SIGNAL_UNKILLABLE with SIG_DFL
  *   and no force); from outside it kills the init, and the kernel then
- *   empties the namespace.
+ *   empties the namespace;
+ * - die with the owner (ct_wall_args.owner_pidfd >= 0): the init also polls
+ *   a pidfd of the supervisor process, kept through close_all_but and
+ *   across the exec of the image; a pidfd of a thread-group leader polls
+ *   readable only once the whole process has exited (pidfd_poll), and then
+ *   the init exits, so the kernel empties the namespace as above. Not the
+ *   report socket: the supervisor closes it once the worker runs.
  *
  * Messages are fixed-size (struct ct_init_msg) on a SOCK_SEQPACKET pair,
  * sent with MSG_DONTWAIT: the reaper never blocks on its supervisor, and
