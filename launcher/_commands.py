@@ -478,7 +478,11 @@ def cmd_janitor(args: argparse.Namespace) -> int:
         sys.stdout.write((json.dumps(res.to_dict()) if args.json else res.line()) + "\n")
         sys.stdout.flush()
 
-    serve(None, say, once=args.once, keep=args.keep)
+    try:
+        serve(None, say, once=args.once, keep=args.keep)
+    except LauncherError as e:            # the state directory is not usable (StateDirError, ...)
+        _err(f"janitor: {e}")
+        return EXIT_DID_NOT_HOLD
     return EXIT_DID_NOT_HOLD if failed else EXIT_OK
 
 

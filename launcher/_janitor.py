@@ -307,27 +307,36 @@ def _loop(st: StateDir, path: str, say: Callable[[Finished], None], keep: int | 
 
     old: dict[int, Any] = {}
     old_wake: int | None = None
-    try:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            old[sig] = signal.signal(sig, on_signal)
-        old_wake = signal.set_wakeup_fd(wr, warn_on_full_buffer=False)
-    except ValueError:
-        pass           # not the main thread: should_stop() is the way out
-    dfd = F.open_private_dir(st.fd, slots.DIR, os.path.join(path, slots.DIR), owners=st.owners,
-                             create_mode=0o700)
-    ino = lib.ct_inotify_open()
-    wd = lib.ct_inotify_watch(ino, f"/proc/self/fd/{dfd}".encode(), _IN_CREATE | _IN_MOVED_TO) if ino >= 0 else -1
+    dfd = ino = wd = -1
     owners = _Owners(st)
     n = 0
     try:
+        try:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                old[sig] = signal.signal(sig, on_signal)
+            old_wake = signal.set_wakeup_fd(wr, warn_on_full_buffer=False)
+        except ValueError:
+            pass           # not the main thread: should_stop() is the way out
+        dfd = F.open_private_dir(st.fd, slots.DIR, os.path.join(path, slots.DIR), owners=st.owners,
+                                 create_mode=0o700)
+        ino = lib.ct_inotify_open()      # -errno: no wake-up for new owners files, the full pass finds them
+        if ino >= 0:
+            wd = lib.ct_inotify_watch(ino, f"/proc/self/fd/{dfd}".encode(), _IN_CREATE | _IN_MOVED_TO)
         next_full = 0.0
         while not stop and not (should_stop is not None and should_stop()):
             now = time.monotonic()
             if now >= next_full:
-                for name in owners.scan(dfd):
-                    n += finish_file(path, name, say)
-                n += full_pass(path, say)
-                retain(st, keep)
+                next_full = now + interval
+                try:
+                    for name in owners.scan(dfd):
+                        n += finish_file(path, name, say)
+                    n += full_pass(path, say)
+                    retain(st, keep)
+                except (LauncherError, OSError, F.UnsafePath) as e:
+                    # The state directory could not be read this time (a
+                    # failed observation, not an outcome): the next pass
+                    # looks again; the janitor does not end for it.
+                    say(_problem(path, e))
                 next_full = time.monotonic() + interval
                 continue
             p = select.poll()
@@ -342,17 +351,11 @@ def _loop(st: StateDir, path: str, say: Callable[[Finished], None], keep: int | 
             except InterruptedError:
                 continue
             done = 0
-            for fd, _ev in ready:
-                if fd == rd:
-                    _drain(rd)
-                elif fd == ino:
-                    _drain(ino)
-                    for name in owners.scan(dfd):
-                        done += finish_file(path, name, say)
-                else:
-                    gone = owners.fired(fd)
-                    if gone is not None:
-                        done += finish_file(path, gone, say)
+            try:
+                done = _handle(ready, rd, ino, dfd, owners, path, say)
+            except (LauncherError, OSError, F.UnsafePath) as e:
+                say(_problem(path, e))
+                next_full = 0.0           # look at everything again now
             if done:
                 n += done
                 retain(st, keep)
@@ -362,7 +365,8 @@ def _loop(st: StateDir, path: str, say: Callable[[Finished], None], keep: int | 
             if wd >= 0:
                 lib.ct_inotify_unwatch(ino, wd)
             os.close(ino)
-        os.close(dfd)
+        if dfd >= 0:
+            os.close(dfd)
         if old_wake is not None:
             signal.set_wakeup_fd(old_wake)
         for num, h in old.items():
@@ -370,6 +374,29 @@ def _loop(st: StateDir, path: str, say: Callable[[Finished], None], keep: int | 
         os.close(rd)
         os.close(wr)
     return n
+
+
+def _handle(ready: list[tuple[int, int]], rd: int, ino: int, dfd: int, owners: _Owners, path: str,
+            say: Callable[[Finished], None]) -> int:
+    done = 0
+    for fd, _ev in ready:
+        if fd == rd:
+            _drain(rd)
+        elif fd == ino:
+            _drain(ino)
+            for name in owners.scan(dfd):
+                done += finish_file(path, name, say)
+        else:
+            gone = owners.fired(fd)
+            if gone is not None:
+                done += finish_file(path, gone, say)
+    return done
+
+
+def _problem(path: str, e: BaseException) -> Finished:
+    res = Finished("(state directory)", None, "-", path)
+    res.error = f"{path}: {str(e)[:300]}"
+    return res
 
 
 def _drain(fd: int) -> None:
