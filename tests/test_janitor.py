@@ -133,3 +133,48 @@ def test_janitor_keep_applies_retention_as_gc_does(box):
     assert p.returncode == 0 and p.stdout == "", (p.stdout, p.stderr)
     left = sorted(os.listdir(os.path.join(box.state_dir, "runs")))
     assert [n for n in left if not n.startswith(".")] == ["c"], left
+
+
+def test_long_running_janitor_finishes_a_sigkilled_library_owners_die_with_owner_runs(box):
+    """The Ray worker's case: a library process with several runs, killed by
+    SIGKILL (the OOM killer's way); the kernel ends the trees, the janitor
+    writes each record."""
+    import sys
+    import textwrap
+
+    env = {k: v for k, v in box.env.items() if k != TOKEN_VAR}
+    jan = subprocess.Popen(contain_cmd("janitor", "--json"), env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    code = textwrap.dedent(f"""
+        import sys, launcher
+        s = launcher.Supervisor(die_with_owner=True)
+        ws = [s.spawn(["sh", "-c", {TREE!r}], id=f"lib{{i}}") for i in range(3)]
+        print("up", flush=True)
+        sys.stdin.readline()
+    """)
+    owner = subprocess.Popen([sys.executable, "-c", code], env=box.env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline().strip() == "up"
+        assert len(wait_holders(box.token, 10)) >= 9, "workload did not start"
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(10)
+        assert wait_gone(box.token, 5.0) == [], "the trees outlived their owner"
+        seen = set()
+        while len(seen) < 3:
+            line = readline_within(jan.stdout, 20.0)
+            assert line, f"the janitor finished only {sorted(seen)}"
+            d = json.loads(line)
+            assert d["state"] == "REAPED" and d["error"] is None, d
+            seen.add(d["id"])
+        assert seen == {"lib0", "lib1", "lib2"}
+        for rid in seen:
+            assert box.record(rid)["state"] == "REAPED"
+        assert box.leaves() == []
+        jan.send_signal(signal.SIGTERM)
+        assert jan.wait(10) == 0
+    finally:
+        for p in (owner, jan):
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
