@@ -44,8 +44,10 @@ def acks(box, run_id: str) -> dict[str, dict]:
 
 def test_long_running_janitor_finishes_an_orphan_without_a_cancel(box):
     env = {k: v for k, v in box.env.items() if k != TOKEN_VAR}     # the janitor is not the run's: no token
+    # Unbuffered: readline_within selects on the pipe, and lines already read
+    # into a buffer would never make it readable again.
     jan = subprocess.Popen(contain_cmd("janitor", "--json"), env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE)
+                           stderr=subprocess.PIPE, bufsize=0)
     try:
         time.sleep(0.5)                   # its first pass is over: what follows is the owner's death
         assert jan.poll() is None, jan.stderr.read()
@@ -143,8 +145,10 @@ def test_long_running_janitor_finishes_a_sigkilled_library_owners_die_with_owner
     import textwrap
 
     env = {k: v for k, v in box.env.items() if k != TOKEN_VAR}
+    # Unbuffered: readline_within selects on the pipe, and lines already read
+    # into a buffer would never make it readable again.
     jan = subprocess.Popen(contain_cmd("janitor", "--json"), env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE)
+                           stderr=subprocess.PIPE, bufsize=0)
     code = textwrap.dedent(f"""
         import sys, launcher
         s = launcher.Supervisor(die_with_owner=True)
