@@ -126,7 +126,7 @@ def _take_record_file(r: Run, path: Any, notes: list[str]) -> None:
     r.record_path = path
 
 
-def _adopt(layout: RunDir, vouched: str | None = None) -> tuple[Run, AttachResult]:
+def _adopt(layout: RunDir, vouched: str | None = None, note: str | None = None) -> tuple[Run, AttachResult]:
     rec = layout.read_record() or {}
     early: list[str] = []
     info = _run_info(layout, rec, early)
@@ -136,6 +136,8 @@ def _adopt(layout: RunDir, vouched: str | None = None) -> tuple[Run, AttachResul
         rec = {}
     facts = RunEvidence.from_record(rec)
     facts.notes.append(f"adopted by pid {os.getpid()} after the owner was gone")
+    if note:
+        facts.notes.append(note)         # why the adopter acted (contain janitor: the owner's death, as observed)
     facts.notes.extend(early)
     if forged is not None:
         facts.notes.append(forged)
@@ -267,14 +269,15 @@ def adopt(layout: RunDir) -> Run:
     return _adopt(layout)[0]
 
 
-def take_over(layout: RunDir, op: str, vouched: str | None = None) -> CancelRecord | None:
+def take_over(layout: RunDir, op: str, vouched: str | None = None, note: str | None = None) -> CancelRecord | None:
     """Take ownership of a run whose owner is gone and finish the stop.
     None if another process became the owner first. `vouched`: how a lead
-    proved this (nested) run's tree could not leave unseen."""
+    proved this (nested) run's tree could not leave unseen. `note`: a line
+    for the record's notes (contain janitor says how the owner died)."""
     if not layout.take_ownership():
         return None
     try:
-        run, att = _adopt(layout, vouched)
+        run, att = _adopt(layout, vouched, note)
     except BaseException:
         layout.release()
         raise

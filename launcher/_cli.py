@@ -253,6 +253,7 @@ def _cmd_run(args: argparse.Namespace | SimpleNamespace) -> int:
                        memory_max=args.memory_max, pids_max=args.pids_max, cpu_max=args.cpu_max,
                        check_locks=args.check_locks, stats_json=args.stats_json,
                        accounting=bool(getattr(args, "accounting", False)),
+                       die_with_owner=bool(getattr(args, "die_with_owner", False)),
                        notify=None if quiet else _say_weaker)
         opts.backend_chosen = True          # --backend, else CONTAIN_BACKEND, resolved above
         opts.sole = True                    # this process starts no child but the worker

@@ -167,6 +167,9 @@ _RUN_OPTIONS: tuple[tuple[str, str, Any, Any, str], ...] = (
     ("--accounting", "accounting", "flag", False,
      "record peak memory and peak tasks where that needs cgroups of the run's own besides its cgroup v2 "
      "directory (v1, on hybrid hosts: about 0.85 ms a run); implied by --stats-json and by a limit"),
+    ("--die-with-owner", "die_with_owner", "flag", False,
+     "when this contain process dies (SIGKILL, OOM), the kernel ends the tree: the PID-namespace wall's init "
+     "exits with it (125 where there is no wall); `contain janitor` or `contain cancel` then writes the record"),
     ("--no-pidns", "no_pidns", "flag", False,
      "no PID-namespace wall (default: one wherever the kernel allows it; see docs/design.md)"),
 )

@@ -1,4 +1,4 @@
-"""The commands other than `run`: ls, status, cancel, wait, gc, doctor.
+"""The commands other than `run`: ls, status, cancel, wait, gc, janitor, doctor.
 
 Readers never trust the run directory: every file comes through the typed
 parsers (_runfiles, via RunDir.load_*), a file that does not parse makes the
@@ -52,6 +52,18 @@ def add_parsers(sub: Any, argtype: Any) -> None:
                    help="only runs that ended more than DURATION ago (90s, 15m, 2h, 7d, 2w)")
     g.add_argument("--keep", type=argtype(parse_count), metavar="N", help="keep the N most recently ended runs")
     g.add_argument("--json", action="store_true")
+    j = sub.add_parser("janitor", help="finish every run whose owner died, as it happens (--once: one pass)",
+                       description="Finish every run of the state directory whose owner process died (SIGKILL, "
+                       "OOM, a program that exited without waiting): the stop where anything is left and the "
+                       "final record, by adoption, within about a second of the owner's death (it waits on the "
+                       "owners' pidfds). Safe beside other janitors and `contain cancel`: the owner lock decides "
+                       "who acts. Prints one line per run finished. Runs until SIGTERM or SIGINT, finishing the "
+                       "run at hand first (exit 0). Exit 1 if a run could not be adopted.")
+    j.add_argument("--once", action="store_true", help="one pass over every run, then exit")
+    j.add_argument("--keep", type=argtype(parse_count), metavar="N",
+                   help="after each pass keep only the N most recently ended runs (as gc --keep); default: "
+                   "the automatic bound (CONTAIN_KEEP_RUNS)")
+    j.add_argument("--json", action="store_true", help="one JSON object per run finished, one a line")
 
 
 def _err(msg: str) -> None:
@@ -448,6 +460,31 @@ def cmd_gc(args: argparse.Namespace) -> int:
         _err(f"gc: could not remove {', '.join(res.failed[:10])}{' ...' if len(res.failed) > 10 else ''}")
         return EXIT_DID_NOT_HOLD
     return EXIT_OK
+
+
+def cmd_janitor(args: argparse.Namespace) -> int:
+    if sys.platform == "win32":
+        _err("janitor: not on Windows: a run's Job Object ends its tree when the owner's last handle closes; "
+             "`contain cancel ID` writes the record of a run whose owner died")
+        return EXIT_DID_NOT_HOLD
+    from ._janitor import serve
+
+    failed: list[str] = []
+
+    def say(res: Any) -> None:
+        if res.error:
+            failed.append(res.id)
+            _err(f"janitor: {res.line()}")
+            return
+        sys.stdout.write((json.dumps(res.to_dict()) if args.json else res.line()) + "\n")
+        sys.stdout.flush()
+
+    try:
+        serve(None, say, once=args.once, keep=args.keep)
+    except LauncherError as e:            # the state directory is not usable (StateDirError, ...)
+        _err(f"janitor: {e}")
+        return EXIT_DID_NOT_HOLD
+    return EXIT_DID_NOT_HOLD if failed else EXIT_OK
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

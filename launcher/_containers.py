@@ -466,6 +466,8 @@ def spawn_request(argv: list[str], opts: Options, container: Any, run_id: str,
     req = posix.SpawnRequest(argv, env=env, cwd=opts.cwd, stdio=opts.stdio, new_pgroup=opts.new_pgroup,
                              uid=uid, gid=gid, groups=groups, pass_fds=opts.pass_fds)
     container.prepare(req, opts)
+    if opts.die_with_owner:
+        _die_with_owner(req, container)
     if run_dir is not None and req.mount_proc and getattr(container, "hides_state_dir", False):
         # <state>/runs/<id>: the whole state directory, every run of the user's.
         req.hide = os.path.dirname(os.path.dirname(run_dir))
@@ -475,3 +477,23 @@ def spawn_request(argv: list[str], opts: Options, container: Any, run_id: str,
         if problem:
             raise ContainmentUnavailable(f"state directory {req.hide}: {problem}")
     return req
+
+
+def _die_with_owner(req: SpawnRequest, container: Any) -> None:
+    """die_with_owner: the wall's init is given this process's pidfd and
+    exits when it polls readable, and the kernel then kills every member of
+    its namespace (init.c). Without the wall nothing the kernel enforces
+    ends the tree with its owner (PR_SET_PDEATHSIG fires on the death of
+    the spawning thread, not the process, and reaches only the worker, not
+    what it forks or a setsid grandchild), so the run is refused rather
+    than promised."""
+    if not req.pidns:
+        raise ContainmentUnavailable(
+            f"--die-with-owner needs the PID-namespace wall, which the {container.backend} backend here does "
+            "not have (--no-pidns, or a backend without it): nothing would end the tree when its owner dies")
+    from ._platform.wall import owner_pidfd
+
+    try:
+        req.owner_pidfd = owner_pidfd()
+    except OSError as e:
+        raise ContainmentUnavailable(f"--die-with-owner: pidfd_open of this process failed: {e}") from e

@@ -152,6 +152,8 @@ class RunEvidence:
             "boot_id": boot_id(), "grace": run.opts.grace, "kill_timeout": run.opts.kill_timeout,
             "wall": c.wall.describe() if getattr(c, "wall", None) is not None else self.pending_wall,
         }
+        if getattr(run.opts, "die_with_owner", False):
+            info["die_with_owner"] = True        # for whoever finishes it (contain janitor's note)
         if getattr(c, "identity", None) is not None:
             info["cgroup_identity"] = c.identity
         usage = getattr(run, "usage", None)

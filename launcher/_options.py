@@ -17,7 +17,8 @@ class Options:
     __slots__ = ("grace", "timeout", "kill_timeout", "backend", "seal", "user", "workspace",
                  "record_file", "env", "cwd", "stdio", "state_dir", "subreaper", "parent_cgroup",
                  "new_pgroup", "check_sockets", "pidns", "linger", "keep_ignored", "notify", "pass_fds",
-                 "limits", "check_locks", "stats_json", "backend_chosen", "sole", "accounting")
+                 "limits", "check_locks", "stats_json", "backend_chosen", "sole", "accounting",
+                 "die_with_owner")
 
     def __init__(self, *, grace: float = DEFAULT_GRACE, timeout: float | None = None,
                  kill_timeout: float = DEFAULT_KILL_TIMEOUT, backend: str = "auto",
@@ -30,7 +31,8 @@ class Options:
                  keep_ignored: frozenset[int] | None = None, notify: object = None,
                  pass_fds: tuple[int, ...] | list[int] = (), memory_max: int | str | None = None,
                  pids_max: int | str | None = None, cpu_max: float | str | None = None,
-                 check_locks: bool = False, stats_json: str | None = None, accounting: bool = False) -> None:
+                 check_locks: bool = False, stats_json: str | None = None, accounting: bool = False,
+                 die_with_owner: bool = False) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r} (auto, cgroup2, pidns, subreaper, job-object or none)")
         # The library's numbers are checked as the CLI checks them (_args.py):
@@ -91,6 +93,14 @@ class Options:
         if not isinstance(accounting, bool):
             raise TypeError(f"accounting must be True or False, not {accounting!r}")
         self.accounting = accounting
+        # When this process dies (not one of its threads), the kernel ends
+        # the tree: the wall's init exits on this process's pidfd (init.c).
+        # Refused where there is no wall; on Windows the job's kill-on-close
+        # does it anyway. The final record is then written by whoever
+        # finishes the run (`contain janitor`, `contain cancel`).
+        if not isinstance(die_with_owner, bool):
+            raise TypeError(f"die_with_owner must be True or False, not {die_with_owner!r}")
+        self.die_with_owner = die_with_owner
         self.backend = backend
         # `contain run --backend auto` chose auto: CONTAIN_BACKEND, only a
         # default, does not override it (the library's "auto" is its default).

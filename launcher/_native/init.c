@@ -59,7 +59,13 @@
  *   signal), so the init has to filter it itself. SIGKILL from a member is
  *   dropped by the kernel (sig_task_ignored: SIGNAL_UNKILLABLE with SIG_DFL
  *   and no force); from outside it kills the init, and the kernel then
- *   empties the namespace.
+ *   empties the namespace;
+ * - die with the owner (ct_wall_args.owner_pidfd >= 0): the init also polls
+ *   a pidfd of the supervisor process, kept through close_all_but and
+ *   across the exec of the image; a pidfd of a thread-group leader polls
+ *   readable only once the whole process has exited (pidfd_poll), and then
+ *   the init exits, so the kernel empties the namespace as above. Not the
+ *   report socket: the supervisor closes it once the worker runs.
  *
  * Messages are fixed-size (struct ct_init_msg) on a SOCK_SEQPACKET pair,
  * sent with MSG_DONTWAIT: the reaper never blocks on its supervisor, and
@@ -111,6 +117,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
@@ -272,6 +279,7 @@ void ct_init_from_image(int sock, int sync_rd, int args_fd, size_t len) {
     struct ct_spawn_args *a;
     struct ct_wall_args *w;
     if (ct_args_relocate(at, len, 0, &a, &w) < 0) init_fail(sock, CT_STAGE_INIT, EINVAL);
+    if (w->owner_pidfd >= 0) fcntl(w->owner_pidfd, F_SETFD, FD_CLOEXEC);
     if (w->die_with_parent) prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
     init_run(a, w, sock, sync_rd);
 }
@@ -302,8 +310,10 @@ static int pin_ancestors(const char *path) {
 
 static void init_run(const struct ct_spawn_args *a, const struct ct_wall_args *w, int sock, int sync_rd) {
     int rc;
-    int extra[2] = {sock, sync_rd};
-    if ((rc = close_all_but(a, extra, sync_rd >= 0 ? 2 : 1)) < 0) init_fail(sock, CT_STAGE_INIT, -rc);
+    int extra[3] = {sock, -1, -1}, nextra = 1;
+    if (sync_rd >= 0) extra[nextra++] = sync_rd;
+    if (w->owner_pidfd >= 0) extra[nextra++] = w->owner_pidfd;
+    if ((rc = close_all_but(a, extra, nextra)) < 0) init_fail(sock, CT_STAGE_INIT, -rc);
     /* SIGCHLD at SIG_DFL: a library caller's SIG_IGN (kept across the fork
      * and the exec) has the kernel reap our children itself, and the
      * worker's exit is never seen (waitpid: ECHILD): the init never ends. */
@@ -438,9 +448,10 @@ static void init_run(const struct ct_spawn_args *a, const struct ct_wall_args *w
     long long start = -1;
     if (hostproc < 0 || ct_pid_via_fdinfo_at(hostproc, "", wpidfd, &host_pid) < 0) host_pid = -1;
     if (host_pid > 0 && ct_start_time_at(hostproc, host_pid, &start) < 0) start = -1;
-    int keep[3] = {sock, sfd, wpidfd};
-    sort_ints(keep, 3);
-    ct_fds_close_except(keep, 3);    /* hostproc too */
+    int owner = w->owner_pidfd;
+    int keep[4] = {sock, sfd, wpidfd, owner};
+    sort_ints(keep, owner >= 0 ? 4 : 3);
+    ct_fds_close_except(keep, owner >= 0 ? 4 : 3);    /* hostproc too */
     if (chdir("/") < 0) {
     }
     init_send(sock, CT_EV_EXEC, (int)wpid, (int)host_pid, 0, 0, start, 0, wpidfd);
@@ -470,6 +481,18 @@ static void init_run(const struct ct_spawn_args *a, const struct ct_wall_args *w
                 _exit(0);
             }
             break;
+        }
+        /* Die with the owner: its pidfd polls readable once the whole
+         * supervisor process has exited (pidfd_poll: the thread group is
+         * empty), whatever killed it. The init then exits, and the kernel
+         * kills every member of the namespace before the init is reaped
+         * (zap_pid_ns_processes, above). Not the report socket: the
+         * supervisor closes it once the worker runs (Init.quiet). */
+        if (owner >= 0) {
+            struct pollfd pf[2] = {{sfd, POLLIN, 0}, {owner, POLLIN, 0}};
+            if (poll(pf, 2, -1) < 0) continue;
+            if (pf[1].revents) _exit(0);
+            if (!(pf[0].revents & POLLIN)) continue;
         }
         struct signalfd_siginfo si;
         ssize_t n = read(sfd, &si, sizeof si);

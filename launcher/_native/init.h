@@ -54,6 +54,10 @@ struct ct_wall_args {
     int exec_init;         /* exec the init from its image where this process can (wall.c), else fork it */
     int worker_joins;      /* the last this many of join_fds are the worker's to join, not the init's:
                               the run's v1 pids cgroup, whose limit must not count the init */
+    int owner_pidfd;       /* die with the owner: a pidfd of the supervisor process (pidfd_open of its
+                              thread-group leader: readable once the whole process has exited, not one
+                              thread), or -1. When it polls readable the init exits, and the kernel
+                              kills every member of the namespace (zap_pid_ns_processes) */
 };
 
 struct ct_init_msg {

@@ -216,6 +216,7 @@ static long spawn_execd(const struct ct_spawn_args *a, uint64_t flags, int sock,
     keep[n++] = sock;
     keep[n++] = sync_rd;
     keep[n++] = args_fd;
+    keep[n++] = w->owner_pidfd;     /* -1, or die with the owner (init.c) */
     for (int i = 0; i < 3; i++) keep[n++] = a->stdio[i];
     for (int i = 0; i < a->njoin; i++) keep[n++] = a->join_fds[i];
     for (int i = 0; i < a->npass; i++) keep[n++] = a->pass_fds[i];

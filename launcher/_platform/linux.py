@@ -164,7 +164,10 @@ class Container:
             # A sealed run's user namespace comes with its wall: without it
             # the worker would run as the supervisor's uid, host root. So a
             # seal that cannot be made fails the run; it never falls back.
-            if not (req.pidns and self.wall_mode is None and req.userns != "map" and pidwall.unavailable(e)):
+            # A run that dies with its owner needs the wall too (the init is
+            # what ends it): no fallback either.
+            if not (req.pidns and self.wall_mode is None and req.userns != "map" and req.owner_pidfd < 0
+                    and pidwall.unavailable(e)):
                 self.failed_walls = pidwall.failed_wall(e.wall_init)     # a worker that never ran in its wall
                 raise
             # `auto`: this host will not make the namespace; the cgroup alone.

@@ -176,7 +176,7 @@ class SpawnRequest:
     __slots__ = ("argv", "env", "cwd", "stdio", "new_pgroup", "new_session", "uid", "gid",
                  "groups", "drop_caps", "no_new_privs", "keep_ignored", "pass_fds", "shell", "clear_caps",
                  "pidns", "userns", "uid_map", "gid_map", "mount_proc", "die_with_parent", "join_fds", "worker_joins", "on_init",
-                 "hide")
+                 "hide", "owner_pidfd")
 
     def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
                  stdio: tuple[int, int, int] = (-1, -1, -1), new_pgroup: bool = False,
@@ -243,6 +243,10 @@ class SpawnRequest:
         # at any later point leaves a wall its adopter can find. An exception
         # kills the init and fails the spawn.
         self.on_init: Callable[[int, int | None, int | None], None] | None = None   # (pid, start time, pid ns inode)
+        # Behind the wall: die with the owner (--die-with-owner). A pidfd of
+        # this process, which the init polls beside its signals and exits on
+        # (wall.owner_pidfd; init.c). -1: the tree outlives its owner.
+        self.owner_pidfd = -1
 
 
 class Spawned:

@@ -256,6 +256,48 @@ def reap_init(pidfd: int) -> os.waitid_result | None:
         return None
 
 
+# This process's own pidfd, for every run that dies with its owner: one
+# descriptor per process, not per run. A pidfd of the thread-group leader
+# (pidfd_open(getpid()), never PIDFD_THREAD) polls readable once the whole
+# process has exited, not when one thread does (pidfd_poll:
+# thread_group_exited), so a library caller's thread that spawned and ended
+# does not end the tree. Above 2: the exec'd init keeps 0-2 for stdio.
+_owner: tuple[int, int] | None = None          # (pid, pidfd)
+
+
+def owner_pidfd() -> int:
+    """A pidfd of this process (close-on-exec), opened once. Raises OSError."""
+    global _owner
+    pid = os.getpid()
+    if _owner is not None and _owner[0] == pid:
+        return _owner[1]
+    fd = os.pidfd_open(pid)
+    if fd < 3:
+        import fcntl
+
+        try:
+            moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+        finally:
+            os.close(fd)
+        fd = moved
+    _owner = (pid, fd)
+    return fd
+
+
+def _forget_owner_in_child() -> None:
+    """A fork's copy names the parent: closed, so the child opens its own."""
+    global _owner
+    if _owner is not None:
+        try:
+            os.close(_owner[1])
+        except OSError:
+            pass
+        _owner = None
+
+
+os.register_at_fork(after_in_child=_forget_owner_in_child)
+
+
 # The init exec'd from its image (launcher/_native/initbin/) where this process
 # can, else forked (wall.c); False: forked always (benchmarks compare the two).
 EXEC_INIT = True
@@ -290,6 +332,7 @@ def spawn_wall(req: SpawnRequest, cgroup_fd: int = -1, join_fds: Sequence[int] =
         keep.append(c)
         w.hide = c
     w.die_with_parent = int(req.die_with_parent)
+    w.owner_pidfd = req.owner_pidfd
     w.hold = int(req.on_init is not None)
     w.exec_init = int(EXEC_INIT)
     # The last of the request's own joins (the run's v1 `pids` cgroup:
