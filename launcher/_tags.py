@@ -24,7 +24,7 @@ A non-root supervisor uses `user.`, which any writer of the directory may
 set, its own worker included. That worker is walled in a PID namespace and
 could not signal anything outside it, so a rewritten tag can make the
 adopter do what the worker could not (name another run's init, which is pid
-1 of a namespace too: tests/test_review4.py, strict xfail). Such a worker
+1 of a namespace too: tests/test_record_forgery.py, strict xfail). Such a worker
 can rewrite everything in the state directory, so nothing there binds it;
 only hiding the state directory from it would.
 """

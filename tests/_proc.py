@@ -146,6 +146,14 @@ def run_contain(env: dict[str, str], *args: str, timeout: float = 60, **kw) -> s
     return subprocess.run(contain_cmd(*args), env=env, timeout=timeout, capture_output=True, text=True, **kw)
 
 
+def contain_in(box, *args: str, env: dict[str, str] | None = None,
+               timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`contain ARGS` in `box`'s environment, with `env` added to it."""
+    e = dict(box.env)
+    e.update(env or {})
+    return subprocess.run(contain_cmd(*args), env=e, capture_output=True, text=True, timeout=timeout)
+
+
 def cgroup2_mount() -> str | None:
     with open("/proc/self/mountinfo") as f:
         for line in f:

@@ -247,3 +247,35 @@ def test_next_steps_offer_a_systemd_scope_where_the_user_has_a_manager(tmp_path,
     assert not any("--seal" in s for s in steps)
     monkeypatch.setenv("PATH", "/nonexistent")
     assert not any("systemd-run" in s for s in _advice.next_steps(caps))
+
+
+def test_doctor_as_a_user_names_no_v1_controller_that_user_cannot_get(tmp_path):
+    """`contain run --memory-max` as a user without a writable v1 memory
+    cgroup fails with "(`contain doctor` lists, per controller, where this
+    host offers it)"; doctor must then not list `cgroup1 memory` for that
+    user, or the user is sent in a circle. Every v1 route doctor reports for
+    a spare uid must be one its runs really get: a limit on it is applied."""
+    from _users import as_uid, python, spare_uids, user_env, why_not
+
+    reason = why_not()
+    if reason:
+        pytest.skip(reason)
+    uid = spare_uids(1)[0]
+    home = tmp_path / "home"
+    home.mkdir()
+    os.chown(tmp_path, 0, 0)
+    os.chmod(tmp_path, 0o755)
+    os.chown(home, uid, uid)
+    os.chmod(home, 0o700)
+    env = user_env(XDG_RUNTIME_DIR=str(home))
+    p = as_uid(uid, [python(), "-m", "launcher", "doctor", "--json"], env=env)
+    assert p.returncode == 0, p.stderr
+    routes = json.loads(p.stdout)["controllers"]["routes"]
+    flag = {"memory": ("--memory-max", "64M"), "pids": ("--pids-max", "50"), "cpu": ("--cpu-max", "1")}
+    for c, (opt, value) in flag.items():
+        via = (routes.get(c) or {}).get("via")
+        if via is None:
+            continue
+        r = as_uid(uid, [python(), "-m", "launcher", "run", "-q", opt, value, "--", "true"], env=env)
+        assert r.returncode == 0, (f"doctor says {c} comes by {via!r} for uid {uid}, but {opt} fails: "
+                                   f"{r.stderr.strip()}")

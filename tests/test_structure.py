@@ -1,8 +1,9 @@
 """The shape of the code, pinned the way test_exports.py pins the API:
 each room keeps its private names to itself, no import cycle hides inside a
-function, and the run's driver does not grow back into a god class
-(STYLE.md, "Rooms"). Rooms have no line budget: STYLE.md retired the
-450-line cap this file once enforced, which split rooms by count."""
+function, and the seal checks every module the package imports (STYLE.md,
+"Rooms"). Rooms have no line budget, neither a file nor the run's driver:
+the caps this file once enforced (450 lines a file, 300 for the Run class)
+split rooms by count, not by concern (issue 28)."""
 from __future__ import annotations
 
 import ast
@@ -12,7 +13,6 @@ import pathlib
 import launcher
 
 PKG = pathlib.Path(launcher.__file__).resolve().parent
-MAX_DRIVER_LINES = 300
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -150,13 +150,6 @@ def test_no_import_cycles_even_inside_functions() -> None:
         if m not in state:
             visit(m)
     assert not cycles, "\n".join(cycles)
-
-
-def test_the_run_driver_stays_under_300_lines() -> None:
-    tree = MODULES["launcher._run"]
-    run = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Run")
-    assert run.end_lineno is not None
-    assert run.end_lineno - run.lineno + 1 < MAX_DRIVER_LINES
 
 
 def test_checks_see_what_they_claim_to() -> None:

@@ -1,22 +1,23 @@
-"""Review 13: `contain` driven through CONTRACT.md as a user would, at the
-awkward places (a terminal, signals at the edges, bad input).
-
-Each test is named after the failure it attacks. Real kernel and real
-terminals (pty pairs of the test's own); survival by the test's own /proc
-scan (tests/_proc.py); every wait is bounded.
-"""
+"""`contain` at an interactive terminal, as a user types it: the worker reads
+the terminal it inherits, Ctrl-C (once or held down) makes contain die by
+SIGINT without a traceback and leaves nothing, and a worker cannot type into
+the caller's terminal or wedge contain by stopping its output."""
 from __future__ import annotations
 
 import os
 import pty
 import select
 import signal
+import subprocess
 import sys
 import time
 
 import pytest
 
-from _proc import ROOT, TOKEN_VAR, holders, kill_holders, new_token
+from _proc import ROOT, TOKEN_VAR, contain_cmd, holders, kill_holders, new_token
+from _users import python
+from conftest import needs_cgroup
+
 
 CONTAIN = [sys.executable, os.path.join(ROOT, "bin", "contain")]
 
@@ -78,7 +79,7 @@ def _end(pid: int, fd: int, token: str) -> None:
 
 
 @pytest.mark.parametrize("backend", ["none", "auto"])
-def test_terminal_read_stops_worker_by_sigttin(box, backend):
+def test_worker_reading_the_terminal_of_a_degraded_run_is_not_stopped_by_sigttin(box, backend):
     """`contain run --backend none -- CMD` typed at a shell: the worker was
     put in a process group of its own, not the terminal's foreground one,
     so its first read of the terminal it inherited stopped it (SIGTTIN) and
@@ -99,7 +100,7 @@ def test_terminal_read_stops_worker_by_sigttin(box, backend):
 
 
 @pytest.mark.parametrize("backend", ["none", "auto"])
-def test_terminal_ctrl_c_leaves_worker_or_contain_alive(box, backend):
+def test_ctrl_c_at_the_terminal_kills_contain_by_sigint_and_leaves_nothing(box, backend):
     """Ctrl-C at the terminal of a degraded run: contain dies by SIGINT (so
     a shell loop around it stops) and nothing of the tree survives, the
     worker included (it reads the terminal first, so it is not stopped)."""
@@ -130,7 +131,7 @@ def _flood(p, signum: int, timeout: float = 10.0) -> None:
 
 
 @pytest.mark.parametrize("attempt", range(3))
-def test_second_ctrl_c_while_dying_prints_traceback(box, attempt):
+def test_ctrl_c_held_down_on_wait_dies_by_sigint_without_a_traceback(box, attempt):
     """Ctrl-C held down (a flood of SIGINT) on `contain wait`: the first
     became "die by SIGINT", the next landed in the code doing that (main()'s
     handler, the flush, the import of die_by) and escaped as a Python
@@ -165,129 +166,7 @@ def test_second_ctrl_c_while_dying_prints_traceback(box, attempt):
         kill_holders(token)
 
 
-def _stop_began(box, rid: str) -> bool:
-    try:
-        rec = box.record(rid)
-    except (OSError, ValueError):
-        return False
-    return rec.get("evidence", {}).get("signal_sent", {}).get("observed") is True
-
-
-def _orphan_mid_grace(box, rid: str, token: str, first_cancel: list[str]):
-    """A run (--grace 30) whose tree ignores SIGTERM, cancelled with
-    `first_cancel`, and whose supervisor is then SIGKILLed in the grace."""
-    import subprocess
-
-    env = dict(box.env, **{TOKEN_VAR: token})
-    run = subprocess.Popen(CONTAIN + ["run", "--id", rid, "--grace", "30", "--", "sh", "-c",
-                                      "trap '' TERM; setsid sh -c \"trap '' TERM; sleep 60\" & sleep 60"],
-                           env=env, stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while len(holders(token)) < 3:           # the worker, its setsid'd child, their sleeps
-        assert time.monotonic() < deadline and run.poll() is None
-        time.sleep(0.02)
-    got = subprocess.run(CONTAIN + ["cancel", rid] + first_cancel, env=env, capture_output=True, timeout=30)
-    assert got.returncode == 0, got.stderr
-    while not _stop_began(box, rid):         # the owner's record says SIGTERM went out
-        assert time.monotonic() < deadline and run.poll() is None
-        time.sleep(0.02)
-    run.kill()                               # in the 30 s grace: the run is orphaned mid-stop
-    run.wait(10)
-    return env
-
-
-@pytest.mark.parametrize("backend_env", ["auto", "none"])
-def test_adopter_ignores_later_cancel_grace(box, backend_env):
-    """`contain cancel --grace 0.2 --wait` of a run orphaned in the grace of
-    an earlier cancel: the adopter began the stop again with the run's own
-    30 s grace, ignoring this cancel's (a live owner shortens the grace
-    under way). It must end within the grace asked."""
-    import subprocess
-
-    token = new_token()
-    rid = f"rev13-later-{backend_env}"
-    box.env["CONTAIN_BACKEND"] = backend_env
-    try:
-        env = _orphan_mid_grace(box, rid, token, ["--op-id", "first"])
-        t0 = time.monotonic()
-        got = subprocess.run(CONTAIN + ["cancel", rid, "--op-id", "second", "--grace", "0.2", "--wait", "--json"],
-                             env=env, capture_output=True, timeout=60)
-        took = time.monotonic() - t0
-        assert got.returncode == 0, got.stderr
-        assert took < 15, f"the adopter waited {took:.1f} s: the run's 30 s grace, not the 0.2 s asked"
-        assert holders(token) == []
-    finally:
-        kill_holders(token)
-
-
-def test_adopter_forgets_first_cancel_grace(box):
-    """The cancel that began the stop asked `--grace 2`; its supervisor died
-    in that grace. The adopter (`contain cancel --wait`, no grace of its
-    own) waited the run's 30 s again: the first cancel's grace replaces the
-    run's, for whoever finishes the stop."""
-    import subprocess
-
-    token = new_token()
-    rid = "rev13-first"
-    try:
-        env = _orphan_mid_grace(box, rid, token, ["--op-id", "first", "--grace", "2"])
-        t0 = time.monotonic()
-        got = subprocess.run(CONTAIN + ["cancel", rid, "--op-id", "second", "--wait", "--json"],
-                             env=env, capture_output=True, timeout=60)
-        took = time.monotonic() - t0
-        assert got.returncode == 0, got.stderr
-        assert took < 15, f"the adopter waited {took:.1f} s: the run's 30 s grace, not the 2 s asked"
-        assert holders(token) == []
-        # The operation asked again with another grace is the same one: never applied twice.
-        again = subprocess.run(CONTAIN + ["cancel", rid, "--op-id", "first", "--grace", "0", "--json"],
-                               env=env, capture_output=True, timeout=30)
-        assert again.returncode == 0 and b'"cancelled"' in again.stdout, again.stdout
-    finally:
-        kill_holders(token)
-
-
-def test_ctrl_c_on_adopting_cancel_leaves_tree_unconfirmed(box):
-    """Ctrl-C on a `contain cancel --wait` that adopted an orphaned run and
-    is in its grace (the tree ignores SIGTERM): the interrupted owner only
-    waited for the tree to empty by itself, 10 s of kill timeout, then
-    recorded UNCONFIRMED with the tree still there. Interrupted, nobody is
-    left to wait out the grace: the kill comes now, and the run ends
-    REAPED."""
-    import subprocess
-
-    token = new_token()
-    env = dict(box.env, **{TOKEN_VAR: token})
-    rid = "rev13-adopt-int"
-    run = subprocess.Popen(CONTAIN + ["run", "--id", rid, "--grace", "30", "--", "sh", "-c",
-                                      "trap '' TERM; sleep 60"], env=env, stdin=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        while len(holders(token)) < 2:
-            assert time.monotonic() < deadline and run.poll() is None
-            time.sleep(0.02)
-        run.kill()
-        run.wait(10)
-        adopter = subprocess.Popen(CONTAIN + ["cancel", rid, "--wait"], env=env, stdin=subprocess.DEVNULL,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        while not _stop_began(box, rid):    # the adopter sent SIGTERM: its grace is under way
-            assert time.monotonic() < deadline and adopter.poll() is None
-            time.sleep(0.02)
-        t0 = time.monotonic()
-        adopter.send_signal(signal.SIGINT)
-        _out, err = adopter.communicate(timeout=30)
-        took = time.monotonic() - t0
-        assert b"Traceback" not in err, err.decode()
-        assert adopter.returncode == -signal.SIGINT, (adopter.returncode, err)
-        assert took < 5, f"the interrupted adopter took {took:.1f} s"
-        assert box.record(rid)["state"] == "REAPED", box.record(rid)["state"]
-        assert holders(token) == []
-    finally:
-        subprocess.run(CONTAIN + ["cancel", rid, "--grace", "0", "--wait"], env=env, capture_output=True,
-                       timeout=60)
-        kill_holders(token)
-
-
-def test_terminal_degraded_run_loses_its_daemons(box):
+def test_degraded_run_on_a_terminal_still_stops_its_daemons(box):
     """The worker of a degraded run on a terminal shares contain's process
     group (above), so the group is no evidence there: the setsid'd and
     double-forked leftovers must still be found (ancestry, the subreaper)
@@ -318,7 +197,7 @@ def _ours(err: bytes) -> bool:
                                        f"{os.sep}launcher{os.sep}" in f for f in frames)
 
 
-def test_ctrl_c_held_down_while_contain_loads_prints_traceback(tmp_path):
+def test_ctrl_c_held_down_while_contain_loads_prints_no_traceback(tmp_path):
     """A flood of SIGINT while bin/contain imports the package (made slow
     here: no bytecode cache, no site): the first became "die by SIGINT" in
     its KeyboardInterrupt handler, the next interrupted that handler and
@@ -339,3 +218,156 @@ def test_ctrl_c_held_down_while_contain_loads_prints_traceback(tmp_path):
         if _ours(err):
             bad.append(err.decode(errors="replace")[-400:])
     assert not bad, bad[0]
+
+
+_TIOCSTI = r"""
+import fcntl, os, sys, termios
+try:
+    for ch in b"echo INJECTED\n":
+        fcntl.ioctl(0, termios.TIOCSTI, bytes([ch]))
+    print("injected", flush=True)
+except OSError as e:
+    print("refused", e.errno, flush=True)
+"""
+
+
+@needs_cgroup
+@pytest.mark.forked          # the test process takes a new session and a controlling terminal
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", [["--user", "nobody"], ["--seal"], ["--user", "nobody", "--backend", "pidns"]],
+                         ids=["user", "seal", "pidns-user"])
+def test_sealed_worker_cannot_type_into_the_callers_terminal(box, mode):
+    """contain run from an interactive root shell: the worker inherits the
+    terminal, which is its controlling terminal too. With
+    dev.tty.legacy_tiocsti on (the default before 6.2, and here), a worker
+    the record called sealed pushed "echo INJECTED" into the terminal's
+    input with TIOCSTI; the root shell reads it as soon as contain returns."""
+    import fcntl
+    import pty
+    import select
+    import termios
+
+    try:
+        with open("/proc/sys/dev/tty/legacy_tiocsti") as f:
+            if f.read().strip() == "0":
+                pytest.skip("TIOCSTI is off for everyone here (dev.tty.legacy_tiocsti = 0)")
+    except OSError:
+        pass
+    master, slave = pty.openpty()
+
+    def own_terminal() -> None:
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    try:
+        p = subprocess.run(contain_cmd("run", "-q", "--id", "tty", *mode, "--", python(), "-c", _TIOCSTI),
+                           env=box.env, stdin=slave, stdout=slave, stderr=slave, preexec_fn=own_terminal,
+                           timeout=30)
+        out = b""
+        while select.select([master], [], [], 0.3)[0]:
+            out += os.read(master, 4096)
+        os.set_blocking(slave, False)
+        try:
+            pending = os.read(slave, 4096)      # what the caller's shell would read next
+        except BlockingIOError:
+            pending = b""
+        rec = box.record("tty")
+        assert p.returncode == 0, out
+        assert rec["containment"]["sealed"] is True, rec["containment"]["sealed_reason"]
+        assert b"INJECTED" not in pending, f"a sealed worker typed into root's terminal: {pending!r} ({out!r})"
+        assert b"refused" in out, out
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert holders(box.token) == []
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a cgroup base of the test's own)")
+
+
+def _contain_argv() -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "launcher"]
+
+
+_STOP_TERMINAL = r"""
+import signal, termios
+signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+termios.tcflow(1, termios.TCOOFF)
+"""
+
+
+@needs_root
+@pytest.mark.parametrize("record", ["/dev/stdout", "-"])
+def test_sealed_worker_stopping_the_terminals_output_cannot_wedge_contain(contained, record):
+    """The worker shares the caller's terminal (stdio is inherited, never
+    copied). tcflow(TCOOFF), what ^S does, needs no controlling terminal,
+    so even a sealed worker in a session of its own could stop the
+    terminal's output and exit: contain's final write of `--record
+    /dev/stdout` (or `-`) then blocked for ever, long after the tree was
+    gone, and a script around it never got an exit status."""
+    import pty
+    import termios
+    import threading
+
+    master, slave = pty.openpty()
+    got = bytearray()
+
+    def drain() -> None:
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            got.extend(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        try:
+            p = subprocess.run([*_contain_argv(), "run", "-q", "--seal", "--record", record, "--",
+                                python(), "-c", _STOP_TERMINAL],
+                               env=contained["env"], stdin=slave, stdout=slave, stderr=slave,
+                               start_new_session=True, timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("contain run was still writing to the stopped terminal after 30 s")
+        assert p.returncode == 0
+        deadline = time.monotonic() + 10
+        while b'"run_id"' not in got and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert b'"state": "REAPED"' in got and b'"sealed": true' in got, bytes(got[-500:])
+        assert holders(contained["token"]) == []
+    finally:
+        try:
+            termios.tcflow(slave, termios.TCOON)
+        except termios.error:
+            pass
+        os.close(slave)
+        os.close(master)
+        reader.join(5)
+        kill_holders(contained["token"])
+
+
+@needs_cgroup
+@pytest.mark.timeout(60)
+def test_newline_and_escape_in_argv_cannot_forge_ls_rows_or_reach_the_terminal(box):
+    """A command with a newline (any multi-line `sh -c` script) and an
+    escape sequence (here one that would set the terminal's title, or OSC 52,
+    the clipboard) was printed raw by `ls` and `status`: the newline forged
+    a row of its own ("fake  REAPED ...") and the escape went to the
+    terminal. A worker that can write its record.json chooses this text."""
+    script = "true\nfake  REAPED   exited   0\n\x1b]0;owned\x07\x1b]52;c;ZWNobyBvd25lZA==\x07"
+    r = subprocess.run(contain_cmd("run", "-q", "--id", "nl", "--", "sh", "-c", script), env=box.env,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    ls = subprocess.run(contain_cmd("ls", "--all"), env=box.env, capture_output=True, text=True, timeout=30)
+    st = subprocess.run(contain_cmd("status", "nl"), env=box.env, capture_output=True, text=True, timeout=30)
+    for out in (ls.stdout, st.stdout):
+        assert "\x1b" not in out and "\x07" not in out, repr(out)
+        assert not any(line.startswith("fake") for line in out.splitlines()), out
+    assert len(ls.stdout.splitlines()) == 2, ls.stdout     # the header and one row
+    assert "\\n" in ls.stdout and "\\x1b" in st.stdout, (ls.stdout, st.stdout)
+    assert holders(box.token) == []

@@ -1,34 +1,23 @@
-"""Review 12: the CONTAIN_CGROUP_V1_BASE a run made, removed with it (0044d7e).
-
-Only the run that made the base removed it, and only if it was empty when
-that run ended. Two runs under one named base that overlap (the usual case
-for a suite or a service starting runs side by side) left it for ever: the
-maker ends while the other is still in it (EBUSY), and the other never
-made it, so it does not remove it either. An adopter (`contain cancel` of
-an orphaned run) knows nothing of the base, so the base of a run whose
-supervisor died stayed for ever too.
-
-Real kernel throughout: v1 cgroups under bases named /contain-rev12-<random>
-that each test makes and removes, a real process of the test's own in one
-of them; survival by the test's own /proc scan; every wait is bounded.
-"""
+"""A named v1 base (CONTAIN_CGROUP_V1_BASE) shared by overlapping runs: the run
+that made it removes it when the last one is out, an adopter removes it for
+an orphan that made it, a base someone else made stays, and a run starting
+while another ends under it always gets its limit."""
 from __future__ import annotations
 
 import os
 import secrets
 import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
+from launcher import _controllers as C, _limits as L, _runcgroups as R
+
 from _cgworld import remove_v1_base
 from _proc import holders, kill_holders, new_token, wait_holders
 from conftest import TOKEN_VAR
-from launcher import _controllers as C
-from launcher import _limits as L
-from launcher import _runcgroups as R
+
 
 needs_root_v1 = pytest.mark.skipif(
     os.geteuid() != 0 or not any("pids" in h.controllers for h in C.v1_hierarchies()),
@@ -205,7 +194,3 @@ def test_runs_starting_while_others_end_under_one_named_base_always_get_their_li
     assert not any(t.is_alive() for t in ts), "a churning thread did not finish"
     assert errors == []
     assert [t for t in _tops(base) if os.path.exists(t)] == []
-
-
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
