@@ -287,7 +287,7 @@ FAKE_EXIT = textwrap.dedent("""\
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     libc = ctypes.CDLL(None, use_errno=True)
     init = os.pidfd_open(1)
-    sent = 0
+    sent = refused = 0
     for name in os.listdir("/proc/1/fd"):
         try:
             if not os.readlink(f"/proc/1/fd/{name}").startswith("socket:"):
@@ -297,10 +297,13 @@ FAKE_EXIT = textwrap.dedent("""\
         fd = libc.syscall(438, init, int(name), 0)         # pidfd_getfd
         if fd >= 0:
             # struct ct_init_msg: CT_EV_EXIT (4), the worker's pid (2), wait status 0
-            os.write(fd, struct.pack("=iiiiiiqq", 4, 2, 0, 0, 0, 0, 0, 0))
-            sent += 1
+            try:
+                os.write(fd, struct.pack("=iiiiiiqq", 4, 2, 0, 0, 0, 0, 0, 0))
+                sent += 1
+            except BrokenPipeError:
+                refused += 1      # the owner closed its end: it no longer listens to the init
     with open(os.environ["FORGED"] + ".tmp", "w") as f:   # renamed whole: the test reads it once it exists
-        f.write(str(sent))
+        f.write(f"{sent} {refused}")
     os.rename(os.environ["FORGED"] + ".tmp", os.environ["FORGED"])
     time.sleep(300)
 """)
@@ -319,7 +322,10 @@ def test_walled_root_worker_forging_the_inits_exit_report_is_not_recorded_as_exi
         deadline = time.monotonic() + 20
         while not forged.exists() and sup.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert forged.exists() and forged.read_text() not in ("", "0"), "no report was forged (the test is void)"
+        # Sent, or refused with EPIPE where the owner closed its end once the
+        # worker ran (the kernel keeps the worker's status: Init.quiet).
+        assert forged.exists() and sum(map(int, forged.read_text().split())) > 0, \
+            "the init's socket was not found (the test is void)"
         time.sleep(0.3)
         # The test's own scan: the worker (a python3 of the tree) outlived its forged exit.
         workers = [p for p in holders(box.token) if p != sup.pid and _comm(p) not in ("ct/init", "")]
