@@ -67,10 +67,34 @@ def not_measured(reason: str) -> dict[str, Any]:
     return {"observed": None, "at": None, "via": "none", "detail": reason}
 
 
+_LEAVES = frozenset((str, int, float, bool, type(None)))    # exactly these types are copied as they are
+
+
 def _plain(v: Any) -> Any:
     """A deep copy of JSON-shaped data as json.loads(json.dumps(v)) would
     make it (tuples become lists), without importing `json` (_jsonenc.py).
-    Keys that are not strings take that round trip itself."""
+    Keys that are not strings take that round trip itself.
+
+    Plain dicts and lists with plain leaves (every record we make) are
+    copied here without a call per leaf: a record has about 180 values,
+    and `launcher.run` copies one for its CompletedRun (0.14 ms a run as
+    one call per value). Anything else takes _plain_any's rules."""
+    t = type(v)
+    if t is dict:
+        out: dict[str, Any] = {}
+        for k, x in v.items():
+            if type(k) is not str:
+                return _plain_any(v)
+            out[k] = x if type(x) in _LEAVES else _plain(x)
+        return out
+    if t is list or t is tuple:
+        return [x if type(x) in _LEAVES else _plain(x) for x in v]
+    if t in _LEAVES:
+        return v
+    return _plain_any(v)
+
+
+def _plain_any(v: Any) -> Any:
     if isinstance(v, dict):
         if not all(type(k) is str for k in v):
             import json
