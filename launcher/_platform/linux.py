@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 from .. import _tags
 from .._errors import ContainmentUnavailable, SpawnFailed
+from .._controllers import read_file
 from .._procfs import cgroup_of
 from . import pidwall, posix, sealing
 from .cgroups import (Hierarchy, dev_of, hierarchies, identify, kill_by_freezing, remove_made, resolve_base, rmdir_known,
@@ -447,16 +448,15 @@ class Container:
         return pids
 
     def cpu_stat(self) -> dict[str, int] | None:
-        try:
-            with open(os.path.join(self.dir, "cpu.stat")) as f:
-                out = {}
-                for line in f:
-                    k, _, v = line.partition(" ")
-                    if k in ("usage_usec", "user_usec", "system_usec"):
-                        out[k] = int(v)
-                return out
-        except OSError:
+        text = read_file(os.path.join(self.dir, "cpu.stat"))
+        if text is None:
             return None
+        out = {}
+        for line in text.splitlines():
+            k, _, v = line.partition(" ")
+            if k in ("usage_usec", "user_usec", "system_usec"):
+                out[k] = int(v)
+        return out
 
     # -- stopping ----------------------------------------------------------
 
