@@ -111,6 +111,7 @@ class RunDir(RunDirBase):
     until release() (_rundir)."""
 
     _final_written = False      # this object has put a final record.json in place (write_record)
+    _journal_made = False       # this object has appended to journal.ndjson (opened without O_CREAT first)
 
     # -- claiming ----------------------------------------------------------
 
@@ -326,11 +327,13 @@ class RunDir(RunDirBase):
         with self._mu:
             d = self.dir_fd(write=True)
             try:
-                fd, _created = F.open_append(d, "journal.ndjson", self.file("journal.ndjson"), mode=FILE_MODE)
+                fd, _created, size = F.open_append_sized(d, "journal.ndjson", self.file("journal.ndjson"),
+                                                         mode=FILE_MODE, existing=self._journal_made)
             finally:
                 os.close(d)
             try:
-                F.append_line(fd, line, self.file("journal.ndjson"), durable=sync)
+                F.append_line(fd, line, self.file("journal.ndjson"), durable=sync, size=size)
+                self._journal_made = True
             finally:
                 os.close(fd)
 
