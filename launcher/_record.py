@@ -30,10 +30,20 @@ LAYERS = (
 )
 
 
+_second: tuple[float, str] = (-1.0, "")     # the last whole second formatted, and its text
+
+
 def now_iso(t: float | None = None) -> str:
-    """UTC ISO-8601 with microseconds, from a wall-clock time."""
+    """UTC ISO-8601 with microseconds, from a wall-clock time. The
+    seconds' text is kept from the last call in the same second (a run
+    asks for the time about sixteen times, 6 us each by strftime)."""
+    global _second
     t = time.time() if t is None else t
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
+    sec = t // 1                     # what gmtime(t) takes (it floors)
+    last = _second
+    if last[0] != sec:
+        last = _second = (sec, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec)))
+    return last[1] + f".{int(t % 1 * 1e6):06d}Z"
 
 
 class Unknown:
