@@ -415,6 +415,28 @@ class RunDir(RunDirBase):
     def poke_waiters(self) -> None:
         _fifos.poke_waiters(self)
 
+    def release_and_poke(self) -> None:
+        """release(), then wake the waiters again (readers believe a final
+        record or a settled ack only once the lock is free), through a
+        descriptor of the run directory taken before the release: the very
+        directory this object held (its path may name another run's by
+        then), and not the walk from the state directory's path that
+        dir_fd() makes once nothing is held (0.1 ms of every run)."""
+        try:
+            fd = self.dir_fd()
+        except (OSError, UnsafePath):
+            fd = -1
+        try:
+            self.release()
+        finally:
+            if fd < 0:
+                self.poke_waiters()
+            else:
+                try:
+                    _fifos.poke_waiters_at(fd)
+                finally:
+                    os.close(fd)
+
 
 if sys.platform == "win32":
     # The same face on Windows, which has no directory fds, FIFOs or OFD
