@@ -361,24 +361,55 @@ def move_aside(st: StateDir, run_id: str, uid: str | None) -> None:
     raise RunConflict(f"run id {run_id!r}: its ended directory cannot be moved aside")
 
 
+# After a pass that could not get down to the bound (what is left is live):
+# (st_dev, st_ino of runs/, its link count then, monotonic time before which
+# no claim looks again unless PRUNE_SLACK more directories appeared).
+_fruitless: tuple[int, int, int, float] | None = None
+PRUNE_BACKOFF_S = 1.0        # at least; and at least 20 times as long as that pass took
+
+
 def maybe_prune(st: StateDir) -> None:
     """The automatic retention bound, checked at every claim (which holds
     the claim lock) for the cost of one fstat: a directory's link count is
     2 + its subdirectories on tmpfs, ext4 and xfs (btrfs says 1: there, one
-    claim in 64 looks). Retention never fails a run."""
+    claim in 64 looks). Retention never fails a run.
+
+    A pass examines the oldest directories until it has found enough ended
+    ones: with more than the bound of live runs (a process holding
+    thousands), it examines every one of them and removes nothing, and
+    each claim did that again (quadratic in the runs). After such a pass
+    the claims of this process look again only once PRUNE_SLACK more
+    directories appeared or PRUNE_BACKOFF_S (at least twenty times that
+    pass's own time) went by."""
+    global _fruitless
     keep = keep_runs()
     if keep <= 0:
         return
     try:
-        nlink = os.fstat(st.runs_fd).st_nlink
+        sb = os.fstat(st.runs_fd)
     except OSError:
         return
+    nlink = sb.st_nlink
     if nlink >= 2:
         if nlink - 2 <= keep + PRUNE_SLACK:
             return
+        f = _fruitless
+        if (f is not None and (f[0], f[1]) == (sb.st_dev, sb.st_ino) and nlink < f[2] + PRUNE_SLACK
+                and time.monotonic() < f[3]):
+            return
     elif os.urandom(1)[0] >= 4:
         return
+    t0 = time.monotonic()
     try:
         auto_prune(st, keep, nlink - 2 if nlink >= 2 else None)
     except (OSError, ValueError):
         pass
+    if nlink < 2:
+        return
+    try:
+        left = os.fstat(st.runs_fd).st_nlink - 2
+    except OSError:
+        return
+    t1 = time.monotonic()
+    _fruitless = ((sb.st_dev, sb.st_ino, left + 2, t1 + max(PRUNE_BACKOFF_S, 20 * (t1 - t0)))
+                  if left > keep + PRUNE_SLACK else None)

@@ -199,3 +199,40 @@ def test_gc_keeps_a_breached_run_whose_escaper_lives(tmp_path):
     r = run_contain(env, "gc", "--json")
     assert r.returncode == 0, r.stderr
     assert names(sd) == set(), json.loads(r.stdout)
+
+
+def test_automatic_bound_over_live_runs_is_not_examined_at_every_claim(tmp_path, monkeypatch):
+    """More live runs than the bound (one process holding thousands): a pass
+    examines every one of them and removes nothing, and each claim did it
+    again (quadratic in the runs). After such a pass this process's claims
+    look again once PRUNE_SLACK more directories appeared or a back-off
+    went by; ended runs are then removed as before."""
+    from launcher import _gc
+    from launcher._statedir import PRUNE_SLACK
+
+    sd = str(tmp_path / "state")
+    keep = 2
+    monkeypatch.setenv("CONTAIN_KEEP_RUNS", str(keep))
+    monkeypatch.setattr(_gc, "_fruitless", None)
+    passes = []
+    real = _gc.auto_prune
+    monkeypatch.setattr(_gc, "auto_prune", lambda *a, **k: passes.append(1) or real(*a, **k))
+    held = []
+    try:
+        for i in range(keep + PRUNE_SLACK + 10):
+            held.append(make(sd, f"l{i:04d}", "REAPED", keep_owner=True))   # live while its owner holds it
+        assert len(passes) == 1, f"{len(passes)} passes over live runs, one is enough"
+        assert len(names(sd)) == keep + PRUNE_SLACK + 10, "a live run is never removed"
+        # Once they ended, and the back-off is over, a claim removes them.
+        for d in held:
+            d.release()
+        held = []
+        f = _gc._fruitless
+        assert f is not None
+        monkeypatch.setattr(_gc, "_fruitless", (f[0], f[1], f[2], time.monotonic() - 1))
+        make(sd, "last", "REAPED")
+        assert len(passes) == 2
+        assert len(names(sd)) <= keep + 1, len(names(sd))
+    finally:
+        for d in held:
+            d.release()
