@@ -121,8 +121,8 @@ def read_file(path: str) -> str | None:
     """A cgroup file's text, or None when it cannot be read. Read with
     os.read, not a text-mode open() (which adds fstat, ioctl and lseek
     calls: 45 us against 15 a read on this host, and the run path reads
-    a few a run); decoded as open() would (the locale's UTF-8 here,
-    surrogateescape for what is not)."""
+    a few a run); decoded as UTF-8, bytes that are not kept by
+    surrogateescape (cgroup files are ASCII; open() would have raised)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:

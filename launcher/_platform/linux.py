@@ -89,10 +89,12 @@ class Container:
 
         def again() -> tuple[Hierarchy, str]:
             try:
-                return resolve_base(env, made, refresh=True)
+                got = resolve_base(env, made, refresh=True)
             except BaseException:
                 remove_made(made)
                 raise
+            made[:] = list(dict.fromkeys(made))     # a base made again is listed once (remove_made stops at a gap)
+            return got
 
         for attempt in range(8):
             # Named from the run uid (journaled at the claim, before this):
