@@ -81,6 +81,8 @@ def instrument() -> None:
         (_run.Run, "publish", "publish"), (_run.Run, "turn", "turn"), (_run.Run, "finish", "finish"),
         (_usage.RunUsage, "finish", "accounting, v1 removal"), (linux.Container, "remove", "v2 removal"),
         (_escapes.EscapeWatch, "after_spawn", "escape watch"), (_containers, "make_container", None),
+        (linux.Container, "cpu_stat", "cpu.stat"), (_layout.RunDir, "release_and_poke", "release, last poke"),
+        (_layout.RunDir, "write_record", "write_record"),
     ]:
         _wrap(owner, name, label)
     wall.lib = _TimedLib(wall.lib)

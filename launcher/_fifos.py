@@ -110,11 +110,18 @@ def poke_waiters(d: RunDir) -> None:
     except (OSError, UnsafePath):
         return
     try:
+        poke_waiters_at(fd)
+    finally:
+        os.close(fd)
+
+
+def poke_waiters_at(fd: int) -> None:
+    """poke_waiters through `fd`, a descriptor of the run directory (the
+    caller's, left open)."""
+    try:
         wfd = os.open("waiters", F.O_DIR, dir_fd=fd)
     except OSError:
         return
-    finally:
-        os.close(fd)
     try:
         with os.scandir(wfd) as it:
             names = []

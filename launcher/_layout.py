@@ -113,6 +113,7 @@ class RunDir(RunDirBase):
     until release() (_rundir)."""
 
     _final_written = False      # this object has put a final record.json in place (write_record)
+    _journal_made = False       # this object has appended to journal.ndjson (opened without O_CREAT first)
 
     # -- claiming ----------------------------------------------------------
 
@@ -324,11 +325,13 @@ class RunDir(RunDirBase):
         with self._mu:
             d = self.dir_fd(write=True)
             try:
-                fd, _created = F.open_append(d, "journal.ndjson", self.file("journal.ndjson"), mode=FILE_MODE)
+                fd, _created, size = F.open_append_sized(d, "journal.ndjson", self.file("journal.ndjson"),
+                                                         mode=FILE_MODE, existing=self._journal_made)
             finally:
                 os.close(d)
             try:
-                F.append_line(fd, line, self.file("journal.ndjson"), durable=sync)
+                F.append_line(fd, line, self.file("journal.ndjson"), durable=sync, size=size)
+                self._journal_made = True
             finally:
                 os.close(fd)
 
@@ -409,6 +412,28 @@ class RunDir(RunDirBase):
 
     def poke_waiters(self) -> None:
         _fifos.poke_waiters(self)
+
+    def release_and_poke(self) -> None:
+        """release(), then wake the waiters again (readers believe a final
+        record or a settled ack only once the lock is free), through a
+        descriptor of the run directory taken before the release: the very
+        directory this object held (its path may name another run's by
+        then), and not the walk from the state directory's path that
+        dir_fd() makes once nothing is held (0.1 ms of every run)."""
+        try:
+            fd = self.dir_fd()
+        except (OSError, UnsafePath):
+            fd = -1
+        try:
+            self.release()
+        finally:
+            if fd < 0:
+                self.poke_waiters()
+            else:
+                try:
+                    _fifos.poke_waiters_at(fd)
+                finally:
+                    os.close(fd)
 
 
 if sys.platform == "win32":

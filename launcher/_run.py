@@ -334,10 +334,9 @@ class Run:
         self.inbox.settle(self.snap, emptied=self.facts.observed("container_empty"))
         self.journal("ended" if terminal else "unconfirmed", state=self.snap.state)
         if self.layout is not None:
-            self.layout.release()
             # Readers believe a final record or settled ack only once the
-            # lock is free (a worker may forge either): wake them again now.
-            self.layout.poke_waiters()
+            # lock is free (a worker may forge either): wake them again then.
+            self.layout.release_and_poke()
         if self.wakeups is not None:
             self.wakeups.close()
         self._final = rec

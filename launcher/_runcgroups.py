@@ -10,7 +10,8 @@ TYPE_CHECKING = False   # not typing.TYPE_CHECKING: `typing` stays off the run p
 if TYPE_CHECKING:
     from typing import Any, Mapping
 
-from ._controllers import (DOCTOR_HINT, Route, V1Hierarchy, plan, read_file, v1_base_for, v1_hierarchies)
+from ._controllers import (DOCTOR_HINT, Route, V1Hierarchy, host_v1_hierarchies, plan, read_file, v1_base_for,
+                           v1_hierarchies)
 from ._errors import ContainmentUnavailable
 from ._limits import Limits
 from ._procfs import cgroups_of, read_exiting
@@ -67,6 +68,7 @@ class RunCgroups:
         self.applied: dict[str, Any] = {}
         self.notes: list[str] = []
         self._fds: list[int] = []
+        self._v1_failed = False               # a v1 cgroup planned could not be made
 
     # -- making -------------------------------------------------------------
 
@@ -82,17 +84,30 @@ class RunCgroups:
         if not run_name(name):
             raise ValueError(f"not a run cgroup name: {name!r}")
         v2_base = os.path.dirname(v2_dir) if v2_dir else None
-        routes = plan(limits, v2_base=v2_base, env=env, hierarchies=hierarchies, accounting=accounting)
-        rc = cls(name, v2_dir, routes, limits)
-        try:
-            rc._make_v1(env)
-            rc._apply()
-        except BaseException:
-            rc.remove()
-            raise
-        return rc
+        # Planned from the v1 mounts probed once per process: when a v1
+        # cgroup planned from them cannot be made, the mounts are probed
+        # again and the plan made once more before the failure counts.
+        for retry in (hierarchies is None, False):
+            rc: RunCgroups | None = None
+            try:
+                routes = plan(limits, v2_base=v2_base, env=env, hierarchies=hierarchies, accounting=accounting)
+                rc = cls(name, v2_dir, routes, limits)
+                rc._make_v1(env)
+                if retry and rc._v1_failed:
+                    raise ContainmentUnavailable("a v1 cgroup could not be made")
+                rc._apply()
+                return rc
+            except BaseException as e:
+                if rc is not None:
+                    rc.remove()
+                if not (retry and isinstance(e, (ContainmentUnavailable, OSError))):
+                    raise
+                hierarchies = host_v1_hierarchies(refresh=True)
+        raise AssertionError("unreachable")
 
     def _make_v1(self, env: Mapping[str, str]) -> None:
+        if not any(r.kind == "v1" and r.hierarchy is not None for r in self.routes.values()):
+            return                             # none to make (the usual run: v1 accounting on demand)
         try:
             own = cgroups_of("self")
         except OSError:
@@ -117,6 +132,7 @@ class RunCgroups:
                     if is_base and named:      # named for runs (not root's /contain): the last run out removes it
                         self.bases.append((pdir, made_base))
                 except (OSError, ValueError) as e:
+                    self._v1_failed = True
                     self.made = [m for m in self.made if m != d]     # not made (or not ours: EEXIST)
                     problem = f"cgroup v1 {h.name}: cannot create {self.name} under {parent}: " + (
                         os.strerror(e.errno or 0) if isinstance(e, OSError) else str(e))

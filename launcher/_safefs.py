@@ -308,14 +308,33 @@ def open_append(dir_fd: int, name: str, path: str, *, mode: int = 0o600) -> tupl
     """An O_APPEND fd (read-write, see append_line) of regular file `name`,
     and whether it was created now (with exactly `mode`). Raises UnsafePath
     (not a regular file, a symlink) or PersistError."""
+    fd, created, _size = open_append_sized(dir_fd, name, path, mode=mode)
+    return fd, created
+
+
+def open_append_sized(dir_fd: int, name: str, path: str, *, mode: int = 0o600,
+                      existing: bool = False) -> tuple[int, bool, int]:
+    """open_append, and the file's size as its fstat said (append_line's
+    `size`). `existing`: the caller made the file before (a run's own
+    journal, appended to a few times a run): it is opened without O_CREAT
+    first, and made only if it is gone, which saves the failed O_EXCL open
+    of every later line."""
     flags = os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        try:
-            fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, mode, dir_fd=dir_fd)
-            created = True
-        except FileExistsError:
-            fd = os.open(name, flags, dir_fd=dir_fd)
-            created = False
+        fd = -1
+        if existing:
+            try:
+                fd = os.open(name, flags, dir_fd=dir_fd)
+                created = False
+            except FileNotFoundError:
+                fd = -1
+        if fd < 0:
+            try:
+                fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, mode, dir_fd=dir_fd)
+                created = True
+            except FileExistsError:
+                fd = os.open(name, flags, dir_fd=dir_fd)
+                created = False
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise UnsafePath(path, "is a symlink (not followed)", errno.ELOOP) from None
@@ -323,22 +342,29 @@ def open_append(dir_fd: int, name: str, path: str, *, mode: int = 0o600) -> tupl
     try:
         if created:
             os.fchmod(fd, mode)
-        elif not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UnsafePath(path, "is not a regular file", errno.EINVAL)
+            size = 0
+        else:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise UnsafePath(path, "is not a regular file", errno.EINVAL)
+            size = st.st_size
     except BaseException:
         os.close(fd)
         raise
-    return fd, created
+    return fd, created, size
 
 
-def append_line(fd: int, line: bytes, path: str, *, durable: bool = False) -> None:
+def append_line(fd: int, line: bytes, path: str, *, durable: bool = False, size: int | None = None) -> None:
     """One O_APPEND write of `line` (atomic towards other appenders of a
     regular file), fsynced when `durable`. If the file does not end with a
     newline (a writer before us was cut short by a full disk), the line is
     started with one: the torn fragment then reads as one bad line, and this
-    line stays whole. Raises PersistError."""
+    line stays whole. `size`: the file's size as the caller's fstat of this
+    fd just said (open_append_sized), else it is asked here. Raises
+    PersistError."""
     try:
-        size = os.fstat(fd).st_size
+        if size is None:
+            size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
             line = b"\n" + line
         write_all(fd, line)

@@ -255,3 +255,4 @@ def test_gc_keeps_a_breached_run_whose_escaper_lives(tmp_path):
     r = run_contain(env, "gc", "--json")
     assert r.returncode == 0, r.stderr
     assert names(sd) == set(), json.loads(r.stdout)
+

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 from .. import _tags
 from .._errors import ContainmentUnavailable, SpawnFailed
+from .._controllers import read_file
 from .._procfs import cgroup_of
 from . import pidwall, posix, sealing
 from .cgroups import (Hierarchy, dev_of, hierarchies, identify, kill_by_freezing, remove_made, resolve_base, rmdir_known,
@@ -81,6 +82,20 @@ class Container:
         else:
             h, base = resolve_base(env, made)
         prefix = "sub" if parent_dir is not None else "run"
+        # The base comes from a probe of the host taken once per process
+        # (cgroups.host_view): when what was built on it fails, the host is
+        # probed again and the run tried once more before the failure counts.
+        fresh = parent_dir is not None
+
+        def again() -> tuple[Hierarchy, str]:
+            try:
+                got = resolve_base(env, made, refresh=True)
+            except BaseException:
+                remove_made(made)
+                raise
+            made[:] = list(dict.fromkeys(made))     # a base made again is listed once (remove_made stops at a gap)
+            return got
+
         for attempt in range(8):
             # Named from the run uid (journaled at the claim, before this):
             # what a supervisor killed before it could tag the cgroup leaves
@@ -96,10 +111,16 @@ class Container:
             except FileNotFoundError:
                 if parent_dir is not None:
                     raise ContainmentUnavailable(f"cannot create {c.dir}: its parent is gone") from None
-                # The run that made the base removed it as it ended: make it again.
-                h, base = resolve_base(env, made)
+                # The run that made the base removed it as it ended (or the
+                # mounts changed): make it again, from a fresh probe.
+                h, base = again()
+                fresh = True
                 continue
             except OSError as e:
+                if not fresh:
+                    h, base = again()
+                    fresh = True
+                    continue
                 remove_made(made)
                 raise ContainmentUnavailable(f"cannot create {c.dir}: {os.strerror(e.errno or 0)}") from e
             except BaseException:
@@ -117,6 +138,10 @@ class Container:
                 c._events_fd = os.open(os.path.join(c.dir, "cgroup.events"), os.O_RDONLY | os.O_CLOEXEC)
             except BaseException as e:          # an interrupt too: nothing has run in it, nothing stays
                 c.remove()
+                if isinstance(e, OSError) and not fresh:
+                    h, base = again()
+                    fresh = True
+                    continue
                 if isinstance(e, OSError):
                     raise ContainmentUnavailable(f"cannot prepare {c.dir}: {os.strerror(e.errno or 0)}") from e
                 raise
@@ -428,16 +453,15 @@ class Container:
         return pids
 
     def cpu_stat(self) -> dict[str, int] | None:
-        try:
-            with open(os.path.join(self.dir, "cpu.stat")) as f:
-                out = {}
-                for line in f:
-                    k, _, v = line.partition(" ")
-                    if k in ("usage_usec", "user_usec", "system_usec"):
-                        out[k] = int(v)
-                return out
-        except OSError:
+        text = read_file(os.path.join(self.dir, "cpu.stat"))
+        if text is None:
             return None
+        out = {}
+        for line in text.splitlines():
+            k, _, v = line.partition(" ")
+            if k in ("usage_usec", "user_usec", "system_usec"):
+                out[k] = int(v)
+        return out
 
     # -- stopping ----------------------------------------------------------
 

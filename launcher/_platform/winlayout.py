@@ -391,6 +391,11 @@ class RunDir:
         check_dir(self.waiters, create=True)
         return f"{os.getpid()}-{os.urandom(4).hex()}"
 
+    def release_and_poke(self) -> None:
+        """release(), then wake the waiters again (as on Linux)."""
+        self.release()
+        self.poke_waiters()
+
     def poke_waiters(self) -> None:
         """Set every waiter's event; a token whose event nobody holds is a
         waiter that is gone: its file is removed."""
