@@ -7,6 +7,10 @@ measure what durability costs; never how contain runs), on tmpfs, and
 
     python benchmarks/bench_fs.py [--repeats 300] [--disk-dir /tmp]
 
+With processkit-py importable (`pip install processkit-py`: a peer library,
+never a dependency), its `Command("/bin/true").run()` is timed alongside
+(issue 27: `launcher.run` should be faster than it on the same machine).
+
 The inodes a run creates are counted in its run directory afterwards.
 Nothing here is a target: it is why `launcher.run`'s ratio differs between
 a state directory on tmpfs and one on this disk (docs/performance.md).
@@ -99,6 +103,17 @@ def run(repeats: int = 300, disk_dir: str = "/tmp") -> dict[str, Any]:
 
     kinds: dict[str, Callable[[], float]] = {"disk": lambda: one(disk), "disk, fsync skipped": unsynced,
                                               "tmpfs": lambda: one(mem), "posix_spawn": spawn}
+    try:
+        import processkit  # type: ignore[import-not-found]
+
+        def peer() -> float:
+            t = time.perf_counter()
+            processkit.Command("/bin/true").run()
+            return time.perf_counter() - t
+
+        kinds["processkit-py Command.run"] = peer
+    except ImportError:
+        pass
     times: dict[str, list[float]] = {k: [] for k in kinds}
     try:
         for _ in range(20):

@@ -15,6 +15,7 @@ _EXPORTS = {
     "Worker": "._worker",
     "cancel": "._cancel",
     "open_worker": "._aio",
+    "run_process": "._aio",
     "AsyncWorker": "._aio",
     "AsyncSupervisor": "._aio",
     "Supervisor": "._supervisor",
@@ -45,7 +46,8 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from typing import Any
 
-    from ._aio import AsyncSupervisor as AsyncSupervisor, AsyncWorker as AsyncWorker, open_worker as open_worker
+    from ._aio import (AsyncSupervisor as AsyncSupervisor, AsyncWorker as AsyncWorker, open_worker as open_worker,
+                       run_process as run_process)
     from ._cancel import cancel as cancel
     from ._errors import (AccessDenied as AccessDenied, ContainmentUnavailable as ContainmentUnavailable,
                           LauncherError as LauncherError, ProcessGone as ProcessGone,

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from types import TracebackType
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import anyio
 import anyio.abc
@@ -44,6 +44,8 @@ from ._run import Run
 from ._state import Phase
 from ._stdio import Stdio, StdioSpec
 from ._worker import SHARED_OWNER, abandon, claim, start_run
+if TYPE_CHECKING:
+    from ._completed import CompletedRun
 
 if SHARED_OWNER:
     from ._reactor import reactor
@@ -425,6 +427,65 @@ def open_worker(argv: Sequence[str], *, id: str | None = None, grace: float = DE
     if it is still going and waits until it is reaped."""
     return _OpenWorker(argv, dict(id=id, grace=grace, timeout=timeout, backend=backend, stdin=stdin,
                                   stdout=stdout, stderr=stderr, **options))
+
+
+async def run_process(argv: Sequence[str], *, input: bytes | None = None, stdout: StdioSpec = -1,
+                      stderr: StdioSpec = -1, check: bool = True, id: str | None = None,
+                      grace: float = DEFAULT_GRACE, timeout: float | None = None, backend: str = "auto",
+                      **options: Any) -> CompletedRun:
+    """`launcher.run` for the event loop, with `anyio.run_process`'s names
+    and defaults (asyncio or trio):
+
+        rec = await launcher.run_process(["make", "test"])
+        rec.returncode, rec.stdout, rec.stderr, rec.state
+
+    `input` (bytes) is written to the worker's stdin, then closed; stdout
+    and stderr are captured (`subprocess.PIPE`, the default) or go where
+    you say (None: inherited); `check=True` (the default, as anyio's)
+    raises `RunFailed` / `RunTimedOut` carrying the record. The result is
+    a `CompletedRun`. Cancelling the awaiting task stops the whole tree
+    (with the grace) before the cancellation goes on."""
+    import subprocess
+
+    from ._completed import CompletedRun, check as raise_unless_ok
+
+    if input is not None and "stdin" in options:
+        raise ValueError("stdin and input arguments may not both be used")
+    if input is not None and not isinstance(input, (bytes, bytearray, memoryview)):
+        raise TypeError(f"input must be bytes, not {type(input).__name__}")
+    stdin = subprocess.PIPE if input is not None else options.pop("stdin", None)
+    out: list[bytes] = []
+    err: list[bytes] = []
+
+    async def drain(stream: Any, sink: list[bytes]) -> None:
+        while True:
+            try:
+                sink.append(await stream.receive())
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                return
+
+    async with open_worker(argv, id=id, grace=grace, timeout=timeout, backend=backend, stdin=stdin,
+                           stdout=subprocess.PIPE if stdout == -1 else stdout,
+                           stderr=subprocess.PIPE if stderr == -1 else stderr, **options) as w:
+        async with anyio.create_task_group() as tg:
+            if w.stdout is not None:
+                tg.start_soon(drain, w.stdout, out)
+            if w.stderr is not None:
+                tg.start_soon(drain, w.stderr, err)
+            if w.stdin is not None:
+                try:
+                    if input:
+                        await w.stdin.send(bytes(input))
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    pass            # the worker closed its stdin: as subprocess, not an error
+                finally:
+                    await w.stdin.aclose()
+            rec = await w.wait()
+    result = CompletedRun(rec, list(argv), b"".join(out) if w.stdout is not None else None,
+                          b"".join(err) if w.stderr is not None else None)
+    if check:
+        raise_unless_ok(result, timeout)
+    return result
 
 
 class AsyncSupervisor:

@@ -36,6 +36,7 @@ PUBLIC = [
     "capabilities",
     "open_worker",
     "run",
+    "run_process",
     "scan_processes",
     "spawn",
 ]

@@ -193,3 +193,20 @@ def test_the_same_script_against_subprocess_and_launcher(cgroup_base, state_dir,
                        lambda a: launcher.spawn(a, env=env, grace=0.3))
     assert got == want
     assert wait_gone(token, 10) == []
+
+
+@pytest.mark.anyio
+async def test_run_process_has_anyios_names_and_defaults(cgroup_base, state_dir, env, token, anyio_backend):
+    """`await launcher.run_process(...)` as `anyio.run_process`: input,
+    captured stdout/stderr, check=True by default; a cancelled caller stops
+    the whole tree. Before, the async API had no such call."""
+    r = await launcher.run_process(["sh", "-c", "cat; echo e >&2"], input=b"hi", env=env)
+    assert (r.returncode, r.stdout, r.stderr, r.state) == (0, b"hi", b"e\n", "REAPED")
+    with pytest.raises(subprocess.CalledProcessError) as ei:
+        await launcher.run_process(["sh", "-c", "exit 3"], env=env)
+    assert ei.value.returncode == 3 and ei.value.record.state == "REAPED"
+    r = await launcher.run_process(["sh", "-c", "exit 3"], check=False, stdout=None, env=env)
+    assert r.returncode == 3 and r.stdout is None
+    with anyio.move_on_after(1.0):
+        await launcher.run_process(["sh", "-c", "setsid sleep 300 & sleep 300"], env=env, grace=0.3)
+    assert wait_gone(token, 20) == []
