@@ -100,10 +100,13 @@ def _op_id(text: str) -> str:
 # What `contain` reads from its own environment (never the worker's), for
 # --help. Keep in step with README.md.
 _ENVIRONMENT = """environment:
-  CONTAIN_STATE_DIR     the state directory (default /run/contain for root,
-                        $XDG_RUNTIME_DIR/contain or /run/user/UID/contain
-                        otherwise; without either, set this); it must be
-                        yours and private, or contain refuses it (125)
+  CONTAIN_STATE_DIR     the state directory, an absolute path (default
+                        /run/contain for root; otherwise
+                        $XDG_RUNTIME_DIR/contain, /run/user/UID/contain,
+                        $XDG_STATE_HOME/contain, ~/.local/state/contain or
+                        /tmp/contain-UID, the first that can be used; `contain
+                        doctor` says which); it must be yours and private, or
+                        contain refuses it (125); empty or relative: 2
   CONTAIN_KEEP_RUNS     how many run directories a run start keeps (default
                         1000; 0: no automatic removal; see `contain gc`)
   CONTAIN_CGROUP_BASE   the cgroup v2 directory runs are made under (default:
