@@ -140,10 +140,13 @@ time.sleep(0.5)
         holder.wait(10)
 
 
-def test_redispatch_is_unknown_when_a_measured_postcondition_could_not_be_observed(box):
-    """A workspace that does not exist cannot be checked: the layer is null,
-    so redispatch_eligible is null too (never true)."""
-    p = run_contain(box.env, "run", "--id", "u", "--workspace", "/nonexistent/contain-ws", "--", "true")
+def test_redispatch_is_unknown_when_a_measured_postcondition_could_not_be_observed(box, tmp_path):
+    """A workspace gone by the end of the run cannot be checked: the layer is
+    null, so redispatch_eligible is null too (never true). (One missing from
+    the start is refused before anything runs.)"""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    p = run_contain(box.env, "run", "--id", "u", "--workspace", str(ws), "--", "rmdir", str(ws))
     assert p.returncode == 0, p.stderr
     rec = box.record("u")
     assert rec["evidence"]["workspace_quiescent"]["observed"] is None
