@@ -137,6 +137,15 @@ class Reactor:
             self._pending.add(id(run))
         self._poke()
 
+    def wake_all(self, runs: list[Any]) -> None:
+        """`wake()` for many runs at once: one wake-up of the loop, whose
+        next pass turns them all (a bulk cancel's intents are all written
+        first; then every signal goes out before any container is waited
+        for)."""
+        with self._mu:
+            self._pending.update(id(r) for r in runs)
+        self._poke()
+
     def _poke(self) -> None:
         try:
             os.write(self._w, b"!")

@@ -34,6 +34,22 @@ if SHARED_OWNER:
     from ._reactor import reactor
 
 
+def wake_all(runs: list[Run]) -> None:
+    """Make the owner loops of `runs` look at their inputs now: on Linux the
+    process's one loop, woken once for all of them (a bulk cancel writes
+    every intent first, then this)."""
+    if not runs:
+        return
+    shared = [r for r in runs if SHARED_OWNER and r.wakeups is not None and r.wakeups.waker is not None]
+    if shared:
+        reactor().wake_all(shared)      # the loop that set their wakers (reactor.own)
+    if len(shared) < len(runs):
+        ids = {id(r) for r in shared}
+        for r in runs:
+            if id(r) not in ids:
+                r.wake()
+
+
 _owned_mu = threading.Lock()
 _owned: "weakref.WeakSet[Run]" = weakref.WeakSet()
 
@@ -236,13 +252,17 @@ class Worker(RunHandle):
         then stopped as after any worker exit)."""
         self.send_signal(_signal.SIGKILL)
 
-    def request_stop(self, op: str, grace: float | None) -> None:
-        """A cancel's intent, written, and the owner woken; no wait for its
-        acknowledgement (cancel_all asks every run before it waits)."""
+    def request_stop(self, op: str, grace: float | None, wake: bool = True) -> bool:
+        """A cancel's intent, written, and the owner woken (unless `wake` is
+        False: the caller wakes it, with others, wake_all); no wait for its
+        acknowledgement (cancel_all asks every run before it waits).
+        Whether a request was written."""
         if self.done() or self._known_ack(op) is not None:
-            return
+            return False
         self._request(op, grace, {"thread": threading.get_ident()})
-        self._run.wake()
+        if wake:
+            self._run.wake()
+        return True
 
     def communicate(self, input: bytes | None = None, timeout: float | None = None) -> tuple[bytes | None, bytes | None]:
         """As `Popen.communicate`: send `input` to stdin (then close it), read
