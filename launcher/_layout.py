@@ -111,6 +111,8 @@ class RunDir(RunDirBase):
     until release() (_rundir)."""
 
     _final_written = False      # this object has put a final record.json in place (write_record)
+    _pokes_held = 0             # hold_pokes() depth: the waiters are poked once, at the outermost end
+    _poke_due = False
 
     # -- claiming ----------------------------------------------------------
 
@@ -410,7 +412,23 @@ class RunDir(RunDirBase):
         return _fifos.add_waiter(self)
 
     def poke_waiters(self) -> None:
+        if self._pokes_held:
+            self._poke_due = True      # once, at the end of the turn that wrote (release_pokes)
+            return
         _fifos.poke_waiters(self)
+
+    def hold_pokes(self) -> None:
+        """The owner's turn begins: what it writes (an acknowledgement, the
+        record, their settling) wakes the waiters once, when it ends, not
+        once per file. A waiter re-reads everything it waits for when woken;
+        only the waking is put off, never a write. Owner thread only."""
+        self._pokes_held += 1
+
+    def release_pokes(self) -> None:
+        self._pokes_held = max(0, self._pokes_held - 1)
+        if not self._pokes_held and self._poke_due:
+            self._poke_due = False
+            _fifos.poke_waiters(self)
 
 
 if sys.platform == "win32":
