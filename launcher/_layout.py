@@ -353,10 +353,12 @@ class RunDir(RunDirBase):
 
     # -- cancel inbox, acknowledgements, nested runs (_requests) -----------------
 
-    def append_request(self, req: dict[str, Any]) -> None:
+    def append_request(self, req: dict[str, Any], *, poke: bool = True) -> None:
         """Durably record a cancel intent (_requests.append_request). Raises
-        ValueError, PersistError: then nothing may be signalled for it."""
-        _requests.append_request(self, req)
+        ValueError, PersistError: then nothing may be signalled for it.
+        `poke` False: the caller wakes the owner itself (a request of the
+        owner's own process), so its wake-up FIFO is not opened."""
+        _requests.append_request(self, req, poke=poke)
 
     def read_inbox(self, offset: int = 0, run_uid: str | None = None, *,
                    require_uid: bool = True) -> InboxRead:
