@@ -30,10 +30,20 @@ LAYERS = (
 )
 
 
+_iso_second: tuple[float, str] = (float("nan"), "")     # the last second formatted, and its text
+
+
 def now_iso(t: float | None = None) -> str:
-    """UTC ISO-8601 with microseconds, from a wall-clock time."""
+    """UTC ISO-8601 with microseconds, from a wall-clock time. (A stop
+    stamps a dozen times; the seconds' text is formatted once per second.)"""
+    global _iso_second
     t = time.time() if t is None else t
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
+    sec = t // 1
+    last, text = _iso_second
+    if sec != last:
+        text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec))
+        _iso_second = (sec, text)
+    return text + f".{int(t % 1 * 1e6):06d}Z"
 
 
 class Unknown:
