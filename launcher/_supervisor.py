@@ -26,7 +26,7 @@ from ._layout import new_uid
 from ._record import StopRecord
 from ._options import DEFAULT_GRACE
 from ._run import Run
-from ._worker import SHARED_OWNER, Worker, abandon, start_run, wake_all
+from ._worker import SHARED_OWNER, Worker, abandon, start_run, wait_all, wake_all
 
 
 class Supervisor:
@@ -109,6 +109,7 @@ class Supervisor:
                     asked.append(r)
         finally:
             wake_all(asked)                 # one wake-up of the owner loop for every run asked
+        wait_all(workers)
         return [w.wait() for w in workers]
 
     def close(self) -> list[StopRecord]:
@@ -142,6 +143,7 @@ class Supervisor:
                                 errors.append(e)
                 finally:
                     wake_all([r for r in runs if id(r) in asked])   # the owner loop, once for all
+                wait_all([w for r in runs if id(r) in asked and (w := workers.get(id(r))) is not None])
                 for r in runs:
                     w = workers.get(id(r))
                     try:

@@ -34,6 +34,30 @@ if SHARED_OWNER:
     from ._reactor import reactor
 
 
+def wait_all(workers: Sequence[Worker]) -> None:
+    """Until every one of `workers` has ended: one event, set by the last of
+    them to end, so the waiting thread is woken once, not once per worker
+    (each wake-up takes the GIL from the owner loop's thread while it is
+    still ending the others)."""
+    mu = threading.Lock()
+    every = threading.Event()
+    left = [1]                 # 1: held until every countdown is in place
+
+    def one_ended() -> None:
+        with mu:
+            left[0] -= 1
+            if left[0] == 0:
+                every.set()
+
+    for w in workers:
+        with mu:
+            left[0] += 1
+        if not w._call_at_end(one_ended):
+            one_ended()        # ended already
+    one_ended()
+    wait_event(every, None)
+
+
 def wake_all(runs: list[Run]) -> None:
     """Make the owner loops of `runs` look at their inputs now: on Linux the
     process's one loop, woken once for all of them (a bulk cancel writes
@@ -136,6 +160,7 @@ class Worker(RunHandle):
         # thread's tstate lock and is_alive() then says False (the bpo-45274
         # handling in Thread._wait_for_tstate_lock).
         self._finished = threading.Event()
+        self._on_end: list[Callable[[], None]] = []     # wait_all()'s countdowns, called once it has ended
         self._error: BaseException | None = None
         self._comm: tuple[dict[int, list[bytes]], memoryview] | None = None   # a communicate() under way
         self._to_worker: list[int] = []      # send_signal()'s, sent by the owner loop's thread
@@ -158,8 +183,21 @@ class Worker(RunHandle):
 
     def _ended(self, error: BaseException | None) -> None:
         self._error = error
-        self._finished.set()
+        with self._cond:
+            self._finished.set()
+            calls, self._on_end = self._on_end, []
         self._changed()
+        for fn in calls:
+            fn()
+
+    def _call_at_end(self, fn: Callable[[], None]) -> bool:
+        """Have `fn` called (in the owner loop's thread) when the run has
+        ended; False, and no call, if it already has."""
+        with self._cond:
+            if self._finished.is_set():
+                return False
+            self._on_end.append(fn)
+            return True
 
     def _own(self) -> None:
         try:
@@ -169,8 +207,7 @@ class Worker(RunHandle):
         except BaseException as e:      # surfaced by wait(), never lost
             self._error = e
         finally:
-            self._finished.set()
-            self._changed()
+            self._ended(self._error)
 
     def _changed(self) -> None:
         # In the owner loop's thread (after each turn): send_signal's queue.
