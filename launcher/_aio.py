@@ -398,6 +398,10 @@ class _Mailbox:
                 return
         except self._closed:
             pass
+        except BaseException:
+            with self._mu:               # not scheduled: the next call tries again
+                self._calls.clear()
+            raise
         with self._mu:                   # the event loop is gone: nobody is left to tell
             self._calls.clear()
 

@@ -38,6 +38,7 @@ the order of renames it needs (_safefs.replace_file, keep_old).
 """
 from __future__ import annotations
 
+import _thread
 import errno
 import os
 import sys
@@ -112,6 +113,7 @@ class RunDir(RunDirBase):
 
     _final_written = False      # this object has put a final record.json in place (write_record)
     _pokes_held = 0             # hold_pokes() depth: the waiters are poked once, at the outermost end
+    _pokes_holder = -1          # the thread holding them: another thread's writes poke at once
     _poke_due = False
 
     # -- claiming ----------------------------------------------------------
@@ -414,7 +416,7 @@ class RunDir(RunDirBase):
         return _fifos.add_waiter(self)
 
     def poke_waiters(self) -> None:
-        if self._pokes_held:
+        if self._pokes_held and self._pokes_holder == _thread.get_ident():
             self._poke_due = True      # once, at the end of the turn that wrote (release_pokes)
             return
         _fifos.poke_waiters(self)
@@ -425,10 +427,14 @@ class RunDir(RunDirBase):
         once per file. A waiter re-reads everything it waits for when woken;
         only the waking is put off, never a write. Owner thread only."""
         self._pokes_held += 1
+        self._pokes_holder = _thread.get_ident()
 
     def release_pokes(self) -> None:
         self._pokes_held = max(0, self._pokes_held - 1)
-        if not self._pokes_held and self._poke_due:
+        if self._pokes_held:
+            return
+        self._pokes_holder = -1
+        if self._poke_due:
             self._poke_due = False
             _fifos.poke_waiters(self)
 
