@@ -44,9 +44,13 @@ def _gone(token: str) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["cancel_all", "exit"])
 def test_500_workers_through_a_supervisor_share_one_owner_thread_and_are_stopped_together(
-        cgroup_base, state_dir, env, token) -> None:
-    """Before, each live Worker was a thread with 11 descriptors."""
+        cgroup_base, state_dir, env, token, how) -> None:
+    """Before, each live Worker was a thread with 11 descriptors. Stopped
+    together by `cancel_all()` (the supervisor stays open) or by leaving
+    the block: every intent written, one wake-up of the owner loop, then
+    every container waited for."""
     with launcher.Supervisor(grace=0.5, env=env) as warm:
         warm.spawn(["sleep", "60"])          # the process's owner loop exists, and every lazy import is done
     fds, threads = _fds(), _threads()
@@ -59,6 +63,11 @@ def test_500_workers_through_a_supervisor_share_one_owner_thread_and_are_stopped
         assert _threads() - threads == 0, f"{_threads() - threads} threads for {N} live workers"
         assert per_run <= FDS_PER_WALLED_RUN, f"{per_run} descriptors per live worker"
         workers = sup.workers
+        if how == "cancel_all":
+            recs = sup.cancel_all()
+            assert [r.state for r in recs].count("REAPED") == N, {r.state for r in recs}
+            assert all(w.done() for w in workers)
+            assert _gone(token) == []
     states = [w.record().state for w in workers]
     assert states.count("REAPED") == N, {s: states.count(s) for s in set(states)}
     assert _gone(token) == []
@@ -67,12 +76,15 @@ def test_500_workers_through_a_supervisor_share_one_owner_thread_and_are_stopped
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["cancel_all", "exit"])
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_500_async_workers_on_one_event_loop_start_no_thread_and_are_stopped_together(
-        cgroup_base, state_dir, env, token, backend) -> None:
+        cgroup_base, state_dir, env, token, backend, how) -> None:
     """Before, each live async worker held 10 descriptors of its own (its
     owner task's epoll, wake-up pipe and inbox FIFO besides a Worker's):
-    now the process's one owner loop owns them as it owns Workers."""
+    now the process's one owner loop owns them as it owns Workers. Stopped
+    together by `await cancel_all()` or by leaving the block, their ends
+    awaited together (one event, not an await per worker)."""
     import anyio
 
     async def main() -> list[str]:
@@ -87,6 +99,11 @@ def test_500_async_workers_on_one_event_loop_start_no_thread_and_are_stopped_tog
             assert _threads() - threads == 0, f"{_threads() - threads} threads for {N} live async workers"
             assert per_run <= FDS_PER_WALLED_RUN, f"{per_run} descriptors per live async worker"
             workers = list(sup.workers)
+            if how == "cancel_all":
+                recs = await sup.cancel_all()
+                assert [r.state for r in recs].count("REAPED") == N, {r.state for r in recs}
+                assert all(w.done() for w in workers)
+                assert _gone(token) == []
         assert _fds() <= fds
         return [w.record().state for w in workers]
 
