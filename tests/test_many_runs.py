@@ -28,6 +28,9 @@ _KERNEL = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
 FDS_PER_WALLED_RUN = 1 if _KERNEL >= (6, 15) else 3
 # Open for a moment while the count is taken (the event loop's, a turn's file).
 TRANSIENT_FDS = 8
+# Over N runs: a few more descriptors of the event loop's own (trio's) are
+# no descriptor per run.
+SLACK_PER_RUN = 0.05
 
 
 def _fds() -> int:
@@ -61,7 +64,7 @@ def test_500_workers_through_a_supervisor_share_one_owner_thread_and_are_stopped
         assert len(live) == N
         per_run = (_fds() - fds - TRANSIENT_FDS) / N
         assert _threads() - threads == 0, f"{_threads() - threads} threads for {N} live workers"
-        assert per_run <= FDS_PER_WALLED_RUN, f"{per_run} descriptors per live worker"
+        assert per_run <= FDS_PER_WALLED_RUN + SLACK_PER_RUN, f"{per_run} descriptors per live worker"
         workers = sup.workers
         if how == "cancel_all":
             recs = sup.cancel_all()
@@ -97,7 +100,7 @@ def test_500_async_workers_on_one_event_loop_start_no_thread_and_are_stopped_tog
             assert sum(not w.done() for w in sup.workers) == N
             per_run = (_fds() - fds - TRANSIENT_FDS) / N
             assert _threads() - threads == 0, f"{_threads() - threads} threads for {N} live async workers"
-            assert per_run <= FDS_PER_WALLED_RUN, f"{per_run} descriptors per live async worker"
+            assert per_run <= FDS_PER_WALLED_RUN + SLACK_PER_RUN, f"{per_run} descriptors per live async worker"
             workers = list(sup.workers)
             if how == "cancel_all":
                 recs = await sup.cancel_all()
