@@ -26,6 +26,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -43,7 +44,8 @@ from ._options import DEFAULT_GRACE
 from ._run import Run
 from ._state import Phase
 from ._stdio import Stdio, StdioSpec
-from ._worker import SHARED_OWNER, abandon, claim, start_run
+from ._worker import SHARED_OWNER, abandon, claim, start_run, wake_all
+
 if TYPE_CHECKING:
     from ._completed import CompletedRun
 
@@ -163,6 +165,7 @@ class AsyncWorker(RunHandle):
         self._ended = anyio.Event()
         self._finished = threading.Event()       # the owner loop is done (set in its thread)
         self._changed: anyio.Event | None = None  # a cancel waiting for its acknowledgement
+        self._on_ended: list[Any] = []            # called in the event loop when the run has ended (_all_ended)
         self._error: BaseException | None = None
         parent = stdio.parent if stdio is not None else [None, None, None]
         self.stdin: FdSendStream | None = FdSendStream(parent[0]) if parent[0] is not None else None
@@ -175,7 +178,7 @@ class AsyncWorker(RunHandle):
         """Hand the run to its owner loop: the process's one loop on Linux
         (claimed first, as a Worker's: a claimed run is owned, or abandon()
         could not stop it), a task of `tg` on Windows."""
-        self._run.on_change = self._changed_in_owner
+        self._run.on_change = self._on_turn
         if not SHARED_OWNER:
             tg.start_soon(self._own, name=f"contain-{self._run.id}")
             return
@@ -185,17 +188,27 @@ class AsyncWorker(RunHandle):
         else:
             self._owner_done(None)        # abandon() owns it (the start was interrupted)
 
-    def _changed_in_owner(self) -> None:
-        """In the owner loop's thread, after each turn of the run."""
-        self._send_queued()
-        self._soon(self._tell_changed)
-
     def _owner_done(self, error: BaseException | None) -> None:
         """In the owner loop's thread: the run's last record is written."""
         self._error = error
         self._finished.set()
-        self._soon(self._ended.set)
-        self._soon(self._tell_changed)
+        self._soon(self._tell_ended)
+
+    def _tell_ended(self) -> None:
+        self._ended.set()
+        self._tell_changed()
+        calls, self._on_ended = self._on_ended, []
+        for fn in calls:
+            fn()
+
+    def _on_turn(self) -> None:
+        """In the owner loop's thread, after each turn of the run: the event
+        loop is told only when a cancel() waits there for an answer (it
+        sets `_changed` before it looks at the inbox, so an answer given
+        before it was set is seen by that look). Also send_signal()'s queue."""
+        self._send_queued()
+        if self._changed is not None:
+            self._soon(self._tell_changed)
 
     def _tell_changed(self) -> None:
         ev, self._changed = self._changed, None
@@ -208,6 +221,9 @@ class AsyncWorker(RunHandle):
     async def wait(self) -> StopRecord:
         """Until the owner loop has finished; the stop record."""
         await self._ended.wait()
+        return self._result()
+
+    def _result(self) -> StopRecord:
         if self._error is not None:
             raise self._error
         return self.record()
@@ -241,8 +257,9 @@ class AsyncWorker(RunHandle):
             return CancelRecord(ack)
         return self._answer_as_ended(op)
 
-    def _request_stop(self, op: str, grace: float | None) -> None:
-        """A cancel's intent, written, and its owner woken; no wait for the
+    def _request_stop(self, op: str, grace: float | None, wake: bool = True) -> None:
+        """A cancel's intent, written, and its owner woken (unless `wake` is
+        False: the caller wakes it, with others); no wait for the
         acknowledgement (a supervisor asks every run before it waits)."""
         if not SHARED_OWNER:
             self._cancel_now(op, grace)
@@ -250,7 +267,8 @@ class AsyncWorker(RunHandle):
         if self.done() or self._known_ack(op) is not None:
             return
         self._request(op, grace, {"task": "anyio"})
-        self._run.wake()
+        if wake:
+            self._run.wake()
 
     def _cancel_now(self, op: str, grace: float | None) -> CancelRecord:
         """Windows: the owner is a task of this event loop, so the request is
@@ -298,7 +316,7 @@ class AsyncWorker(RunHandle):
         Call shielded. A KeyboardInterrupt meanwhile is held until the
         container is empty."""
         interrupted: BaseException | None = None
-        while True:
+        while not self._ended.is_set():        # (ended already: no checkpoint, see _all_ended)
             try:
                 if not self.done() and self._run.owning():
                     self._request_stop(f"scope-exit-{self._run.uid}", grace)
@@ -332,27 +350,117 @@ def _threadsafe_soon() -> Any:
     """How another thread has a function called soon in the current event
     loop's thread, without waiting for it: asyncio's call_soon_threadsafe,
     trio's run_sync_soon. Once the loop is gone, nothing (the run's record
-    is on disk all the same)."""
+    is on disk all the same).
+
+    Batched per event loop: what the owner loop's thread hands over while
+    the event loop has not yet run the last batch joins it, so a pass that
+    ends a thousand runs wakes the event loop once (each call of `soon`
+    writes to its self-pipe, and the event loop takes the GIL each time),
+    not a thousand times. The functions run in the order given."""
     soon: Any = None
     closed: tuple[type[BaseException], ...] = (RuntimeError,)
+    key: Any = None
     trio = sys.modules.get("trio")
     if trio is not None:
         try:
-            soon = trio.lowlevel.current_trio_token().run_sync_soon
+            key = trio.lowlevel.current_trio_token()
+            soon = key.run_sync_soon
             closed = (trio.RunFinishedError,)
         except RuntimeError:
             pass                     # trio is imported, but this is not its loop
     if soon is None:
         import asyncio
 
-        soon = asyncio.get_running_loop().call_soon_threadsafe
+        key = asyncio.get_running_loop()
+        soon = key.call_soon_threadsafe
+    with _mailboxes_mu:
+        box = _mailboxes.get(key)
+        if box is None:
+            box = _mailboxes[key] = _Mailbox(soon, closed)
+    return box.call
 
-    def call(fn: Any) -> None:
+
+class _Mailbox:
+    """One event loop's batch of calls from other threads (_threadsafe_soon)."""
+
+    def __init__(self, soon: Any, closed: tuple[type[BaseException], ...]) -> None:
+        # Weakly: the mailbox is the value of its event loop's key in
+        # _mailboxes, and a strong reference to the loop would keep both.
+        self._soon = weakref.WeakMethod(soon)
+        self._closed = closed
+        self._mu = threading.Lock()
+        self._calls: list[Any] = []
+
+    def call(self, fn: Any) -> None:
+        with self._mu:
+            self._calls.append(fn)
+            if len(self._calls) > 1:
+                return               # the event loop is due to run the batch: it takes this one too
+        soon = self._soon()
         try:
-            soon(fn)
-        except closed:
+            if soon is not None:
+                soon(self._run)
+                return
+        except self._closed:
             pass
-    return call
+        except BaseException:
+            with self._mu:               # not scheduled: the next call tries again
+                self._calls.clear()
+            raise
+        with self._mu:                   # the event loop is gone: nobody is left to tell
+            self._calls.clear()
+
+    def _run(self) -> None:
+        with self._mu:
+            calls, self._calls = self._calls, []
+        error: BaseException | None = None
+        for fn in calls:
+            try:
+                fn()
+            except BaseException as e:     # the others run all the same; the first is the loop's to see
+                error = error or e
+        if error is not None:
+            raise error
+
+
+_mailboxes: "weakref.WeakKeyDictionary[Any, _Mailbox]" = weakref.WeakKeyDictionary()
+_mailboxes_mu = threading.Lock()
+
+
+def _request_stops(workers: list[AsyncWorker], op: str | None, grace: float | None) -> None:
+    """Every live worker's cancel intent written, then the owner loop woken
+    once for all of them (one pass of it sends every signal before it waits
+    for any container). `op` None: each worker's own supervisor-exit op.
+    A KeyboardInterrupt meanwhile still wakes those already asked."""
+    asked: list[Run] = []
+    try:
+        for w in workers:
+            if not w.done() and w._run.owning():
+                w._request_stop(op or f"supervisor-exit-{w._run.uid}", grace, wake=False)
+                asked.append(w._run)
+    finally:
+        wake_all(asked)
+
+
+async def _all_ended(workers: list[AsyncWorker]) -> None:
+    """Until every one of `workers` has ended, waited for together: one
+    event, set in the event loop by the last of them to end (not an await
+    per worker, one after the other)."""
+    left = [w for w in workers if not w._ended.is_set()]
+    if not left:
+        await anyio.lowlevel.checkpoint()
+        return
+    every = anyio.Event()
+    count = [len(left)]
+
+    def one_ended() -> None:
+        count[0] -= 1
+        if count[0] == 0:
+            every.set()
+
+    for w in left:
+        w._on_ended.append(one_ended)
+    await every.wait()
 
 
 async def _exit_group(tg: anyio.abc.TaskGroup, et: type[BaseException] | None, e: BaseException | None,
@@ -535,7 +643,9 @@ class AsyncSupervisor:
 
     async def wait(self) -> list[StopRecord]:
         """Until every worker spawned so far has ended; their records."""
-        return [await w.wait() for w in list(self._workers)]
+        workers = list(self._workers)
+        await _all_ended(workers)
+        return [w._result() for w in workers]
 
     async def cancel_all(self, *, grace: float | None = None) -> list[StopRecord]:
         """Cancel every worker still going in one pass (every stop asked for
@@ -545,10 +655,9 @@ class AsyncSupervisor:
         grace = self.grace if grace is None else grace
         op = f"cancel-all-{id(self)}-{time.monotonic_ns()}"
         workers = list(self._workers)
-        for w in workers:
-            if not w.done() and w._run.owning():
-                w._request_stop(op, grace)
-        return [await w.wait() for w in workers]
+        _request_stops(workers, op, grace)
+        await _all_ended(workers)
+        return [w._result() for w in workers]
 
     async def __aenter__(self) -> "AsyncSupervisor":
         tg = anyio.create_task_group()
@@ -563,12 +672,14 @@ class AsyncSupervisor:
         try:
             with anyio.CancelScope(shield=True):
                 interrupted: BaseException | None = None
-                for w in self._workers:          # every stop requested first: graces run together
-                    try:
-                        if not w.done() and w._run.owning():
-                            w._request_stop(f"supervisor-exit-{w._run.uid}", self.grace)
-                    except KeyboardInterrupt as ki:
-                        interrupted = ki
+                try:                             # every stop requested first: graces run together
+                    _request_stops(self._workers, None, self.grace)
+                except KeyboardInterrupt as ki:
+                    interrupted = ki
+                try:
+                    await _all_ended(self._workers)     # together; then each only closes its streams
+                except KeyboardInterrupt as ki:
+                    interrupted = ki
                 for w in self._workers:
                     try:
                         await w._stop(self.grace)

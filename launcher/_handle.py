@@ -125,14 +125,16 @@ class RunHandle:
 
     def _request(self, op: str, grace: float | None, by: dict[str, Any]) -> None:
         """Append the cancel intent to the inbox, durably, before anything is
-        signalled (docs/protocol.md)."""
+        signalled (docs/protocol.md). The owner is this process's: every
+        caller wakes it directly (Run.wake, wake_all), so the inbox's
+        wake-up FIFO, which is for other processes' requests, is left alone."""
         assert self._run.layout is not None
         req: dict[str, Any] = {"op_id": op, "run_uid": self._run.uid, "requested_at": now_iso(),
                                "by": {"pid": os.getpid(), **by}}
         if grace is not None:
             req["grace"] = grace
         with reserve.released():       # a cancel must be writable at the descriptor limit (_fdbudget.py)
-            self._run.layout.append_request(req)
+            self._run.layout.append_request(req, poke=False)
 
     def _answer_as_ended(self, op: str) -> CancelRecord:
         """A cancel for a run whose owner loop has finished: answered from the

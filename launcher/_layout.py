@@ -41,6 +41,7 @@ the order of renames it needs (_safefs.replace_file, keep_old).
 """
 from __future__ import annotations
 
+import _thread
 import errno
 import os
 import sys
@@ -114,6 +115,9 @@ class RunDir(RunDirBase):
 
     _final_written = False      # this object has put a final record.json in place (write_record)
     _journal_made = False       # this object has appended to journal.ndjson (opened without O_CREAT first)
+    _pokes_held = 0             # hold_pokes() depth: the waiters are poked once, at the outermost end
+    _pokes_holder = -1          # the thread holding them: another thread's writes poke at once
+    _poke_due = False
 
     # -- claiming ----------------------------------------------------------
 
@@ -352,10 +356,12 @@ class RunDir(RunDirBase):
 
     # -- cancel inbox, acknowledgements, nested runs (_requests) -----------------
 
-    def append_request(self, req: dict[str, Any]) -> None:
+    def append_request(self, req: dict[str, Any], *, poke: bool = True) -> None:
         """Durably record a cancel intent (_requests.append_request). Raises
-        ValueError, PersistError: then nothing may be signalled for it."""
-        _requests.append_request(self, req)
+        ValueError, PersistError: then nothing may be signalled for it.
+        `poke` False: the caller wakes the owner itself (a request of the
+        owner's own process), so its wake-up FIFO is not opened."""
+        _requests.append_request(self, req, poke=poke)
 
     def read_inbox(self, offset: int = 0, run_uid: str | None = None, *,
                    require_uid: bool = True) -> InboxRead:
@@ -411,6 +417,9 @@ class RunDir(RunDirBase):
         return _fifos.add_waiter(self)
 
     def poke_waiters(self) -> None:
+        if self._pokes_held and self._pokes_holder == _thread.get_ident():
+            self._poke_due = True      # once, at the end of the turn that wrote (release_pokes)
+            return
         _fifos.poke_waiters(self)
 
     def release_and_poke(self) -> None:
@@ -434,6 +443,22 @@ class RunDir(RunDirBase):
                     _fifos.poke_waiters_at(fd)
                 finally:
                     os.close(fd)
+    def hold_pokes(self) -> None:
+        """The owner's turn begins: what it writes (an acknowledgement, the
+        record, their settling) wakes the waiters once, when it ends, not
+        once per file. A waiter re-reads everything it waits for when woken;
+        only the waking is put off, never a write. Owner thread only."""
+        self._pokes_held += 1
+        self._pokes_holder = _thread.get_ident()
+
+    def release_pokes(self) -> None:
+        self._pokes_held = max(0, self._pokes_held - 1)
+        if self._pokes_held:
+            return
+        self._pokes_holder = -1
+        if self._poke_due:
+            self._poke_due = False
+            _fifos.poke_waiters(self)
 
 
 if sys.platform == "win32":

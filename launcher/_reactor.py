@@ -137,6 +137,15 @@ class Reactor:
             self._pending.add(id(run))
         self._poke()
 
+    def wake_all(self, runs: list[Any]) -> None:
+        """`wake()` for many runs at once: one wake-up of the loop, whose
+        next pass turns them all (a bulk cancel's intents are all written
+        first; then every signal goes out before any container is waited
+        for)."""
+        with self._mu:
+            self._pending.update(id(r) for r in runs)
+        self._poke()
+
     def _poke(self) -> None:
         try:
             os.write(self._w, b"!")
@@ -223,6 +232,30 @@ class Reactor:
             self._turn_now(e, ready)
 
     def _turn_now(self, e: _Entry, ready: list[int]) -> None:
+        # What one turn writes (an acknowledgement, the record, a final
+        # record with its settled acknowledgements) wakes the run's waiters
+        # once, at its end (RunDir.hold_pokes): in a final turn that is
+        # after the owner lock is released, which is when they believe it,
+        # and before the run is said done (the poke's descriptors closed).
+        run = e.run
+        layout = run.layout
+        if layout is not None:
+            layout.hold_pokes()
+        try:
+            going, error = self._work(e, ready)
+        finally:
+            if layout is not None:
+                layout.release_pokes()
+        if going:
+            return
+        self._drop(e)
+        try:
+            e.done(error)
+        except BaseException:
+            pass
+
+    def _work(self, e: _Entry, ready: list[int]) -> tuple[bool, BaseException | None]:
+        """One turn of the run: (whether it is still owned, the error that ended its ownership)."""
         run = e.run
         try:
             run.drain(ready)
@@ -235,21 +268,16 @@ class Reactor:
                     if len(self._deadlines) > 2 * len(self._entries) + 64:
                         self._compact()
                 self._sync(e)
-                return
+                return True, None
             if run.snap.terminal or run.snap.phase == S.Phase.UNCONFIRMED:
                 run.finish()
-            error: BaseException | None = None
+            return False, None
         except BaseException as err:        # that run's failure, never the loop's
-            error = err
             try:
                 _ending.abandon(run, err)
             except BaseException:
                 pass
-        self._drop(e)
-        try:
-            e.done(error)
-        except BaseException:
-            pass
+            return False, err
 
     def _sync(self, e: _Entry) -> None:
         """Register what the run waits on now, unregister what it no longer does."""

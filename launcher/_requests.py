@@ -74,7 +74,7 @@ class InboxRead:
 
 # -- the inbox ---------------------------------------------------------------------
 
-def append_request(d: RunDir, req: dict[str, Any]) -> None:
+def append_request(d: RunDir, req: dict[str, Any], *, poke: bool = True) -> None:
     """Record a cancel intent: one O_APPEND write (atomic for a line under
     PIPE_BUF), written before anyone may act on it (crash-consistent, not
     fsynced: _safefs.POWER_LOSS_DURABLE), then the owner is poked. Raises
@@ -97,7 +97,8 @@ def append_request(d: RunDir, req: dict[str, Any]) -> None:
                 raise F.persist_error(e, "fsync of the directory", d.requests) from None
     finally:
         os.close(cfd)
-    d.poke_owner()
+    if poke:
+        d.poke_owner()
 
 
 def read_inbox(d: RunDir, offset: int = 0, run_uid: str | None = None, *, require_uid: bool = True) -> InboxRead:

@@ -92,11 +92,15 @@ class StopSequence:
                                      "ended_by": "emptied", "seen": {"count": 0}}
             return ev
         self._note_sockets()
-        if self.usage is not None:
-            try:
-                self.usage.at_stop(self.container.members())
-            except OSError:
-                pass                       # the locks layer then says what it could not list
+        # The members are listed once here, for the locks they hold and for
+        # the first step's `seen` (each listing walks the subtree and reads
+        # every cgroup.procs): the same moment, the stop's beginning.
+        try:
+            pids: list[int] | None = self.container.members()
+        except OSError:
+            pids = None                    # the locks layer then says what it could not list; `seen` is null
+        if self.usage is not None and pids is not None:
+            self.usage.at_stop(pids)
         if self.asked_grace is not None:
             grace = min(grace, self.asked_grace)
         self.grace, self.signum = grace, int(signum)
@@ -104,11 +108,11 @@ class StopSequence:
             self.stage, self.deadline = "linger", min(now + linger, self.timeout_at or float("inf"))
             self.linger_began = now
             self.facts.linger = {"asked_s": linger, "began_at": now_iso(), "ended_at": None,
-                                 "lingered_s": None, "ended_by": None, "seen": self._seen()}
+                                 "lingered_s": None, "ended_by": None, "seen": self._seen(pids, listed=True)}
             if self.journal is not None:
                 self.journal("linger", seconds=linger)
             return None
-        self._polite(now)
+        self._polite(now, pids, listed=True)
         return ev
 
     def shorten(self, now: float, grace: float | None = None, signum: int | None = None) -> None:
@@ -158,14 +162,14 @@ class StopSequence:
     def retry(self, now: float) -> None:
         self._kill(now)
 
-    def _polite(self, now: float) -> None:
-        if self.grace > 0 and self._terminate():
+    def _polite(self, now: float, pids: list[int] | None = None, listed: bool = False) -> None:
+        if self.grace > 0 and self._terminate(pids, listed):
             self.stage, self.deadline = "term", now + self.grace
         else:
             # No grace, or nothing was asked to stop (a Job Object with no
             # member on our console, a signal that could not be sent):
             # waiting out the grace would buy nothing.
-            self._kill(now)
+            self._kill(now, pids, listed)
 
     def _end_linger(self, now: float, why: str) -> None:
         lg = self.facts.linger
@@ -189,21 +193,26 @@ class StopSequence:
             held, problems = held | self.sockets[0], self.sockets[1] + problems
         self.sockets = (held, problems)
 
-    def _seen(self) -> dict[str, Any] | None:
+    def _seen(self, pids: list[int] | None = None, listed: bool = False) -> dict[str, Any] | None:
         """The members about to be signalled (or left to linger): how many,
-        and the first few by pid and command name, for the record and `-v`."""
-        try:
-            pids = sorted(self.container.members())
-        except OSError:
+        and the first few by pid and command name, for the record and `-v`.
+        `listed`: `pids` is this moment's listing (None: it failed)."""
+        if not listed:
+            try:
+                pids = self.container.members()
+            except OSError:
+                return None
+        if pids is None:
             return None
+        pids = sorted(pids)
         return {"count": len(pids), "processes": [{"pid": p, "comm": read_comm(p)} for p in pids[:_NAMES_KEPT]]}
 
-    def _terminate(self) -> bool:
+    def _terminate(self, pids: list[int] | None = None, listed: bool = False) -> bool:
         """The polite step; whether it reached the tree."""
         name = signal_name(self.signum)
         if self.facts.linger is not None:
             self._note_sockets()
-        seen = self._seen()
+        seen = self._seen(pids, listed)
         try:
             via, detail = self.container.terminate(self.signum)
             # A container that could send nothing says so (`sent`: a Job
@@ -223,9 +232,9 @@ class StopSequence:
             self.facts.signal_step("term", None, via, f"failed: {e}")
             return False
 
-    def _kill(self, now: float) -> None:
+    def _kill(self, now: float, pids: list[int] | None = None, listed: bool = False) -> None:
         self.kill_rounds += 1
-        seen = self._seen() if self.kill_rounds == 1 and self.stage is None else None
+        seen = self._seen(pids, listed) if self.kill_rounds == 1 and self.stage is None else None
         try:
             via = self.container.kill()
             detail: dict[str, Any] = {"round": self.kill_rounds}

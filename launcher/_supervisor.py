@@ -26,7 +26,7 @@ from ._layout import new_uid
 from ._record import StopRecord
 from ._options import DEFAULT_GRACE
 from ._run import Run
-from ._worker import SHARED_OWNER, Worker, abandon, start_run
+from ._worker import SHARED_OWNER, Worker, abandon, start_run, wait_all, wake_all
 
 
 class Supervisor:
@@ -100,9 +100,17 @@ class Supervisor:
         if grace is None:
             grace = self.grace
         op = f"cancel-all-{new_uid()}"
-        workers = self.workers
-        for w in workers:
-            w.request_stop(op, grace)
+        with self._lock:
+            pairs = [(r, self._workers[id(r)]) for r in self._runs if id(r) in self._workers]
+        workers = [w for _r, w in pairs]
+        asked: list[Run] = []
+        try:
+            for r, w in pairs:
+                if w.request_stop(op, grace, wake=False):
+                    asked.append(r)
+        finally:
+            wake_all(asked)                 # one wake-up of the owner loop for every run asked
+        wait_all(workers)
         return [w.wait() for w in workers]
 
     def close(self) -> list[StopRecord]:
@@ -124,18 +132,29 @@ class Supervisor:
                         self._idle.wait(1.0)
                     runs = list(self._runs)
                     workers = dict(self._workers)
-                for r in runs:                       # every stop requested first
-                    w = workers.get(id(r))
-                    if w is not None and not w.done():
-                        try:
-                            w.cancel(op_id=op, grace=self.grace)
-                        except Exception as e:       # stop() below tries again
-                            errors.append(e)
+                asked: set[int] = set()
+                try:
+                    for r in runs:                   # every stop requested first (no wait for each answer)
+                        w = workers.get(id(r))
+                        if w is not None and not w.done():
+                            try:
+                                if w.request_stop(op, self.grace, wake=False):
+                                    asked.add(id(r))
+                            except Exception as e:   # stop() below tries again
+                                errors.append(e)
+                finally:
+                    wake_all([r for r in runs if id(r) in asked])   # the owner loop, once for all
+                wait_all([w for r in runs if id(r) in asked and (w := workers.get(id(r))) is not None])
                 for r in runs:
                     w = workers.get(id(r))
                     try:
                         if w is None:
                             abandon(r)               # started, but interrupted before its Worker existed
+                        elif id(r) in asked:
+                            try:
+                                w.wait()             # its stop is asked: only its end is awaited
+                            finally:
+                                w.close()
                         else:
                             w.stop(op_id=op, grace=self.grace)
                     except Exception as e:           # one failure never leaves the others running

@@ -33,6 +33,46 @@ if SHARED_OWNER:
     from ._reactor import reactor
 
 
+def wait_all(workers: Sequence[Worker]) -> None:
+    """Until every one of `workers` has ended: one event, set by the last of
+    them to end, so the waiting thread is woken once, not once per worker
+    (each wake-up takes the GIL from the owner loop's thread while it is
+    still ending the others)."""
+    mu = threading.Lock()
+    every = threading.Event()
+    left = [1]                 # 1: held until every countdown is in place
+
+    def one_ended() -> None:
+        with mu:
+            left[0] -= 1
+            if left[0] == 0:
+                every.set()
+
+    for w in workers:
+        with mu:
+            left[0] += 1
+        if not w._call_at_end(one_ended):
+            one_ended()        # ended already
+    one_ended()
+    wait_event(every, None)
+
+
+def wake_all(runs: list[Run]) -> None:
+    """Make the owner loops of `runs` look at their inputs now: on Linux the
+    process's one loop, woken once for all of them (a bulk cancel writes
+    every intent first, then this)."""
+    if not runs:
+        return
+    shared = [r for r in runs if SHARED_OWNER and r.wakeups is not None and r.wakeups.waker is not None]
+    if shared:
+        reactor().wake_all(shared)      # the loop that set their wakers (reactor.own)
+    if len(shared) < len(runs):
+        ids = {id(r) for r in shared}
+        for r in runs:
+            if id(r) not in ids:
+                r.wake()
+
+
 _owned_mu = threading.Lock()
 _owned: "weakref.WeakSet[Run]" = weakref.WeakSet()
 
@@ -132,6 +172,7 @@ class Worker(RunHandle):
         # thread's tstate lock and is_alive() then says False (the bpo-45274
         # handling in Thread._wait_for_tstate_lock).
         self._finished = threading.Event()
+        self._on_end: list[Callable[[], None]] = []     # wait_all()'s countdowns, called once it has ended
         self._error: BaseException | None = None
         self._comm: tuple[dict[int, list[bytes]], memoryview] | None = None   # a communicate() under way
         self._to_worker: list[int] = []      # send_signal()'s, sent by the owner loop's thread
@@ -154,8 +195,21 @@ class Worker(RunHandle):
 
     def _ended(self, error: BaseException | None) -> None:
         self._error = error
-        self._finished.set()
+        with self._cond:
+            self._finished.set()
+            calls, self._on_end = self._on_end, []
         self._changed()
+        for fn in calls:
+            fn()
+
+    def _call_at_end(self, fn: Callable[[], None]) -> bool:
+        """Have `fn` called (in the owner loop's thread) when the run has
+        ended; False, and no call, if it already has."""
+        with self._cond:
+            if self._finished.is_set():
+                return False
+            self._on_end.append(fn)
+            return True
 
     def _own(self) -> None:
         try:
@@ -165,8 +219,7 @@ class Worker(RunHandle):
         except BaseException as e:      # surfaced by wait(), never lost
             self._error = e
         finally:
-            self._finished.set()
-            self._changed()
+            self._ended(self._error)
 
     def _changed(self) -> None:
         # In the owner loop's thread (after each turn): send_signal's queue.
@@ -212,13 +265,17 @@ class Worker(RunHandle):
         # the inbox of an ended run, answered as any late cancel.
         return self._answer_as_ended(op)
 
-    def request_stop(self, op: str, grace: float | None) -> None:
-        """A cancel's intent, written, and the owner woken; no wait for its
-        acknowledgement (cancel_all asks every run before it waits)."""
+    def request_stop(self, op: str, grace: float | None, wake: bool = True) -> bool:
+        """A cancel's intent, written, and the owner woken (unless `wake` is
+        False: the caller wakes it, with others, wake_all); no wait for its
+        acknowledgement (cancel_all asks every run before it waits).
+        Whether a request was written."""
         if self.done() or self._known_ack(op) is not None:
-            return
+            return False
         self._request(op, grace, {"thread": threading.get_ident()})
-        self._run.wake()
+        if wake:
+            self._run.wake()
+        return True
 
     def communicate(self, input: bytes | None = None, timeout: float | None = None) -> tuple[bytes | None, bytes | None]:
         """As `Popen.communicate`: send `input` to stdin (then close it), read

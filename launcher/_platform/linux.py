@@ -446,10 +446,10 @@ class Container:
 
         for d in walk_dirs(self.dir, fail):
             try:
-                with open(os.path.join(d, "cgroup.procs")) as f:
-                    pids.extend(p for p in map(int, f.read().split()) if p != init)
+                data = _read_all(os.path.join(d, "cgroup.procs"))
             except OSError:
                 continue
+            pids.extend(p for p in map(int, data.split()) if p != init)
         return pids
 
     def cpu_stat(self) -> dict[str, int] | None:
@@ -542,3 +542,18 @@ class Container:
             remove_made(self._made)
         return problem
 
+
+def _read_all(path: str) -> bytes:
+    """A cgroup file's whole content, by os.read: open() would add a
+    buffered text layer (an isatty ioctl, two lseeks and an fstat) to every
+    file a stop reads, a thousand stops at once."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks: list[bytes] = []
+        while True:
+            b = os.read(fd, 65536)
+            if not b:
+                return b"".join(chunks)
+            chunks.append(b)
+    finally:
+        os.close(fd)

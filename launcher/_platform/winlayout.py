@@ -287,14 +287,16 @@ class RunDir:
 
     # -- the inbox, acknowledgements, nested runs ----------------------------
 
-    def append_request(self, req: dict[str, Any]) -> None:
-        """Durably record a cancel intent (FILE_FLAG_WRITE_THROUGH), then poke the owner."""
+    def append_request(self, req: dict[str, Any], *, poke: bool = True) -> None:
+        """Durably record a cancel intent (FILE_FLAG_WRITE_THROUGH), then poke
+        the owner (unless `poke` is False: the caller wakes it itself)."""
         data = (json.dumps(req, separators=(",", ":")) + "\n").encode()
         if len(data) > MAX_LINE - 1:
             raise ValueError("cancel request too large")
         check_dir(self.cancellations, create=True)
         self._append(self.requests, data, durable=True)
-        self.poke_owner()
+        if poke:
+            self.poke_owner()
 
     def read_inbox(self, offset: int = 0, run_uid: str | None = None, *, require_uid: bool = True) -> InboxRead:
         """As _requests.read_inbox: never raises for the file's content."""
