@@ -222,3 +222,86 @@ def test_an_owner_link_that_names_no_slot_is_not_taken_for_a_dead_owner(state_di
     with open(os.path.join(d, "owner"), "w"):
         pass
     assert RunDir(d).owner() is None
+
+
+_ADOPTER = textwrap.dedent("""
+    import sys
+    from launcher._layout import RunDir
+    r = RunDir(sys.argv[1])
+    print(r.take_ownership(), flush=True)
+    sys.stdin.read()
+    r.release()
+""")
+
+
+def _adopter(env: dict[str, str], path: str) -> tuple[subprocess.Popen, str]:
+    a = subprocess.Popen([PY, "-c", _ADOPTER, path], env={**env, "PYTHONPATH": ROOT}, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE)
+    assert a.stdout is not None
+    try:
+        return a, readline_within(a.stdout, 60).decode().strip()
+    except BaseException:
+        a.kill()
+        a.wait(10)
+        raise
+
+
+@pytest.mark.timeout(180)
+def test_a_sweep_racing_an_adopter_leaves_one_owner(state_dir, cgroup_base, env, token, monkeypatch) -> None:
+    """The sweep checks an owners file has no lock, then unlinks it by name.
+    An adopter that opens, locks and re-stats the file between those two
+    steps finds its name still naming its file and takes the slot; the
+    unlink then leaves its lock on a nameless inode. The run now looks
+    ownerless (`held` finds no file), and a second adopter makes the file
+    anew and takes the same slot: two owners of one run. The window is
+    made wide here by running the first adopter from inside the sweep's
+    check (timing only: the locks and processes are real)."""
+    from launcher import _ownerslots
+    from launcher._layout import RunDir
+    from launcher._statedir import StateDir
+
+    p, ids = _start_owner(env, 1)
+    try:
+        assert wait_holders(token, 1)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+    path = os.path.join(state_dir, "runs", ids[0])
+    fname, k = _slot_of(state_dir, ids[0])
+    adopters: list[subprocess.Popen] = []
+    said: list[str] = []
+    real = _ownerslots.lock_held
+
+    def check_then_adopt(fd: int, *a: int) -> bool:
+        held = real(fd, *a)
+        if not held and not adopters and not a:
+            proc, out = _adopter(env, path)
+            adopters.append(proc)
+            said.append(out)
+        return held
+
+    monkeypatch.setattr(_ownerslots, "lock_held", check_then_adopt)
+    st = StateDir.open(state_dir, write=True)
+    try:
+        _ownerslots.sweep(st, time.time())
+        monkeypatch.setattr(_ownerslots, "lock_held", real)
+        assert said == ["True"], said          # the first adopter owns the run
+        try:
+            seen = RunDir(path).owner()
+            second, out = _adopter(env, path)
+            adopters.append(second)
+            assert (seen, out) == (True, "False"), \
+                "(owner() while the first adopter lives, the second adopter's take): a live adopter's run " \
+                "looked ownerless, or a second adopter took the slot the first one holds"
+        finally:
+            for a in adopters:
+                a.kill()
+                a.wait(10)
+    finally:
+        st.close()
+        for a in adopters:
+            if a.poll() is None:
+                a.kill()
+                a.wait(10)
+    assert _cancel(env, ids[0]).get("state") == "REAPED"
+    assert wait_gone(token, 20) == []
