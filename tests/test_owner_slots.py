@@ -254,8 +254,8 @@ def test_a_sweep_racing_an_adopter_leaves_one_owner(state_dir, cgroup_base, env,
     unlink then leaves its lock on a nameless inode. The run now looks
     ownerless (`held` finds no file), and a second adopter makes the file
     anew and takes the same slot: two owners of one run. The window is
-    made wide here by running the first adopter from inside the sweep's
-    check (timing only: the locks and processes are real)."""
+    made wide here by running the first adopter just before the sweep's
+    unlink (timing only: the locks and processes are real)."""
     from launcher import _ownerslots
     from launcher._layout import RunDir
     from launcher._statedir import StateDir
@@ -270,38 +270,33 @@ def test_a_sweep_racing_an_adopter_leaves_one_owner(state_dir, cgroup_base, env,
     fname, k = _slot_of(state_dir, ids[0])
     adopters: list[subprocess.Popen] = []
     said: list[str] = []
-    real = _ownerslots.lock_held
+    real_unlink = os.unlink
 
-    def check_then_adopt(fd: int, *a: int) -> bool:
-        held = real(fd, *a)
-        if not held and not adopters and not a:
+    def adopt_then_unlink(name, *a, **kw):     # the sweep decided; an adopter comes before its unlink
+        if name == os.path.basename(fname) and not adopters:
             proc, out = _adopter(env, path)
             adopters.append(proc)
             said.append(out)
-        return held
+        return real_unlink(name, *a, **kw)
 
-    monkeypatch.setattr(_ownerslots, "lock_held", check_then_adopt)
     st = StateDir.open(state_dir, write=True)
     try:
-        _ownerslots.sweep(st, time.time())
-        monkeypatch.setattr(_ownerslots, "lock_held", real)
-        assert said == ["True"], said          # the first adopter owns the run
+        monkeypatch.setattr(os, "unlink", adopt_then_unlink)
         try:
-            seen = RunDir(path).owner()
-            second, out = _adopter(env, path)
-            adopters.append(second)
-            assert (seen, out) == (True, "False"), \
-                "(owner() while the first adopter lives, the second adopter's take): a live adopter's run " \
-                "looked ownerless, or a second adopter took the slot the first one holds"
+            _ownerslots.sweep(st, time.time())
         finally:
-            for a in adopters:
-                a.kill()
-                a.wait(10)
+            monkeypatch.setattr(os, "unlink", real_unlink)
+        assert len(said) == 1, said
+        seen = RunDir(path).owner()
+        second, out = _adopter(env, path)
+        adopters.append(second)
+        said.append(out)
+        assert seen is (said[0] == "True"), "a live adopter's run looks ownerless"
+        assert said.count("True") == 1, f"two adopters own one run: {said}"
     finally:
         st.close()
         for a in adopters:
-            if a.poll() is None:
-                a.kill()
-                a.wait(10)
+            a.kill()
+            a.wait(10)
     assert _cancel(env, ids[0]).get("state") == "REAPED"
     assert wait_gone(token, 20) == []
