@@ -300,3 +300,71 @@ def test_a_sweep_racing_an_adopter_leaves_one_owner(state_dir, cgroup_base, env,
             a.wait(10)
     assert _cancel(env, ids[0]).get("state") == "REAPED"
     assert wait_gone(token, 20) == []
+
+
+_FORGED_ADOPTER = textwrap.dedent("""
+    import os, sys, launcher
+    from launcher._layout import RunDir
+    state, orphan = sys.argv[1], sys.argv[2]
+    sup = launcher.Supervisor(grace=0.5)
+    first = sup.spawn(["sleep", "300"])
+    print(first.id, os.readlink(os.path.join(state, "runs", first.id, "owner")), flush=True)
+    sys.stdin.readline()                         # the orphan's link now names this process's next slot
+    x = RunDir(os.path.join(state, "runs", orphan))
+    print("adopted", x.take_ownership(), flush=True)
+    second = sup.spawn(["sleep", "300"])         # while the orphan is still adopted
+    print(second.id, os.readlink(os.path.join(state, "runs", second.id, "owner")), flush=True)
+    sys.stdin.readline()
+    x.release()                                  # the adoption ends
+    print("released", flush=True)
+    sys.stdin.read()
+""")
+
+
+@pytest.mark.timeout(180)
+def test_a_slot_adopted_through_a_forged_link_is_not_given_to_a_new_run(state_dir, cgroup_base, env,
+                                                                        token) -> None:
+    """An orphan's `owner` link is the run directory's, which its worker can
+    write: it can name a slot of a live process's owners file that the
+    process has not given out yet. If that process adopts the orphan (a
+    library process calling launcher.cancel on it, in-process), it takes
+    the byte through its own descriptor, and a run it starts meanwhile is
+    then given the same byte (a second lock on one open file description
+    always succeeds). When the adoption ends and the byte is dropped, the
+    new run's owner lock goes with it: a live run looks orphaned (the
+    janitor, an adopter, `contain ls` would take it for one)."""
+    p, ids = _start_owner(env, 1)
+    try:
+        assert wait_holders(token, 1)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+    orphan = ids[0]
+    q = subprocess.Popen([PY, "-c", _FORGED_ADOPTER, state_dir, orphan], env={**env, "PYTHONPATH": ROOT},
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    started: list[str] = []
+    try:
+        assert q.stdout is not None and q.stdin is not None
+        first, target1 = readline_within(q.stdout, 60).decode().split()
+        started.append(first)
+        name, _, k = target1.rpartition(":")
+        link = os.path.join(state_dir, "runs", orphan, "owner")
+        os.unlink(link)
+        os.symlink(f"{name}:{int(k) + 1}", link)          # what the orphan's worker could do
+        q.stdin.write(b"go\n")
+        q.stdin.flush()
+        assert readline_within(q.stdout, 60).decode().split() == ["adopted", "True"]
+        second, target = readline_within(q.stdout, 60).decode().split()
+        started.append(second)
+        q.stdin.write(b"go\n")
+        q.stdin.flush()
+        assert readline_within(q.stdout, 60).strip() == b"released"
+        f2, k2 = target.rpartition(":")[0], int(target.rpartition(":")[2])
+        assert _held(os.path.join(state_dir, "owners", f2), k2, 1), \
+            f"the live run {second} ({target}) lost its owner lock when an adoption of the same slot ended"
+    finally:
+        q.kill()
+        q.wait(10)
+    for rid in [orphan, *started]:
+        _cancel(env, rid)
+    assert wait_gone(token, 30) == []
