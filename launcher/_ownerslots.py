@@ -160,6 +160,12 @@ def claim(st: "StateDir") -> tuple[str, int]:
         while True:
             k = f.next
             f.next += 1
+            if k in f.slots:
+                # Taken by this very process through a forged link (take(): an
+                # orphan's worker can name a slot not given out yet). A second
+                # lock through the same open file description would succeed,
+                # and the end of that adoption would then drop the new run's.
+                continue
             if take_lock(f.fd, k, 1):     # held elsewhere only if a forged link made an adopter take it
                 f.slots.add(k)
                 return f.name, k
