@@ -496,11 +496,11 @@ class WallRoot:
 
     def _end(self) -> None:
         self._ended = True
-        self.due = None
         self.close()
         self.init.wake()        # the owner now waits for the init's end: the namespace empty
 
     def close(self) -> None:
+        self.due = None           # nothing left to look at: no timer (a past one would spin the loop)
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
