@@ -40,33 +40,65 @@ def _ignores(pid: int, signum: int) -> bool:
     return False
 
 
+# Members pinned at once: a tree can have more deaf members than the owner
+# has descriptors to spare (the owner holds every run of its process), and
+# pinning them all before signalling any would leave none told.
+_BATCH = 64
+
+
 def term_the_deaf(container: Any, signum: int) -> dict[str, Any] | None:
     """SIGTERM (+SIGCONT) to the members that ignore `signum`, for a stop
     whose polite signal is SIGINT or SIGQUIT. Returns what was done for the
-    record (None when nothing was to do or the members cannot be listed)."""
+    record (None when nothing was to do or the members cannot be listed).
+    Members are pinned and told _BATCH at a time."""
     if signum not in DEAF_PRONE or not hasattr(os, "pidfd_open"):
         return None
     try:
         pids = container.members()
     except OSError:
         return None
+    sent: list[int] = []
+    missed = 0
+    for at in range(0, len(pids), _BATCH):
+        done, skipped = _term_batch(container, pids[at:at + _BATCH], signum)
+        if done is None:
+            missed += skipped
+            continue
+        sent.extend(done)
+        missed += skipped
+    if not sent:
+        return None
+    out: dict[str, Any] = {"signal": "SIGTERM", "because": f"they ignore {signal.signal_name(signum)}",
+                           "pids": sent[:8], "count": len(sent)}
+    if missed:
+        out["not_pinned"] = missed      # no descriptor for them: they wait out the grace
+    return out
+
+
+def _term_batch(container: Any, pids: list[int], signum: int) -> tuple[list[int] | None, int]:
+    """One batch: (the pids told, or None when the container could not be
+    listed again; how many could not be pinned)."""
     pinned: dict[int, int] = {}
+    missed = 0
     try:
         for pid in pids:
             try:
                 fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                continue
             except OSError:
+                missed += 1
                 continue
             if _ignores(pid, signum):
                 pinned[pid] = fd
             else:
                 os.close(fd)
         if not pinned:
-            return None
+            return [], missed
         try:
             still = set(container.members())
         except OSError:
-            return None
+            return None, missed + len(pinned)
         sent = []
         for pid, fd in pinned.items():
             if pid not in still:
@@ -77,10 +109,7 @@ def term_the_deaf(container: Any, signum: int) -> dict[str, Any] | None:
                 sent.append(pid)
             except OSError:
                 continue
-        if not sent:
-            return None
-        return {"signal": "SIGTERM", "because": f"they ignore {signal.signal_name(signum)}",
-                "pids": sent[:8], "count": len(sent)}
+        return sent, missed
     finally:
         for fd in pinned.values():
             os.close(fd)

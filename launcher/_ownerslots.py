@@ -26,8 +26,10 @@ description holds both), so this module keeps the slots of its process
 An owners file is made under a temporary name and renamed into place once
 its byte 0 is locked, so a file under its final name whose byte 0 is free
 belongs to a process that is gone. `sweep()` removes owners files no lock is
-held on at all; an adopter that opened one just before it was removed finds
-its path no longer names its file, and opens it again.
+held on at all, holding a lock on the whole file across the unlink; an
+adopter that opened one just before it was removed either finds its byte
+locked (and tries later) or, once it has it, finds its path no longer names
+its file, and opens it again.
 """
 from __future__ import annotations
 
@@ -158,6 +160,12 @@ def claim(st: "StateDir") -> tuple[str, int]:
         while True:
             k = f.next
             f.next += 1
+            if k in f.slots:
+                # Taken by this very process through a forged link (take(): an
+                # orphan's worker can name a slot not given out yet). A second
+                # lock through the same open file description would succeed,
+                # and the end of that adoption would then drop the new run's.
+                continue
             if take_lock(f.fd, k, 1):     # held elsewhere only if a forged link made an adopter take it
                 f.slots.add(k)
                 return f.name, k
@@ -290,14 +298,28 @@ def sweep(st: "StateDir", now: float) -> int:
                     continue
                 if not valid_name(e.name):
                     continue
-                fd = os.open(e.name, F.O_READ, dir_fd=dfd)
+                # Lock the whole file and unlink it while holding that lock:
+                # an adopter that opened it meanwhile either fails to take its
+                # byte (and tries again later) or takes it only after the
+                # unlink, when its re-stat finds the name gone and it opens
+                # the path again. A check without a lock, then an unlink,
+                # would leave such an adopter's lock on a nameless file (two
+                # owners of one run).
+                fd = os.open(e.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
                 try:
-                    if not stat.S_ISREG(os.fstat(fd).st_mode) or lock_held(fd):
+                    s = os.fstat(fd)
+                    if not stat.S_ISREG(s.st_mode) or not take_lock(fd):
                         continue
+                    try:
+                        now_s = os.stat(e.name, dir_fd=dfd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if (now_s.st_dev, now_s.st_ino) != (s.st_dev, s.st_ino):
+                        continue
+                    os.unlink(e.name, dir_fd=dfd)
+                    gone += 1
                 finally:
                     os.close(fd)
-                os.unlink(e.name, dir_fd=dfd)
-                gone += 1
             except OSError:
                 continue
     finally:

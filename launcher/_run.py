@@ -177,6 +177,8 @@ class Run:
         if self.container is not None and self.container.backend in ("none", "subreaper") and self.snap.stopping:
             t = min(t, time.monotonic() + 0.02)   # degraded mode has no emptiness event
         t = min(t, self.live_due or t)
+        if (due := getattr(self.root, "due", None)) is not None:
+            t = min(t, due)               # a worker seen exited, its status not yet kept (WallRoot)
         if self.layout is not None:
             if not (self.wakeups is not None and self.wakeups.inbox_woken):
                 t = min(t, time.monotonic() + _INBOX_FALLBACK_S)

@@ -222,3 +222,149 @@ def test_an_owner_link_that_names_no_slot_is_not_taken_for_a_dead_owner(state_di
     with open(os.path.join(d, "owner"), "w"):
         pass
     assert RunDir(d).owner() is None
+
+
+_ADOPTER = textwrap.dedent("""
+    import sys
+    from launcher._layout import RunDir
+    r = RunDir(sys.argv[1])
+    print(r.take_ownership(), flush=True)
+    sys.stdin.read()
+    r.release()
+""")
+
+
+def _adopter(env: dict[str, str], path: str) -> tuple[subprocess.Popen, str]:
+    a = subprocess.Popen([PY, "-c", _ADOPTER, path], env={**env, "PYTHONPATH": ROOT}, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE)
+    assert a.stdout is not None
+    try:
+        return a, readline_within(a.stdout, 60).decode().strip()
+    except BaseException:
+        a.kill()
+        a.wait(10)
+        raise
+
+
+@pytest.mark.timeout(180)
+def test_a_sweep_racing_an_adopter_leaves_one_owner(state_dir, cgroup_base, env, token, monkeypatch) -> None:
+    """The sweep checks an owners file has no lock, then unlinks it by name.
+    An adopter that opens, locks and re-stats the file between those two
+    steps finds its name still naming its file and takes the slot; the
+    unlink then leaves its lock on a nameless inode. The run now looks
+    ownerless (`held` finds no file), and a second adopter makes the file
+    anew and takes the same slot: two owners of one run. The window is
+    made wide here by running the first adopter just before the sweep's
+    unlink (timing only: the locks and processes are real)."""
+    from launcher import _ownerslots
+    from launcher._layout import RunDir
+    from launcher._statedir import StateDir
+
+    p, ids = _start_owner(env, 1)
+    try:
+        assert wait_holders(token, 1)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+    path = os.path.join(state_dir, "runs", ids[0])
+    fname, k = _slot_of(state_dir, ids[0])
+    adopters: list[subprocess.Popen] = []
+    said: list[str] = []
+    real_unlink = os.unlink
+
+    def adopt_then_unlink(name, *a, **kw):     # the sweep decided; an adopter comes before its unlink
+        if name == os.path.basename(fname) and not adopters:
+            proc, out = _adopter(env, path)
+            adopters.append(proc)
+            said.append(out)
+        return real_unlink(name, *a, **kw)
+
+    st = StateDir.open(state_dir, write=True)
+    try:
+        monkeypatch.setattr(os, "unlink", adopt_then_unlink)
+        try:
+            _ownerslots.sweep(st, time.time())
+        finally:
+            monkeypatch.setattr(os, "unlink", real_unlink)
+        assert len(said) == 1, said
+        seen = RunDir(path).owner()
+        second, out = _adopter(env, path)
+        adopters.append(second)
+        said.append(out)
+        assert seen is (said[0] == "True"), "a live adopter's run looks ownerless"
+        assert said.count("True") == 1, f"two adopters own one run: {said}"
+    finally:
+        st.close()
+        for a in adopters:
+            a.kill()
+            a.wait(10)
+    assert _cancel(env, ids[0]).get("state") == "REAPED"
+    assert wait_gone(token, 20) == []
+
+
+_FORGED_ADOPTER = textwrap.dedent("""
+    import os, sys, launcher
+    from launcher._layout import RunDir
+    state, orphan = sys.argv[1], sys.argv[2]
+    sup = launcher.Supervisor(grace=0.5)
+    first = sup.spawn(["sleep", "300"])
+    print(first.id, os.readlink(os.path.join(state, "runs", first.id, "owner")), flush=True)
+    sys.stdin.readline()                         # the orphan's link now names this process's next slot
+    x = RunDir(os.path.join(state, "runs", orphan))
+    print("adopted", x.take_ownership(), flush=True)
+    second = sup.spawn(["sleep", "300"])         # while the orphan is still adopted
+    print(second.id, os.readlink(os.path.join(state, "runs", second.id, "owner")), flush=True)
+    sys.stdin.readline()
+    x.release()                                  # the adoption ends
+    print("released", flush=True)
+    sys.stdin.read()
+""")
+
+
+@pytest.mark.timeout(180)
+def test_a_slot_adopted_through_a_forged_link_is_not_given_to_a_new_run(state_dir, cgroup_base, env,
+                                                                        token) -> None:
+    """An orphan's `owner` link is the run directory's, which its worker can
+    write: it can name a slot of a live process's owners file that the
+    process has not given out yet. If that process adopts the orphan (a
+    library process calling launcher.cancel on it, in-process), it takes
+    the byte through its own descriptor, and a run it starts meanwhile is
+    then given the same byte (a second lock on one open file description
+    always succeeds). When the adoption ends and the byte is dropped, the
+    new run's owner lock goes with it: a live run looks orphaned (the
+    janitor, an adopter, `contain ls` would take it for one)."""
+    p, ids = _start_owner(env, 1)
+    try:
+        assert wait_holders(token, 1)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+    orphan = ids[0]
+    q = subprocess.Popen([PY, "-c", _FORGED_ADOPTER, state_dir, orphan], env={**env, "PYTHONPATH": ROOT},
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    started: list[str] = []
+    try:
+        assert q.stdout is not None and q.stdin is not None
+        first, target1 = readline_within(q.stdout, 60).decode().split()
+        started.append(first)
+        name, _, k = target1.rpartition(":")
+        link = os.path.join(state_dir, "runs", orphan, "owner")
+        os.unlink(link)
+        os.symlink(f"{name}:{int(k) + 1}", link)          # what the orphan's worker could do
+        q.stdin.write(b"go\n")
+        q.stdin.flush()
+        assert readline_within(q.stdout, 60).decode().split() == ["adopted", "True"]
+        second, target = readline_within(q.stdout, 60).decode().split()
+        started.append(second)
+        q.stdin.write(b"go\n")
+        q.stdin.flush()
+        assert readline_within(q.stdout, 60).strip() == b"released"
+        f2, k2 = target.rpartition(":")[0], int(target.rpartition(":")[2])
+        assert _held(os.path.join(state_dir, "owners", f2), k2, 1), \
+            f"the live run {second} ({target}) lost its owner lock when an adoption of the same slot ended"
+    finally:
+        q.kill()
+        q.wait(10)
+    for rid in [orphan, *started]:
+        _cancel(env, rid)
+    assert wait_gone(token, 30) == []

@@ -57,6 +57,8 @@ def _no_exit_status_here() -> None:
 # the reaping, not the exit): the init reaps at once on SIGCHLD, so this
 # is only ever waited out by an init that cannot run (frozen, stopped).
 _REAP_WAIT_S = 0.005
+# Past that, the worker is looked at again on a timer, backing off to this.
+_REAP_RETRY_MAX_S = 0.5
 
 
 def pidfd_exit_status(pidfd: int) -> int | None:
@@ -397,7 +399,9 @@ class WallRoot:
         self.pid = pid
         self.pidfd = pidfd
         self._ended = False
-        self._unwatched = False     # seen exited, not reaped within _REAP_WAIT_S: left to the init's pidfd
+        self._unwatched = False     # seen exited, not reaped within _REAP_WAIT_S: looked at on a timer
+        self.due: float | None = None   # then, when to look again (monotonic): the owner's deadline
+        self._backoff = _REAP_WAIT_S
 
     def source(self) -> tuple[int, int] | None:
         """While the init's socket is open, the container waits on it (the
@@ -424,16 +428,24 @@ class WallRoot:
         """The worker has exited (its pidfd polls readable) and the init,
         no longer heard, has not reaped it yet: the kernel keeps the status
         at the reaping. Wait for it a moment; past that the pidfd is no
-        longer watched (it would poll readable for ever) and the init's own
-        end, or the owner's guard, brings the next look."""
-        deadline = time.monotonic() + _REAP_WAIT_S
-        while True:
-            got = pidfd_exit_status(self.pidfd)
-            if got is not None or time.monotonic() >= deadline:
-                break
-            time.sleep(0.0002)
+        longer watched (it would poll readable for ever) and the worker is
+        looked at again on a timer (`due`, backing off to _REAP_RETRY_MAX_S):
+        the init does not end while another member lives, so its end alone
+        could leave the worker's exit unnoticed till the owner's guard
+        (60 s on the shared loop)."""
+        if self._unwatched:
+            got = pidfd_exit_status(self.pidfd)        # a timer's look: no waiting in the loop
+        else:
+            deadline = time.monotonic() + _REAP_WAIT_S
+            while True:
+                got = pidfd_exit_status(self.pidfd)
+                if got is not None or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.0002)
         if got is None:
             self._unwatched = True
+            self._backoff = min(self._backoff * 2, _REAP_RETRY_MAX_S)
+            self.due = time.monotonic() + self._backoff
             if self.init.reaped():
                 # Every member is gone (the worker with them) and still no
                 # status: this kernel keeps none, whatever its release says.
@@ -488,6 +500,7 @@ class WallRoot:
         self.init.wake()        # the owner now waits for the init's end: the namespace empty
 
     def close(self) -> None:
+        self.due = None           # nothing left to look at: no timer (a past one would spin the loop)
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
