@@ -100,6 +100,7 @@ class RunDirBase:
         self._slot: tuple[str, str, int] | None = None    # (state path, owners file, slot) while owning
         self._fd = -1           # held for a batch of reads (opened())
         self._ino: tuple[int, int] | None = None     # the directory's identity while owning
+        self._moved_to: str | None = None            # its name in runs/ since it was renamed (_reopen)
 
     def __repr__(self) -> str:
         return f"RunDir({self.path!r})"
@@ -177,20 +178,44 @@ class RunDirBase:
         names another one now (a member that can write the state directory
         moved it), StateDirError, OSError."""
         want = self._ino
+        names = [self.id] if self._moved_to is None else [self._moved_to, self.id]
         for fresh in (False, True):
             st = _held_state(self.state_path(), fresh)
-            try:
-                fd = os.open(self.id, F.O_DIR, dir_fd=st.runs_fd)
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                raise F.dir_error(e, self.path, st.runs_fd, self.id) from None
-            s = os.fstat(fd)
-            if (s.st_dev, s.st_ino) == want:
-                return fd
-            os.close(fd)
-        raise UnsafePath(self.path, "is no longer the run directory this process owns (moved or replaced)",
-                         errno.ESTALE)
+            for name in names:
+                try:
+                    fd = os.open(name, F.O_DIR, dir_fd=st.runs_fd)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    raise F.dir_error(e, self.path, st.runs_fd, name) from None
+                s = os.fstat(fd)
+                if (s.st_dev, s.st_ino) == want:
+                    return fd
+                os.close(fd)
+        # Renamed within runs/ under its live owner (anything of the owner's
+        # uid that can write the state directory can): found again by its
+        # identity, as the held descriptor of before followed it, and used
+        # under its new name from now on. Rare, so a scan.
+        st = _held_state(self.state_path(), False)
+        with os.scandir(st.runs_fd) as it:
+            for entry in it:
+                try:
+                    s = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if (s.st_dev, s.st_ino) != want or not stat.S_ISDIR(s.st_mode):
+                    continue
+                try:
+                    fd = os.open(entry.name, F.O_DIR, dir_fd=st.runs_fd)
+                except OSError:
+                    continue
+                s2 = os.fstat(fd)
+                if (s2.st_dev, s2.st_ino) == want:
+                    self._moved_to = entry.name
+                    return fd
+                os.close(fd)
+        raise UnsafePath(self.path, "is no longer the run directory this process owns (moved out of runs/ or "
+                         "replaced)", errno.ESTALE)
 
     def dir_fd(self, write: bool = False) -> int:
         """An fd of the run directory that the caller closes: a dup of the

@@ -4,10 +4,11 @@ another program of the user's).
 
 The owner no longer holds its run directory's descriptor: it keeps (dev,
 ino) and reopens by name (_rundir._reopen), refusing a directory that is not
-its own. Once the name is gone every reopen fails (ESTALE): a stop asked
-in-process raises, and the run goes on, its slot held, with no final record
-while its owner lives. Before 4a8dcf8 (the descriptor held) the same stop
-reached REAPED."""
+its own. Before it also looked for it elsewhere, once the name was gone
+every reopen failed (ESTALE): a stop asked in-process raised, and the run
+went on, its slot held, with no final record while its owner lived. Now
+one renamed within runs/ is found again by its identity (a scan of runs/),
+as the held descriptor of before followed it, and the stop reaches REAPED."""
 from __future__ import annotations
 
 import subprocess
