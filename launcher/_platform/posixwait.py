@@ -52,12 +52,12 @@ def _no_exit_status_here() -> None:
     global _exit_info
     _exit_info = False
 
-# How long a worker seen exited (its pidfd readable) may wait for its init
-# to reap it before the kernel has its status (PIDFD_INFO_EXIT is kept at
-# the reaping, not the exit): the init reaps at once on SIGCHLD, so this
-# is only ever waited out by an init that cannot run (frozen, stopped).
-_REAP_WAIT_S = 0.005
-# Past that, the worker is looked at again on a timer, backing off to this.
+# A worker seen exited (its pidfd readable) whose init has not reaped it
+# yet has no status for its pidfd (PIDFD_INFO_EXIT is kept at the reaping,
+# not the exit): the init reaps at once on SIGCHLD, so it is looked at again
+# this soon, then at twice the wait each time, up to the second bound (an
+# init that cannot run: frozen, stopped).
+_REAP_WAIT_S = 0.001
 _REAP_RETRY_MAX_S = 0.5
 
 
@@ -427,30 +427,28 @@ class WallRoot:
     def _await_reaping(self) -> int | None:
         """The worker has exited (its pidfd polls readable) and the init,
         no longer heard, has not reaped it yet: the kernel keeps the status
-        at the reaping. Wait for it a moment; past that the pidfd is no
-        longer watched (it would poll readable for ever) and the worker is
-        looked at again on a timer (`due`, backing off to _REAP_RETRY_MAX_S):
-        the init does not end while another member lives, so its end alone
-        could leave the worker's exit unnoticed till the owner's guard
-        (60 s on the shared loop)."""
-        if self._unwatched:
-            got = pidfd_exit_status(self.pidfd)        # a timer's look: no waiting in the loop
-        else:
-            deadline = time.monotonic() + _REAP_WAIT_S
-            while True:
-                got = pidfd_exit_status(self.pidfd)
-                if got is not None or time.monotonic() >= deadline:
-                    break
-                time.sleep(0.0002)
-        if got is None:
-            self._unwatched = True
-            self._backoff = min(self._backoff * 2, _REAP_RETRY_MAX_S)
-            self.due = time.monotonic() + self._backoff
-            if self.init.reaped():
-                # Every member is gone (the worker with them) and still no
-                # status: this kernel keeps none, whatever its release says.
+        at the reaping. Never waited for in the loop (a stop of thousands
+        of runs would wait for each in turn): the pidfd is no longer
+        watched (it would poll readable for ever) and the worker is looked
+        at again on a timer (`due`, from 1 ms backing off to
+        _REAP_RETRY_MAX_S): the init does not end while another member
+        lives, so its end alone could leave the worker's exit unnoticed
+        till the owner's guard (60 s on the shared loop)."""
+        got = pidfd_exit_status(self.pidfd)
+        if got is not None:
+            return got
+        if self.init.reaped():
+            # Every member is gone, the worker with them: reaped by now,
+            # so its status is there, or this kernel keeps none, whatever
+            # its release says.
+            got = pidfd_exit_status(self.pidfd)
+            if got is None:
                 _no_exit_status_here()
-        return got
+            return got
+        self._unwatched = True
+        self.due = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, _REAP_RETRY_MAX_S)
+        return None
 
     def _exited(self) -> bool:
         """Whether the kernel says the worker exited (its pidfd polls
