@@ -92,8 +92,13 @@ def test_peak_memory_of_a_grandchild_never_waited_for(world):
     peak = snap["memory_peak_bytes"]
     assert peak["value"] >= 200 << 20, peak
     assert "memory.max_usage_in_bytes" in peak["source"]
-    # What the worker's parent sees: the worker's own RSS, not the tree's.
-    assert ru.ru_maxrss * 1024 < 100 << 20, ru.ru_maxrss
+    # What the worker's parent sees: the worker's own RSS, not the tree's
+    # 200 MB. (A child's maxrss starts from the process it was cloned from:
+    # exec_mmap keeps the old mm's high-water mark, so this test process's
+    # own, larger in a whole session than alone, is a floor.)
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert ru.ru_maxrss * 1024 < 200 << 20, ru.ru_maxrss
+    assert ru.ru_maxrss < own + (100 << 10), (ru.ru_maxrss, own)
     assert snap["wall_s"]["value"] >= 0.3
     assert snap["empty_when_taken"]["observed"] is True
     assert snap["tasks_peak"]["value"] >= 2                # never fewer than two alive at once
