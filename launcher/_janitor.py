@@ -157,14 +157,23 @@ def full_pass(sd: str | None, say: Callable[[Finished], None]) -> int:
             # lock it shows held is live, and is not opened further.
             if locked is not None and d.owner_among(locked) is True:
                 continue
-            res = finish(d)
-        except (OSError, F.UnsafePath, ValueError) as e:
-            res = Finished(d.id, None, op_for(None, d.id), "its owner is gone")
-            res.error = str(e)[:300]
-        if res is not None:
-            say(res)
-            n += 1
+        except (OSError, F.UnsafePath, ValueError):
+            pass              # finish() says what could not be read
+        n += _finish_and_say(d, None, say)
     return n
+
+
+def _finish_and_say(d: RunDir, named: tuple[str, int] | None, say: Callable[[Finished], None]) -> int:
+    """finish(d), said; a failure is said too, never raised. 1 if said."""
+    try:
+        res = finish(d, named) if named is not None else finish(d)
+    except (OSError, F.UnsafePath, ValueError) as e:
+        res = Finished(d.id, None, op_for(None, d.id), "its owner is gone")
+        res.error = str(e)[:300]
+    if res is None:
+        return 0
+    say(res)
+    return 1
 
 
 def finish_file(sd: str | None, name: str, say: Callable[[Finished], None]) -> int:
@@ -184,14 +193,7 @@ def finish_file(sd: str | None, name: str, say: Callable[[Finished], None]) -> i
             os.close(fd)
         if not named or named[0] != name:
             continue
-        try:
-            res = finish(d, named)
-        except (OSError, F.UnsafePath, ValueError) as e:
-            res = Finished(d.id, None, op_for(None, d.id), "its owner is gone")
-            res.error = str(e)[:300]
-        if res is not None:
-            say(res)
-            n += 1
+        n += _finish_and_say(d, named, say)
     return n
 
 
