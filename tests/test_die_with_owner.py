@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 import sys
 import textwrap
 
@@ -27,6 +28,12 @@ def test_sigkilled_contain_run_with_die_with_owner_leaves_nothing_alive(box):
     try:
         assert len(wait_holders(box.token, 3)) >= 3, "workload did not start"
         assert json.load(open(os.path.join(box.state_dir, "runs", "r", "run.json"))).get("die_with_owner") is True
+        # Its first live record is written a moment after the spawn: the
+        # kill comes after it (under load the workload started first).
+        deadline = time.monotonic() + 10
+        while not os.path.exists(os.path.join(box.state_dir, "runs", "r", "record.json")):
+            assert time.monotonic() < deadline, "no first record"
+            time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         # No janitor, no cancel: the kernel ended the tree.
